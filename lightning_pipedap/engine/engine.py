@@ -1,0 +1,292 @@
+"""The communication engine: one worker thread per rank executes the schedule's op list.
+
+Data flow inside one iteration::
+
+    backward (autograd thread)                 worker thread (dedicated process group)
+    ───────────────────────────                ──────────────────────────────────────
+    grad_ready(param) ─ copy into bucket ──┐
+      bucket complete → ready[b].set() ────┼─▶ for op in schedule.ops (same order on every rank):
+    finish_backward(): unused params → 0 ──┘      RS(b)/AR(b): wait ready[b], reduce; reduced[b].set()
+                                                  AG(b): all-gather;                  done[b].set()
+    next forward (main thread)
+    wait_done(b) ◀──────────────────────────────── done[b]
+    apply bucket b's update
+
+Every wait has a timeout and names the operation; an exception in the worker is re-raised in the
+main thread at the next wait. On CUDA the worker issues collectives on its own stream and the
+hand-offs carry CUDA events, so the main thread never synchronises the host on the hot path.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.schedule import Op, OpKind, Schedule
+
+
+class EngineError(RuntimeError):
+    """Raised in the training process when the communication worker failed or a wait timed out."""
+
+
+@dataclass
+class OpTiming:
+    """Host-clock start/end of one executed op (``time.perf_counter()`` seconds).
+
+    On CUDA these are the times the op was *issued* and its issue returned, not device times.
+    """
+
+    op: Op
+    start_s: float
+    end_s: float
+
+
+class CommEngine:
+    """Executes a :class:`~lightning_pipedap.schedule.Schedule` on the dedicated process group.
+
+    Args:
+        comm: the dedicated group (see :func:`collectives.new_comm_group`).
+        params: trainable parameters, indexed as in ``schedule.buckets``.
+        schedule: fusion and op list; validated against ``len(params)``.
+        wait_timeout_s: timeout, in seconds, of every wait (worker waiting for gradients, trainer
+            waiting for an op).
+
+    Raises:
+        ValueError: if the schedule does not partition ``params`` or is not executable.
+    """
+
+    def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float) -> None:
+        schedule.validate(len(params))
+        self.comm = comm
+        self.schedule = schedule
+        self.wait_timeout_s = float(wait_timeout_s)
+        self.buckets = [
+            FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
+            for b, idxs in enumerate(schedule.buckets)
+        ]
+        self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
+        self._got = [False] * len(params)
+        self._remaining = [0] * len(self.buckets)
+        nb = len(self.buckets)
+        self._ready = [threading.Event() for _ in range(nb)]
+        self._reduced = [threading.Event() for _ in range(nb)]
+        self._done = [threading.Event() for _ in range(nb)]
+        self._all_reduced = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._error: BaseException | None = None
+        self._jobs: "queue.Queue[object]" = queue.Queue()
+        self._closed = False
+        self.collecting = False
+        self.iteration = 0
+        self.timeline_enabled = False
+        self._timings: list[OpTiming] = []
+        self._last_reduce_pos = max(
+            (i for i, op in enumerate(schedule.ops) if op.kind is not OpKind.ALL_GATHER), default=-1
+        )
+        # CUDA: events hand gradients to the comm stream and results back, without host syncs.
+        self._cuda = self.buckets[0].buffer.is_cuda
+        if self._cuda:
+            dev = self.buckets[0].buffer.device
+            self._stream = torch.cuda.Stream(device=dev)
+            self._ready_ev = [torch.cuda.Event() for _ in range(nb)]
+            self._reduced_ev = [torch.cuda.Event() for _ in range(nb)]
+            self._done_ev = [torch.cuda.Event() for _ in range(nb)]
+        self._thread = threading.Thread(target=self._run, name="pipedap-comm", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ trainer side
+    @property
+    def num_buckets(self) -> int:
+        """Number of buckets of the schedule."""
+        return len(self.buckets)
+
+    def begin_iteration(self) -> None:
+        """Start collecting gradients for one reduction round and wake the worker.
+
+        Raises:
+            EngineError: if the previous round has not finished within the timeout, or the worker failed.
+        """
+        self._check()
+        if not self._idle.wait(self.wait_timeout_s):
+            raise EngineError(f"pipedap: previous round of {self.schedule.name} ops did not finish within {self.wait_timeout_s} s")
+        self._check()
+        for b in self.buckets:
+            b.clear()
+            self._remaining[b.index] = len(b.params)
+        self._got = [False] * len(self._got)
+        for evs in (self._ready, self._reduced, self._done):
+            for e in evs:
+                e.clear()
+        self._all_reduced.clear()
+        self._idle.clear()
+        self.iteration += 1
+        self.collecting = True
+        self._jobs.put(self.iteration)
+
+    def grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
+        """Copy one parameter's finished local gradient into its bucket (called from the autograd thread).
+
+        Args:
+            param_index: index of the parameter in the engine's parameter list.
+            grad: its gradient, same shape as the parameter.
+
+        Raises:
+            EngineError: if the parameter already delivered a gradient in this round (for example
+                reentrant activation checkpointing, which runs a nested backward; use
+                ``use_reentrant=False``).
+        """
+        if self._got[param_index]:
+            raise EngineError(
+                f"pipedap: parameter {param_index} produced its gradient twice in one backward; nested "
+                "backward passes (reentrant activation checkpointing) are not supported: use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
+            )
+        self._got[param_index] = True
+        b, slot = self._slot_of[param_index]
+        bucket = self.buckets[b]
+        torch.div(grad, self.comm.world_size, out=bucket.grad_view(slot))
+        bucket.flags[slot] = 1
+        self._remaining[b] -= 1
+        if self._remaining[b] == 0:
+            self._mark_ready(b)
+
+    def finish_backward(self) -> None:
+        """Mark every incomplete bucket ready; parameters that got no gradient contribute zeros, flag 0."""
+        if not self.collecting:
+            return
+        for b in range(self.num_buckets):
+            if not self._ready[b].is_set():
+                self._mark_ready(b)
+        self.collecting = False
+
+    def wait_done(self, b: int) -> FlatBucket:
+        """Block until bucket ``b`` is fully reduced (its AG or AR finished); return the bucket.
+
+        On CUDA this makes the current stream wait for the op instead of blocking the host.
+
+        Raises:
+            EngineError: on timeout (naming the op) or if the worker failed.
+        """
+        self._wait(self._done[b], f"all-gather/all-reduce of bucket {b}")
+        if self._cuda:
+            torch.cuda.current_stream().wait_event(self._done_ev[b])
+        return self.buckets[b]
+
+    def wait_all_reduced(self) -> None:
+        """Block until every bucket's RS or AR has finished (each rank then holds its reduced shards)."""
+        self._wait(self._all_reduced, "the last reduce-scatter/all-reduce of the round")
+        if self._cuda:
+            for ev in self._reduced_ev:
+                torch.cuda.current_stream().wait_event(ev)
+
+    def wait_idle(self) -> None:
+        """Block until the worker finished the current round."""
+        self._wait(self._idle, f"the end of the op list ({self.schedule.describe()[:200]})")
+
+    def take_timings(self) -> list[OpTiming]:
+        """Return and clear the op timings recorded while ``timeline_enabled`` was true."""
+        out, self._timings = self._timings, []
+        return out
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the worker. With ``abort`` (after an exception) do not wait for a running op."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        if not abort:
+            self._thread.join(timeout=self.wait_timeout_s)
+        else:
+            self._thread.join(timeout=1.0)
+
+    # ------------------------------------------------------------------ internals
+    def _check(self) -> None:
+        if self._error is not None:
+            raise EngineError(f"pipedap: the communication worker failed: {self._error!r}") from self._error
+        if self._closed:
+            raise EngineError("pipedap: the communication engine is closed")
+
+    def _wait(self, event: threading.Event, what: str) -> None:
+        if not event.wait(self.wait_timeout_s):
+            self._check()
+            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for {what}")
+        self._check()
+
+    def _mark_ready(self, b: int) -> None:
+        if self._cuda:
+            self._ready_ev[b].record()
+        self._ready[b].set()
+
+    def _run(self) -> None:
+        if self._cuda:
+            torch.cuda.set_device(self.buckets[0].buffer.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run_round()
+            except BaseException as exc:  # surfaced to the trainer at its next wait
+                self._error = exc
+                for evs in (self._ready, self._reduced, self._done):
+                    for e in evs:
+                        e.set()
+                self._all_reduced.set()
+                self._idle.set()
+                return
+            self._idle.set()
+
+    def _run_round(self) -> None:
+        ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
+        with ctx:
+            for pos, op in enumerate(self.schedule.ops):
+                b = op.bucket
+                buf = self.buckets[b].buffer
+                if op.kind is not OpKind.ALL_GATHER:
+                    if not self._ready[b].wait(self.wait_timeout_s):
+                        raise EngineError(f"timed out after {self.wait_timeout_s} s waiting for the gradients of bucket {b} ({op})")
+                    if self._closed:
+                        return
+                    if self._cuda:
+                        self._stream.wait_event(self._ready_ev[b])
+                t0 = time.perf_counter()
+                if op.kind is OpKind.REDUCE_SCATTER:
+                    C.reduce_scatter_(buf, self.comm)
+                elif op.kind is OpKind.ALL_GATHER:
+                    C.all_gather_(buf, self.comm)
+                else:
+                    C.all_reduce_(buf, self.comm)
+                if self.timeline_enabled:
+                    self._timings.append(OpTiming(op, t0, time.perf_counter()))
+                if op.kind is OpKind.ALL_GATHER:
+                    if self._cuda:
+                        self._done_ev[b].record(self._stream)
+                    self._done[b].set()
+                else:
+                    if self._cuda:
+                        self._reduced_ev[b].record(self._stream)
+                        if op.kind is OpKind.ALL_REDUCE:
+                            self._done_ev[b].record(self._stream)
+                    self._reduced[b].set()
+                    if op.kind is OpKind.ALL_REDUCE:
+                        self._done[b].set()
+                if pos == self._last_reduce_pos:
+                    self._all_reduced.set()
+            if self._last_reduce_pos < 0:
+                self._all_reduced.set()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

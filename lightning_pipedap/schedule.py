@@ -1,0 +1,189 @@
+"""The schedule: plain data shared by the planners (producers) and the engine (consumer).
+
+A :class:`Schedule` says two things for one training iteration:
+
+* **tensor fusion** -- which parameters are fused into which bucket (``Schedule.buckets``), and
+* **the op list** -- the order in which the communication worker issues reduce-scatter (RS),
+  all-gather (AG) and fused all-reduce (AR) operations on those buckets (``Schedule.ops``).
+
+Buckets are numbered in *forward order*: bucket 0 holds the parameters used first in the forward
+pass, so its gradients are ready last in backward (WFBP order is ``B-1, ..., 0``). Parameters are
+named by their index in the model's ordered list of trainable parameters (``param_index``).
+
+Execution semantics (what the engine guarantees, DeAR ICDCS 2023 §III, PipeDAP TETC 2025 §IV):
+
+* ops run one at a time, in list order, identically on every rank;
+* ``RS(b)`` and ``AR(b)`` first wait until every gradient of bucket ``b`` is complete;
+* ``AG(b)`` needs ``RS(b)`` earlier in the list;
+* bucket ``b``'s update is applied (forward pre-hook of the next iteration) once its ``AG`` or ``AR``
+  has finished.
+
+Nothing here imports ``torch``; schedules are built and checked in pure Python.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+
+class OpKind(str, enum.Enum):
+    """Kind of a communication operation on one bucket."""
+
+    REDUCE_SCATTER = "RS"
+    ALL_GATHER = "AG"
+    ALL_REDUCE = "AR"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One communication operation of the op list.
+
+    Attributes:
+        kind: RS, AG or AR.
+        bucket: index of the bucket in ``Schedule.buckets`` (forward order).
+    """
+
+    kind: OpKind
+    bucket: int
+
+    def __str__(self) -> str:  # compact form used in logs and error messages: "RS3"
+        return f"{self.kind.value}{self.bucket}"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Tensor fusion plus ordered op list for one iteration.
+
+    Attributes:
+        buckets: ``buckets[b]`` is the tuple of parameter indices fused into bucket ``b``;
+            buckets are listed in forward order and partition the trainable parameters.
+        ops: the ordered op list executed by the communication worker of every rank.
+        name: the planner that produced it (``"allreduce"``, ``"dear"``, ...), for logs.
+        predicted_iteration_s: the planner's predicted steady-state iteration time in seconds,
+            or ``None`` when the planner made no prediction.
+
+    Raises:
+        ValueError: from :meth:`validate` when the op list is not executable.
+    """
+
+    buckets: tuple[tuple[int, ...], ...]
+    ops: tuple[Op, ...]
+    name: str = "custom"
+    predicted_iteration_s: float | None = None
+
+    def validate(self, num_params: int | None = None) -> "Schedule":
+        """Check that the schedule is executable; return ``self``.
+
+        Checks: buckets are non-empty and partition ``range(num_params)`` (when given); every
+        bucket is reduced exactly once, either by one ``AR`` or by one ``RS`` followed later
+        by one ``AG``.
+
+        Raises:
+            ValueError: naming the first offending bucket or op.
+        """
+        seen: set[int] = set()
+        for b, params in enumerate(self.buckets):
+            if not params:
+                raise ValueError(f"bucket {b} is empty; every bucket needs at least one parameter")
+            dup = seen.intersection(params)
+            if dup:
+                raise ValueError(f"parameters {sorted(dup)} appear in more than one bucket (bucket {b})")
+            seen.update(params)
+        if num_params is not None and seen != set(range(num_params)):
+            missing = sorted(set(range(num_params)) - seen)
+            extra = sorted(seen - set(range(num_params)))
+            raise ValueError(
+                f"buckets must partition the {num_params} trainable parameters; "
+                f"missing {missing[:10]}, out of range {extra[:10]}"
+            )
+        state: dict[int, str] = {}
+        for op in self.ops:
+            if not 0 <= op.bucket < len(self.buckets):
+                raise ValueError(f"op {op} names bucket {op.bucket}; valid buckets are 0..{len(self.buckets) - 1}")
+            prev = state.get(op.bucket)
+            if op.kind is OpKind.ALL_REDUCE and prev is None:
+                state[op.bucket] = "done"
+            elif op.kind is OpKind.REDUCE_SCATTER and prev is None:
+                state[op.bucket] = "rs"
+            elif op.kind is OpKind.ALL_GATHER and prev == "rs":
+                state[op.bucket] = "done"
+            else:
+                raise ValueError(f"op {op} is not valid after {prev or 'nothing'} on bucket {op.bucket}")
+        unfinished = [b for b in range(len(self.buckets)) if state.get(b) != "done"]
+        if unfinished:
+            raise ValueError(f"buckets {unfinished} are never fully reduced (need AR, or RS then AG)")
+        return self
+
+    def describe(self) -> str:
+        """One line: name, bucket count and the op list, e.g. ``dear: 3 buckets: RS2 RS1 RS0 AG0 AG1 AG2``."""
+        return f"{self.name}: {len(self.buckets)} buckets: " + " ".join(str(o) for o in self.ops)
+
+
+def allreduce_ops(num_buckets: int) -> tuple[Op, ...]:
+    """WFBP op list: one all-reduce per bucket in gradient-ready order ``B-1, ..., 0``."""
+    return tuple(Op(OpKind.ALL_REDUCE, b) for b in reversed(range(num_buckets)))
+
+
+def dear_ops(num_buckets: int) -> tuple[Op, ...]:
+    """DeAR op list (Zhang et al., ICDCS 2023): RS in backward order, then AG in forward order.
+
+    ``RS(B-1) ... RS(0) AG(0) ... AG(B-1)``: the all-gathers overlap the next forward pass.
+    """
+    rs = tuple(Op(OpKind.REDUCE_SCATTER, b) for b in reversed(range(num_buckets)))
+    ag = tuple(Op(OpKind.ALL_GATHER, b) for b in range(num_buckets))
+    return rs + ag
+
+
+def fuse_by_size(
+    sizes_bytes: Sequence[int], cap_bytes: int, keys: Sequence[object] | None = None
+) -> tuple[tuple[int, ...], ...]:
+    """Greedy tensor fusion of consecutive parameters (forward order) up to ``cap_bytes`` each.
+
+    Args:
+        sizes_bytes: size in bytes of each parameter, in forward order.
+        cap_bytes: bucket size cap in bytes (> 0); a parameter larger than the cap gets its own bucket.
+        keys: optional per-parameter key (for example the dtype); a new bucket starts where it changes.
+
+    Returns:
+        Buckets as tuples of parameter indices, in forward order.
+
+    Raises:
+        ValueError: if ``cap_bytes`` is not positive.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    buckets: list[tuple[int, ...]] = []
+    cur: list[int] = []
+    cur_bytes = 0
+    for i, s in enumerate(sizes_bytes):
+        if cur and (cur_bytes + s > cap_bytes or (keys is not None and keys[i] != keys[cur[-1]])):
+            buckets.append(tuple(cur))
+            cur, cur_bytes = [], 0
+        cur.append(i)
+        cur_bytes += s
+    if cur:
+        buckets.append(tuple(cur))
+    return tuple(buckets)
+
+
+BUILTIN_SCHEDULES = ("allreduce", "dear")
+
+
+def builtin_schedule(
+    name: str, sizes_bytes: Sequence[int], cap_bytes: int, keys: Sequence[object] | None = None
+) -> Schedule:
+    """Build one of the fixed-order schedules (``"allreduce"`` or ``"dear"``) with greedy fusion.
+
+    Raises:
+        ValueError: for an unknown ``name`` (the message lists the valid names).
+    """
+    buckets = fuse_by_size(sizes_bytes, cap_bytes, keys)
+    if name == "allreduce":
+        ops = allreduce_ops(len(buckets))
+    elif name == "dear":
+        ops = dear_ops(len(buckets))
+    else:
+        raise ValueError(f"unknown fixed schedule {name!r}; valid: 'allreduce', 'dear'")
+    return Schedule(buckets=buckets, ops=ops, name=name).validate(len(sizes_bytes))

@@ -1,0 +1,553 @@
+"""``PipeDAPStrategy``: the Lightning glue around the communication engine.
+
+What this file does, and nothing more: install hooks, hand finished gradients to the engine,
+apply bucket updates when their all-gathers land, and flush pending updates at validation,
+checkpoint and the end of training. Planning lives in :mod:`lightning_pipedap.schedule` /
+:mod:`lightning_pipedap.plan`, communication in :mod:`lightning_pipedap.engine`.
+
+Life of one training step ``t`` in deferred mode (the default after ``warmup_steps``)::
+
+    optimizer_step(t) ─ closure ─ training_step: forward pre-hooks apply update t-1 bucket by bucket
+                                  (each waits for its all-gather first)
+                                ─ pre_backward: apply leftovers of t-1, engine.begin_iteration()
+                                ─ backward: post-accumulate-grad hooks fill buckets; the worker
+                                  reduce-scatters them as they complete
+                                ─ post_backward: engine.finish_backward()
+                      ─ record update t as pending (hyper-parameters and clip request snapshotted)
+
+Warm-up steps, manual optimization, several optimizers, closure-based optimizers and fp16 with a
+grad scaler use *sync mode*: the same engine, but ``post_backward`` waits for every bucket and
+writes the averaged gradients into ``.grad``, and the real optimizer step runs as with DDP.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+
+import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.engine.engine import CommEngine, EngineError
+from lightning_pipedap.engine.update import (
+    PER_PARAMETER_OPTIMIZERS,
+    BucketOptimizer,
+    ClipRequest,
+    clip_coefficient,
+    shard_sum_of_squares,
+    snapshot_hparams,
+    write_back_grads,
+)
+from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Schedule, builtin_schedule
+
+log = logging.getLogger(__name__)
+
+_REJECTED_DDP_KWARGS = {
+    "ddp_comm_state": "pipedap does its own gradient communication; compression comes with `compression=`",
+    "ddp_comm_hook": "pipedap does its own gradient communication; compression comes with `compression=`",
+    "ddp_comm_wrapper": "pipedap does its own gradient communication",
+    "model_averaging_period": "post-local SGD is a DDP feature; use strategy='ddp'",
+    "find_unused_parameters": "not needed: pipedap detects parameters without gradients by itself",
+    "static_graph": "not needed: pipedap traces the forward order itself",
+    "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
+    "bucket_cap_mb": None,  # accepted as our own argument; listed so the message below stays accurate
+}
+
+
+def valid_schedule_names() -> tuple[str, ...]:
+    """Names accepted by ``PipeDAPStrategy(schedule=...)``: built-ins plus registered planners."""
+    names = list(BUILTIN_SCHEDULES)
+    try:  # planners (issue 3) register themselves in lightning_pipedap.plan
+        from lightning_pipedap.plan import PLANNERS  # noqa: PLC0415
+
+        names += [n for n in PLANNERS if n not in names]
+    except ImportError:
+        pass
+    return tuple(names)
+
+
+@dataclass
+class _Pending:
+    """An update that has been computed by communication but not yet applied."""
+
+    hparams: list[dict[str, Any]]
+    clip: Optional[ClipRequest]
+    remaining: set[int]
+    coef: Optional[float] = None
+
+
+class _DeferredStep:
+    """Stands in for the optimizer inside Lightning's precision plugin during a deferred step.
+
+    ``step(closure)`` runs the closure (forward, backward, ``on_before_optimizer_step``, clipping)
+    and returns its result; the real update is applied later, bucket by bucket. Attribute reads
+    (``param_groups``, ``state``, ``defaults``) go to the wrapped optimizer.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.clip: Optional[ClipRequest] = None
+
+    def step(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(f"pipedap: extra optimizer.step arguments {sorted(kwargs)} are not supported in deferred mode")
+        return closure()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class PipeDAPStrategy(DDPStrategy):
+    """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
+
+    Each gradient bucket is reduce-scattered during backward and all-gathered later (with the
+    ``"dear"`` schedule: right after backward, in forward order), and its optimizer update is
+    applied in the forward pre-hook of the module that first uses it in the next iteration, so
+    communication overlaps both backward and forward (DeAR, Zhang et al., ICDCS 2023; PipeDAP,
+    TETC 2025). Updates equal DDP's (tested to 1e-6 in fp32).
+
+    Args:
+        schedule: op-list planner: ``"dear"`` (RS in backward, AG in next forward), ``"allreduce"``
+            (WFBP: one all-reduce per bucket in backward), or a planner registered in
+            :mod:`lightning_pipedap.plan`; :func:`valid_schedule_names` lists them.
+        bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
+        defer_update: apply updates in the next forward (True) or at the end of backward, as
+            DDP does (False: sync mode; RS/AG still overlap backward).
+        warmup_steps: optimizer steps run in sync mode first (>= 1); the forward order is traced
+            during the first one and the buckets are rebuilt from it.
+        wait_timeout_s: timeout in seconds of every wait on communication (and of every
+            collective on the dedicated process group); errors name the operation.
+        ring_chunk_mb: piece size of the pipelined gloo ring reduce-scatter/all-gather, in MiB.
+        deferrable_optimizers: extra optimizer classes whose ``step`` is per-parameter (safe to
+            split by bucket); torch's SGD, Adam, AdamW, ... are known already.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
+            (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
+
+    Raises:
+        ValueError: unknown ``schedule``, non-positive ``bucket_cap_mb``/``ring_chunk_mb``/
+            ``wait_timeout_s``, ``warmup_steps < 1``; at set-up: world size 1, a model without
+            trainable parameters, or parameters that differ between ranks.
+        TypeError: DDP-only keyword arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "pipedap"
+
+    def __init__(
+        self,
+        schedule: str = "dear",
+        bucket_cap_mb: float = 25.0,
+        defer_update: bool = True,
+        warmup_steps: int = 1,
+        wait_timeout_s: float = 300.0,
+        ring_chunk_mb: float = 2.0,
+        deferrable_optimizers: tuple[type, ...] = (),
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        bad = sorted(k for k in kwargs if k != "bucket_cap_mb")
+        if bad:
+            reasons = "; ".join(f"{k}: {_REJECTED_DDP_KWARGS.get(k) or 'unknown argument'}" for k in bad)
+            raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons})")
+        names = valid_schedule_names()
+        if not callable(schedule) and schedule not in names:
+            raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(names)}")
+        for name, value in (("bucket_cap_mb", bucket_cap_mb), ("wait_timeout_s", wait_timeout_s), ("ring_chunk_mb", ring_chunk_mb)):
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.schedule_name = schedule
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.defer_update = bool(defer_update)
+        self.warmup_steps = warmup_steps
+        self.wait_timeout_s = float(wait_timeout_s)
+        self.ring_chunk_mb = float(ring_chunk_mb)
+        self.deferrable_optimizers = tuple(deferrable_optimizers)
+        #: how many bucket updates of the last ``fit`` were applied where: "forward" (overlapped with
+        #: the next forward, the goal), "leftover" (start of backward: its module was not called in
+        #: forward), "flush" (validation, checkpoint, end of training)
+        self.update_counts = {"forward": 0, "leftover": 0, "flush": 0}
+        self._reset_runtime()
+
+    def _reset_runtime(self) -> None:
+        self._engine: Optional[CommEngine] = None
+        self._comm: Optional[C.CommGroup] = None
+        self._params: list[Tensor] = []
+        self._index_of: dict[int, int] = {}  # id(param) -> index in the engine's (forward-ordered) list
+        self._hook_handles: list[Any] = []
+        self._triggers: dict[int, list[int]] = {}  # id(module) -> buckets applied at its forward
+        self._root_buckets: list[int] = []
+        self._pending: Optional[_Pending] = None
+        self._updater: Optional[BucketOptimizer] = None
+        self._sync_grads = True
+        self._deferring = False  # inside a deferred optimizer_step
+        self._in_train_forward = False
+        self._trace: Optional[list[torch.nn.Module]] = None
+        self._trace_seen: set[int] = set()
+        self._sync_steps = 0
+        self._planned = False
+        self._aborted = False
+        self._buffers_sync_next = True
+        self._orig_clip: Optional[Callable] = None
+        self.timeline_enabled = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        for k in ("_engine", "_comm", "_hook_handles", "_updater", "_pending", "_trace", "_orig_clip"):
+            state[k] = None if k != "_hook_handles" else []
+        return state
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
+        for name, start_method in (("pipedap", "popen"), ("pipedap_spawn", "spawn")):
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(
+                name,
+                cls,
+                description=(
+                    "PipeDAP: scheduled decoupled reduce-scatter/all-gather gradient sync "
+                    f"(DeAR/PipeDAP), start_method '{start_method}'"
+                ),
+                start_method=start_method,
+            )
+
+    # ------------------------------------------------------------------ set-up
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        if self.cluster_environment is not None and self.world_size < 2:
+            raise ValueError(
+                f"strategy 'pipedap' needs at least 2 processes, got world size {self.world_size} "
+                "(devices x num_nodes); use strategy='auto' for a single device"
+            )
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        lm = self.lightning_module
+        if not lm.automatic_optimization or len(self.optimizers) != 1:
+            rank_zero_info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
+        # intercept gradient clipping: in deferred mode it is applied to the reduced gradients
+        plugin = self.precision_plugin
+        self._orig_clip = plugin.clip_gradients
+        strategy = self
+
+        def clip_gradients(optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = None) -> None:
+            if isinstance(optimizer, _DeferredStep):
+                if clip_val and clip_val > 0:
+                    algo = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
+                    optimizer.clip = ClipRequest(float(clip_val), algo)
+                return None
+            return strategy._orig_clip(optimizer, clip_val, gradient_clip_algorithm)
+
+        plugin.clip_gradients = clip_gradients
+
+    def configure_ddp(self) -> None:
+        """Replace DDP wrapping: broadcast rank 0's states, build buckets and the engine, install hooks."""
+        model = self.model
+        assert isinstance(model, torch.nn.Module)
+        with torch.no_grad():
+            C.broadcast_coalesced_([t for t in list(model.parameters()) + list(model.buffers())], src=0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"pipedap: {type(model).__name__} has no trainable parameters (all requires_grad=False)")
+        signature = [(tuple(p.shape), str(p.dtype)) for p in params]
+        ref = C.broadcast_object(signature, src=0)
+        if ref != signature:
+            raise ValueError(
+                f"pipedap: rank {self.global_rank} has {len(signature)} trainable parameters that differ from "
+                f"rank 0's {len(ref)}; every rank must build the same model"
+            )
+        self._params = params
+        self.update_counts = {"forward": 0, "leftover": 0, "flush": 0}
+        self._comm = C.new_comm_group(self.wait_timeout_s, int(self.ring_chunk_mb * 2**20))
+        for p in params:
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for m in model.modules():
+            self._hook_handles.append(m.register_forward_pre_hook(self._on_module_forward))
+        # warm-up: registration order, one all-reduce per bucket (WFBP), sync mode
+        self._rebuild(list(range(len(params))), "allreduce", owners=None)
+
+    def _rebuild(self, order: list[int], name: Any, owners: Optional[list[Optional[torch.nn.Module]]]) -> None:
+        """Rebuild buckets and engine for parameter ``order`` (forward order) with planner ``name``."""
+        if self._engine is not None:
+            self._engine.wait_idle()
+            self._engine.close()
+        params = [self._params[i] for i in order]
+        self._index_of = {id(p): k for k, p in enumerate(params)}
+        sizes = [p.numel() * p.element_size() for p in params]
+        keys = [(p.dtype, p.device) for p in params]
+        cap = int(self.bucket_cap_mb * 2**20)
+        if callable(name):
+            schedule = name(sizes, cap, self.world_size)
+        elif name in BUILTIN_SCHEDULES:
+            schedule = builtin_schedule(name, sizes, cap, keys)
+        else:
+            raise ValueError(f"pipedap: planner {name!r} needs a profile; not available in this version")
+        self._engine = CommEngine(self._comm, params, schedule, self.wait_timeout_s)
+        self._engine.timeline_enabled = self.timeline_enabled
+        self._updater = None
+        self._triggers, self._root_buckets = {}, []
+        if owners is not None:
+            for b, idxs in enumerate(schedule.buckets):
+                owner = owners[idxs[0]]
+                if owner is self.lightning_module:
+                    self._root_buckets.append(b)
+                elif owner is not None:
+                    self._triggers.setdefault(id(owner), []).append(b)
+        rank_zero_info(f"pipedap: {schedule.describe()[:300]}")
+
+    def _plan_from_trace(self) -> None:
+        """Rank 0 turns the traced forward order into a parameter order; every rank rebuilds with it."""
+        lm = self.lightning_module
+        order: Optional[list[int]] = None
+        if self.global_rank == 0:
+            pos = {id(p): i for i, p in enumerate(self._params)}
+            order, seen = [], set()
+            for m in [lm] + [m for m in (self._trace or []) if m is not lm]:
+                for p in m.parameters(recurse=False):
+                    i = pos.get(id(p))
+                    if i is not None and i not in seen:
+                        seen.add(i)
+                        order.append(i)
+            order += [i for i in range(len(self._params)) if i not in seen]
+        order = C.broadcast_object(order, src=0)
+        # owner module (first user in forward order) of each parameter, per rank's own module objects
+        owner_of: dict[int, torch.nn.Module] = {}
+        for m in [lm] + list(self._trace or []):
+            for p in m.parameters(recurse=False):
+                owner_of.setdefault(id(p), m)
+        owners = [owner_of.get(id(self._params[i])) for i in order]
+        self._trace = None
+        self._rebuild(order, self.schedule_name, owners)
+        self._planned = True
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad_ready(self, p: Tensor) -> None:
+        engine = self._engine
+        if engine is not None and engine.collecting and p.grad is not None:
+            engine.grad_ready(self._index_of[id(p)], p.grad)
+
+    def _on_module_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._in_train_forward:
+            return
+        if self._trace is not None and id(module) not in self._trace_seen:
+            self._trace_seen.add(id(module))
+            self._trace.append(module)
+        if self._pending is not None:
+            buckets = self._triggers.get(id(module))
+            if buckets:
+                self._apply(buckets)
+
+    # ------------------------------------------------------------------ training step
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._engine is None:
+            return super().training_step(*args, **kwargs)
+        if self._buffers_sync_next:
+            self._sync_buffers()
+        if self._pending is not None and self._root_buckets:
+            self._apply(self._root_buckets)
+        if self._trace is None and not self._planned and self._sync_steps == 0:
+            self._trace, self._trace_seen = [], set()
+        self._in_train_forward = True
+        try:
+            out = super().training_step(*args, **kwargs)
+        finally:
+            self._in_train_forward = False
+        # DDP's rule: buffers are broadcast before a forward that follows a grad-syncing forward
+        self._buffers_sync_next = torch.is_grad_enabled() and self._sync_grads
+        return out
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._buffers_sync_next = False  # as DDP: a no-grad forward turns the next buffer sync off
+        return super().validation_step(*args, **kwargs)
+
+    def _sync_buffers(self) -> None:
+        bufs = list(self.lightning_module.buffers())
+        if bufs:
+            with torch.no_grad():
+                C.broadcast_coalesced_(bufs, src=0)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batches (all but the last) keep gradients local: no communication."""
+        prev, self._sync_grads = self._sync_grads, False
+        try:
+            yield
+        finally:
+            self._sync_grads = prev
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._engine is None:
+            return
+        self._apply_all("leftover")  # leftovers of the previous update (buckets whose modules were not called)
+        if self._sync_grads:
+            self._engine.begin_iteration()
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        engine = self._engine
+        if engine is None or not engine.collecting:
+            return
+        engine.finish_backward()
+        if not self._deferring:
+            engine.wait_idle()
+            with torch.no_grad():
+                for b in range(engine.num_buckets):
+                    write_back_grads(engine.wait_done(b))
+
+    def _can_defer(self, optimizer: Optimizer) -> bool:
+        lm = self.lightning_module
+        return (
+            self.defer_update
+            and self._planned
+            and lm.automatic_optimization
+            and len(self.optimizers) == 1
+            and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + self.deferrable_optimizers)
+            and getattr(self.precision_plugin, "scaler", None) is None
+        )
+
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[Any, torch.nn.Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        if self._engine is None or not self._can_defer(optimizer):
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if self._engine is not None:
+                self._sync_steps += 1
+                if not self._planned and self._sync_steps >= self.warmup_steps:
+                    self._plan_from_trace()
+            return out
+        if self._updater is None:
+            self._updater = BucketOptimizer(optimizer, self._engine.buckets)
+        step = _DeferredStep(optimizer)
+        rounds_before = self._engine.iteration
+        self._deferring = True
+        try:
+            out = self.precision_plugin.optimizer_step(step, model=model or self.lightning_module, closure=closure, **kwargs)
+        finally:
+            self._deferring = False
+        if self._engine.collecting:  # backward did not run (e.g. training_step returned None)
+            self._engine.finish_backward()
+        if self._engine.iteration != rounds_before:  # this step's gradients are being reduced
+            self._pending = _Pending(snapshot_hparams(optimizer), step.clip, set(range(self._engine.num_buckets)))
+        return out
+
+    # ------------------------------------------------------------------ applying updates
+    def _apply(self, buckets: list[int], where: str = "forward") -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        engine = self._engine
+        with torch.inference_mode(False), torch.no_grad():
+            for b in buckets:
+                if b not in pending.remaining:
+                    continue
+                if pending.clip is not None and pending.clip.algorithm == "norm" and pending.coef is None:
+                    engine.wait_all_reduced()
+                    sq = shard_sum_of_squares(engine.buckets, self._comm.rank)
+                    total = C.all_reduce_scalar(sq, self.root_device) ** 0.5
+                    pending.coef = clip_coefficient(total, pending.clip.value)
+                bucket = engine.wait_done(b)
+                self._updater.step(bucket, pending.hparams, pending.clip, pending.coef)
+                pending.remaining.discard(b)
+                self.update_counts[where] += 1
+        if not pending.remaining:
+            self._pending = None
+
+    def _apply_all(self, where: str) -> None:
+        if self._pending is not None:
+            self._apply(sorted(self._pending.remaining), where)
+
+    def flush(self) -> None:
+        """Apply every pending update now (all ranks must call it). No-op after an exception."""
+        if self._aborted or self._engine is None:
+            return
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if trainer is not None and trainer.interrupted:
+            return
+        self._apply_all("flush")
+
+    # ------------------------------------------------------------------ flush points
+    def on_validation_start(self) -> None:
+        self.flush()
+        super().on_validation_start()
+
+    def on_train_end(self) -> None:
+        self.flush()
+        super().on_train_end()
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self.flush()
+        return super().optimizer_state(optimizer)
+
+    # ------------------------------------------------------------------ timeline
+    def take_timeline(self) -> list[Any]:
+        """Op timings of the rounds run while ``timeline_enabled`` was set (see :class:`OpTiming`)."""
+        if self._engine is None:
+            return []
+        self._engine.timeline_enabled = self.timeline_enabled
+        return self._engine.take_timings()
+
+    # ------------------------------------------------------------------ teardown
+    def on_exception(self, exception: BaseException) -> None:
+        self._aborted = True
+        if self._engine is not None:
+            self._engine.close(abort=True)
+        super().on_exception(exception)
+
+    def teardown(self) -> None:
+        if self._engine is not None and not self._aborted:
+            try:
+                self.flush()
+            finally:
+                self._engine.close()
+        for h in self._hook_handles:
+            h.remove()
+        if self._orig_clip is not None:
+            self.precision_plugin.clip_gradients = self._orig_clip
+        comm, aborted = self._comm, self._aborted
+        self._reset_runtime()
+        if comm is not None and not aborted:
+            C.destroy_comm_group(comm)
+        super().teardown()

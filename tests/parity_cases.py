@@ -1,0 +1,302 @@
+"""Training cases that compare ``strategy="pipedap"`` with Lightning's ``"ddp"`` parameter by parameter.
+
+Run as a script on every rank (the test starts the ranks with Lightning's environment variables,
+so each ``Trainer`` joins the existing processes instead of launching new ones)::
+
+    LOCAL_RANK=r WORLD_SIZE=2 ... python -m tests.parity_cases OUT.json case1 case2 ...
+
+Rank 0 writes ``{case: {variant: max |param - ddp param|}}`` to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_pipedap  # noqa: F401  (registers "pipedap")
+from lightning_pipedap import PipeDAPStrategy
+
+warnings.filterwarnings("ignore")
+
+N_SAMPLES, BATCH = 96, 8  # 6 steps per epoch per rank with 2 ranks
+
+
+# ---------------------------------------------------------------------------------------- models
+class Base(pl.LightningModule):
+    def __init__(self, opt: str = "sgd", sched: str | None = None) -> None:
+        super().__init__()
+        self.opt, self.sched = opt, sched
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.opt == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+        else:
+            decay = [p for n, p in self.named_parameters() if p.ndim > 1]
+            no_decay = [p for n, p in self.named_parameters() if p.ndim <= 1]
+            opt = torch.optim.AdamW(
+                [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}],
+                lr=1e-2,
+            )
+        if self.sched == "step":
+            s = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "interval": "step"}}
+        if self.sched == "epoch":
+            return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.7)}
+        if self.sched == "plateau":
+            s = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": s, "monitor": "val_loss"}}
+        return opt
+
+
+class MLP(Base):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class BNNet(Base):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.fc1, self.bn, self.fc2 = nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class Tied(Base):
+    """Tied input/output weights, a root parameter, and a module called twice per forward."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.inp = nn.Linear(16, 24, bias=False)
+        self.mid = nn.Linear(24, 24)
+        self.out = nn.Linear(24, 16, bias=False)
+        self.out.weight = self.inp.weight  # shared parameter (transposed use below)
+        self.scale = nn.Parameter(torch.ones(16))  # registered directly on the LightningModule
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x * self.scale))
+        h = torch.tanh(self.mid(h))
+        h = torch.tanh(self.mid(h))  # same module twice
+        return self.head(F.linear(h, self.inp.weight.t()))
+
+
+class Frozen(MLP):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        for p in self.net[0].parameters():
+            p.requires_grad_(False)
+
+
+class Unused(MLP):
+    """``extra`` gets a gradient only on even steps (a parameter without gradient in some steps)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.extra = nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if batch_idx % 2 == 0:
+            out = self.extra(out)
+        return F.cross_entropy(out, y)
+
+
+class Checkpointed(MLP):
+    def forward(self, x):
+        h = checkpoint(self.net[:3], x, use_reentrant=False)
+        return self.net[3:](h)
+
+
+class Manual(MLP):
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+MODELS: dict[str, Callable[..., Base]] = {
+    "mlp": MLP, "bn": BNNet, "tied": Tied, "frozen": Frozen, "unused": Unused,
+    "ckpt_act": Checkpointed, "manual": Manual,
+}
+
+# case -> (model, model kwargs, trainer kwargs)
+CASES: dict[str, tuple[str, dict, dict]] = {
+    "sgd_momentum": ("mlp", {"opt": "sgd"}, {}),
+    "adamw_groups_steplr": ("mlp", {"opt": "adamw", "sched": "step"}, {}),
+    "adamw_epoch_sched": ("mlp", {"opt": "adamw", "sched": "epoch"}, {}),
+    "accumulate2": ("mlp", {"opt": "adamw", "sched": "step"}, {"accumulate_grad_batches": 2}),
+    "clip_norm": ("mlp", {"opt": "sgd"}, {"gradient_clip_val": 0.05}),
+    "clip_value": ("mlp", {"opt": "sgd"}, {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}),
+    "batchnorm": ("bn", {"opt": "sgd"}, {}),
+    "tied_root_twice": ("tied", {"opt": "adamw"}, {}),
+    "frozen": ("frozen", {"opt": "adamw"}, {}),
+    "unused_some_steps": ("unused", {"opt": "sgd"}, {}),
+    "activation_checkpointing": ("ckpt_act", {"opt": "sgd"}, {}),
+    "manual_optimization": ("manual", {"opt": "sgd"}, {}),
+    "plateau_with_val": ("mlp", {"opt": "sgd", "sched": "plateau"}, {"val_check_interval": 3}),
+    "bf16_mixed": ("mlp", {"opt": "adamw"}, {"precision": "bf16-mixed"}),
+}
+
+
+class ResumableLoader(DataLoader):
+    """A DataLoader that Lightning checkpoints (it is ``_Stateful``): resuming skips consumed batches."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._consumed, self._skip = 0, 0
+
+    def __iter__(self):
+        skip, self._skip, self._consumed = self._skip, 0, 0
+        for i, batch in enumerate(super().__iter__()):
+            if i >= skip:
+                self._consumed = i + 1
+                yield batch
+
+    def state_dict(self) -> dict:
+        return {"consumed": self._consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._skip = state["consumed"]
+
+
+def make_data(seed: int = 7) -> tuple[DataLoader, DataLoader]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(N_SAMPLES, 16, generator=g)
+    y = (x[:, :4].sum(1) > 0).long() + 2 * (x[:, 4:8].sum(1) > 0).long()
+    ds = TensorDataset(x, y)
+    return ResumableLoader(ds, batch_size=BATCH, shuffle=True), DataLoader(ds, batch_size=BATCH)
+
+
+def train(model_name: str, model_kw: dict, trainer_kw: dict, strategy: Any, epochs: int = 3,
+          callbacks: list | None = None, ckpt_path: str | None = None, max_steps: int = -1,
+          root_dir: str | None = None) -> dict[str, torch.Tensor]:
+    pl.seed_everything(0, workers=True, verbose=False)
+    model = MODELS[model_name](**model_kw)
+    train_dl, val_dl = make_data()
+    kw = dict(
+        accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=bool(callbacks),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=2, max_steps=max_steps, default_root_dir=root_dir,
+    )
+    kw.update(trainer_kw)
+    has_val = "val_check_interval" in kw
+    trainer = pl.Trainer(strategy=strategy, callbacks=callbacks or [], **kw)
+    trainer.fit(model, train_dl, val_dl if has_val or callbacks else None, ckpt_path=ckpt_path)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a if a[k].numel())
+
+
+def moved(a: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+    return max_diff(a, init)
+
+
+def run_case(name: str) -> dict[str, float]:
+    model_name, model_kw, trainer_kw = CASES[name]
+    ddp_name = "ddp_find_unused_parameters_true" if model_name == "unused" else "ddp"
+    ref = train(model_name, model_kw, trainer_kw, ddp_name)
+    pl.seed_everything(0, verbose=False)
+    init = {k: v.clone() for k, v in MODELS[model_name](**model_kw).state_dict().items()}
+    res = {"ddp_moved": moved(ref, init)}
+    for sched in ("allreduce", "dear"):
+        strategy = PipeDAPStrategy(schedule=sched, bucket_cap_mb=0.002)
+        out = train(model_name, model_kw, trainer_kw, strategy)
+        res[sched] = max_diff(out, ref)
+        res[f"{sched}_updates_in_forward"] = strategy.update_counts["forward"]
+    return res
+
+
+def run_val_ckpt_case() -> dict[str, float]:
+    """Validation every 2 steps and a checkpoint every step must not change the trajectory."""
+    plain = train("mlp", {"opt": "adamw", "sched": "step"}, {}, PipeDAPStrategy(bucket_cap_mb=0.002))
+    with tempfile.TemporaryDirectory() as d:
+        d = _shared_dir(d)
+        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=1, save_top_k=-1, save_last=True)
+        busy = train("mlp", {"opt": "adamw", "sched": "step"}, {"val_check_interval": 2},
+                     PipeDAPStrategy(bucket_cap_mb=0.002), callbacks=[cb], root_dir=d)
+    return {"dear": max_diff(busy, plain)}
+
+
+def _resume(strategy_factory: Callable[[], Any]) -> float:
+    kw = {"opt": "adamw", "sched": "step"}
+    full = train("mlp", kw, {}, strategy_factory())
+    with tempfile.TemporaryDirectory() as d:
+        d = _shared_dir(d)
+        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=8, save_top_k=-1, filename="mid-{step}")
+        train("mlp", kw, {}, strategy_factory(), callbacks=[cb], max_steps=8, root_dir=d)
+        path = os.path.join(d, "mid-step=8.ckpt")
+        resumed = train("mlp", kw, {}, strategy_factory(), ckpt_path=path, root_dir=d)
+    return max_diff(resumed, full)
+
+
+def run_resume_case() -> dict[str, float]:
+    """Stop mid-epoch (step 8 of 18) with a checkpoint, resume, compare with the uninterrupted run."""
+    return {"ddp": _resume(lambda: "ddp"), "dear": _resume(lambda: PipeDAPStrategy(bucket_cap_mb=0.002))}
+
+
+def _shared_dir(local: str) -> str:
+    """Rank 0's temporary directory, shared with the other ranks (same machine)."""
+    from lightning_pipedap.engine import collectives as C
+
+    return C.broadcast_object(local, src=0) if C.is_initialized() else local
+
+
+SPECIAL = {"val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+
+
+def main(out_path: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = SPECIAL[name]() if name in SPECIAL else run_case(name)
+        except Exception as exc:  # one failing case must not hide the others
+            import traceback
+
+            results[name] = {"error": f"{exc!r}\n{traceback.format_exc()}"}
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
