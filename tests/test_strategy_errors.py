@@ -1,0 +1,98 @@
+"""Registration, bad input and no-hang behaviour of the strategy and the engine."""
+
+import time
+
+import pytest
+import torch
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_pipedap
+from lightning_pipedap import PipeDAPStrategy
+from tests._dist_util import run_ranks
+
+
+def test_import_registers_names_idempotently():
+    lightning_pipedap.register()
+    lightning_pipedap.register()
+    assert StrategyRegistry["pipedap"]["strategy"] is PipeDAPStrategy
+    assert StrategyRegistry["pipedap_spawn"]["init_params"] == {"start_method": "spawn"}
+    assert "reduce-scatter" in StrategyRegistry["pipedap"]["description"]
+    t = pl.Trainer(strategy="pipedap", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(t.strategy, PipeDAPStrategy) and t.strategy.world_size == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,err,match",
+    [
+        ({"schedule": "fastest"}, ValueError, r"unknown schedule 'fastest'; valid: allreduce, dear"),
+        ({"bucket_cap_mb": -1}, ValueError, r"bucket_cap_mb must be a positive number, got -1"),
+        ({"wait_timeout_s": 0}, ValueError, r"wait_timeout_s must be a positive number"),
+        ({"warmup_steps": 0}, ValueError, r"warmup_steps must be an integer >= 1, got 0"),
+        ({"ddp_comm_hook": print}, TypeError, r"unsupported keyword arguments \['ddp_comm_hook'\]"),
+        ({"find_unused_parameters": True}, TypeError, r"detects parameters without gradients"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, err, match):
+    with pytest.raises(err, match=match):
+        PipeDAPStrategy(**kwargs)
+
+
+def test_world_size_one_fails_before_launch():
+    with pytest.raises(ValueError, match="needs at least 2 processes, got world size 1"):
+        pl.Trainer(strategy="pipedap", accelerator="cpu", devices=1, logger=False)
+
+
+def _stalled_peer(rank, world):
+    """Rank 1 never joins the round: rank 0 must get a clear timeout error, not hang."""
+    from lightning_pipedap.engine import collectives as C
+    from lightning_pipedap.engine.engine import CommEngine, EngineError
+    from lightning_pipedap.schedule import builtin_schedule
+
+    comm = C.new_comm_group(timeout_s=3)
+    params = [torch.zeros(10)]
+    engine = CommEngine(comm, params, builtin_schedule("dear", [40], 1 << 20), wait_timeout_s=3)
+    if rank == 1:
+        time.sleep(8)
+        return "idle"
+    t0 = time.monotonic()
+    engine.begin_iteration()
+    engine.grad_ready(0, torch.ones(10))
+    try:
+        engine.wait_done(0)
+    except EngineError as exc:
+        return (str(exc), time.monotonic() - t0)
+    return ("no error", time.monotonic() - t0)
+
+
+@pytest.mark.multiprocess
+def test_stalled_peer_raises_instead_of_hanging():
+    res = run_ranks(_stalled_peer, 2, timeout_s=60)
+    msg, took = res[0]
+    assert "bucket 0" in msg or "communication worker failed" in msg, msg
+    assert took < 30
+
+
+class _NoTrainable(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.lin.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+
+
+@pytest.mark.multiprocess
+def test_model_without_trainable_parameters_is_rejected():
+    trainer = pl.Trainer(strategy="pipedap_spawn", accelerator="cpu", devices=2, logger=False, max_steps=1,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    with pytest.raises(Exception, match="no trainable parameters"):
+        trainer.fit(_NoTrainable())
