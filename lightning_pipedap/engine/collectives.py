@@ -237,3 +237,28 @@ def broadcast_object(obj: object, src: int = 0) -> object:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default group from ``MASTER_ADDR/PORT``, ``RANK``, ``WORLD_SIZE``; return (rank, world).
+
+    For benchmark scripts run outside Lightning. Raises ``KeyError`` naming a missing variable.
+    """
+    import os
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        if var not in os.environ:
+            raise KeyError(f"environment variable {var} is not set (needed to join the process group)")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def barrier() -> None:
+    """Barrier on the default group."""
+    dist.barrier()
+
+
+def shutdown() -> None:
+    """Destroy the default group if it exists."""
+    if is_initialized():
+        dist.destroy_process_group()
