@@ -42,8 +42,8 @@ def _rank(rank: int, world: int, port: int) -> None:
         x = torch.randn(64, 512, device="cuda")
         model.zero_grad()
         engine.begin_iteration()
-        for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(lambda q, i=i: engine.grad_ready(i, q.grad))
+        handles = [p.register_post_accumulate_grad_hook(lambda q, i=i: engine.grad_ready(i, q.grad))
+                   for i, p in enumerate(params)]
         model(x).square().mean().backward()
         engine.finish_backward()
         local = [p.grad.detach().clone() for p in params]
@@ -61,8 +61,8 @@ def _rank(rank: int, world: int, port: int) -> None:
         torch.cuda.synchronize()
         err = max(float((p - (b0 - 0.1 * m)).abs().max()) for p, b0, m in zip(params, before, mean))
         engine.close()
-        for p in params:
-            p._post_accumulate_grad_hooks = None
+        for h in handles:
+            h.remove()
         print(f"rank {rank} {name}: max |update - expected| = {err:.2e}", flush=True)
         assert err < 1e-5, err
     C.destroy_comm_group(comm)

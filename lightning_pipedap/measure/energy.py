@@ -68,8 +68,8 @@ class NvmlReader(EnergyReader):
     Args:
         device_index: CUDA device index *as torch sees it* (after ``CUDA_VISIBLE_DEVICES``).
         nvml: the ``pynvml`` module (injected for tests); default imports ``pynvml`` from nvidia-ml-py.
-        uuid: the device UUID (``"GPU-..."``) when known; preferred over the index because NVML numbers
-            devices physically, ignoring ``CUDA_VISIBLE_DEVICES``.
+        uuid: the device UUID (``"GPU-..."``) when known. Otherwise the index is mapped through
+            ``CUDA_VISIBLE_DEVICES`` (NVML numbers devices physically and ignores that variable).
 
     Raises:
         EnergyUnavailable: ``pynvml`` is missing, ``nvmlInit`` fails (no driver), the device cannot be
@@ -90,10 +90,11 @@ class NvmlReader(EnergyReader):
         except Exception as e:
             raise EnergyUnavailable(f"nvml: nvmlInit failed ({type(e).__name__}: {e})") from e
         try:
-            if uuid:
-                self._handle = nvml.nvmlDeviceGetHandleByUUID(uuid)
+            ident = uuid or _visible_cuda_device(device_index)
+            if isinstance(ident, str):
+                self._handle = nvml.nvmlDeviceGetHandleByUUID(ident)
             else:
-                self._handle = nvml.nvmlDeviceGetHandleByIndex(_physical_cuda_index(device_index))
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(ident)
             self._start_mJ = int(nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
         except Exception as e:
             _safe(nvml.nvmlShutdown)
@@ -113,13 +114,14 @@ class NvmlReader(EnergyReader):
             _safe(self._nvml.nvmlShutdown)
 
 
-def _physical_cuda_index(index: int) -> int:
-    """Map a torch CUDA index to NVML's physical index through ``CUDA_VISIBLE_DEVICES`` (integers only)."""
+def _visible_cuda_device(index: int) -> int | str:
+    """NVML identity of torch CUDA device ``index``: the physical index, or the UUID string when
+    ``CUDA_VISIBLE_DEVICES`` names devices by UUID (``GPU-...``/``MIG-...``)."""
     vis = os.environ.get("CUDA_VISIBLE_DEVICES")
     if vis:
         parts = [p.strip() for p in vis.split(",") if p.strip()]
-        if index < len(parts) and parts[index].lstrip("-").isdigit():
-            return int(parts[index])
+        if index < len(parts):
+            return int(parts[index]) if parts[index].isdigit() else parts[index]
     return index
 
 
