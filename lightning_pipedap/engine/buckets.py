@@ -81,7 +81,3 @@ class FlatBucket:
         """``[start, end)`` of gradient elements (flags and padding excluded) in ``rank``'s shard."""
         start = rank * self.shard_size
         return min(start, self.numel), min(start + self.shard_size, self.numel)
-
-    def clear(self) -> None:
-        """Zero the buffer (unused parameters then contribute zeros and flag 0)."""
-        self.buffer.zero_()

@@ -119,7 +119,7 @@ class CommEngine:
             raise EngineError(f"pipedap: previous round of {self.schedule.name} ops did not finish within {self.wait_timeout_s} s")
         self._check()
         for b in self.buckets:
-            b.clear()
+            b.flags.zero_()  # gradient slots are overwritten by grad_ready or zeroed by finish_backward
             self._remaining[b.index] = len(b.params)
         self._got = [False] * len(self._got)
         for evs in (self._ready, self._reduced, self._done):
@@ -164,6 +164,10 @@ class CommEngine:
             return
         for b in range(self.num_buckets):
             if not self._ready[b].is_set():
+                bucket = self.buckets[b]
+                for slot, i in enumerate(bucket.param_indices):
+                    if not self._got[i]:
+                        bucket.grad_view(slot).zero_()
                 self._mark_ready(b)
         self.collecting = False
 
