@@ -66,6 +66,9 @@ _REJECTED_DDP_KWARGS = {
 }
 
 
+_SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
+
+
 def valid_schedule_names() -> tuple[str, ...]:
     """Names accepted by ``PipeDAPStrategy(schedule=...)``: built-ins plus registered planners."""
     names = list(BUILTIN_SCHEDULES)
@@ -259,6 +262,13 @@ class PipeDAPStrategy(DDPStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         lm = self.lightning_module
+        for opt in self.optimizers:
+            name = type(opt).__name__
+            if name in _SELF_COMMUNICATING_OPTIMIZERS:
+                raise ValueError(
+                    f"pipedap: optimizer {name} communicates by itself and cannot run under pipedap; use a local "
+                    "optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'"
+                )
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             rank_zero_info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
         # intercept gradient clipping: in deferred mode it is applied to the reduced gradients

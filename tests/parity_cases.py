@@ -150,7 +150,36 @@ class Manual(MLP):
         return loss
 
 
+class LBFGSNet(MLP):
+    """A closure-based optimizer: runs the synchronous path (the closure is evaluated several times)."""
+
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
+
+
+class TwoOptimizers(MLP):
+    """Manual optimization with two optimizers (GAN-style alternating updates of two parts)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        for opt in (opt_a, opt_b):
+            loss = F.cross_entropy(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            opt.step()
+
+    def configure_optimizers(self):
+        return (torch.optim.SGD(self.net[:2].parameters(), lr=0.05, momentum=0.9),
+                torch.optim.Adam(self.net[2:].parameters(), lr=1e-2))
+
+
 MODELS: dict[str, Callable[..., Base]] = {
+    "lbfgs": LBFGSNet, "two_opt": TwoOptimizers,
     "mlp": MLP, "bn": BNNet, "tied": Tied, "frozen": Frozen, "unused": Unused,
     "ckpt_act": Checkpointed, "manual": Manual,
 }
@@ -171,6 +200,8 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "manual_optimization": ("manual", {"opt": "sgd"}, {}),
     "plateau_with_val": ("mlp", {"opt": "sgd", "sched": "plateau"}, {"val_check_interval": 3}),
     "bf16_mixed": ("mlp", {"opt": "adamw"}, {"precision": "bf16-mixed"}),
+    "lbfgs_closure": ("lbfgs", {}, {}),
+    "manual_two_optimizers": ("two_opt", {}, {}),
 }
 
 
