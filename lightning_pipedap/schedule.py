@@ -187,3 +187,43 @@ def builtin_schedule(
     else:
         raise ValueError(f"unknown fixed schedule {name!r}; valid: 'allreduce', 'dear'")
     return Schedule(buckets=buckets, ops=ops, name=name).validate(len(sizes_bytes))
+
+
+def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Sequence[object] | None = None) -> Schedule:
+    """Turn a schedule over *layers* into one over *parameters*, splitting buckets where ``keys`` change.
+
+    Planners fuse layers (groups of parameters); the engine needs parameter indices and buckets of
+    one dtype/device. A bucket whose parameters have several keys becomes several consecutive
+    buckets, and each op on it becomes the same op on each part, in place.
+
+    Args:
+        schedule: buckets as tuples of layer indices.
+        layers: ``layers[k]`` = parameter indices of layer ``k``.
+        keys: optional per-parameter key (for example ``(dtype, device)``).
+
+    Returns:
+        The expanded, validated schedule (same name and prediction).
+    """
+    parts: list[list[tuple[int, ...]]] = []
+    for bucket in schedule.buckets:
+        params = [i for k in bucket for i in layers[k]]
+        groups: list[list[int]] = []
+        for i in params:
+            if groups and (keys is None or keys[i] == keys[groups[-1][-1]]):
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        parts.append([tuple(g) for g in groups])
+    new_index: list[list[int]] = []
+    buckets: list[tuple[int, ...]] = []
+    for groups in parts:
+        new_index.append(list(range(len(buckets), len(buckets) + len(groups))))
+        buckets.extend(groups)
+    ops = tuple(
+        Op(op.kind, nb)
+        for op in schedule.ops
+        # parts of a bucket: reductions in backward order (last part ready first), gathers in forward order
+        for nb in (new_index[op.bucket] if op.kind is OpKind.ALL_GATHER else reversed(new_index[op.bucket]))
+    )
+    n = sum(len(l) for l in layers)
+    return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s).validate(n)

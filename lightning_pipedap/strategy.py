@@ -23,6 +23,8 @@ writes the averaged gradients into ``.grad``, and the real optimizer step runs a
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +52,10 @@ from lightning_pipedap.engine.update import (
     snapshot_hparams,
     write_back_grads,
 )
-from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Schedule, builtin_schedule
+from lightning_pipedap.plan import PLANNERS, CostModel, get_planner, load_cost_model
+from lightning_pipedap.profile.alpha_beta import measure_cost_model
+from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
+from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Schedule, builtin_schedule, expand_layers
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +76,7 @@ _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimi
 
 def valid_schedule_names() -> tuple[str, ...]:
     """Names accepted by ``PipeDAPStrategy(schedule=...)``: built-ins plus registered planners."""
-    names = list(BUILTIN_SCHEDULES)
-    try:  # planners (issue 3) register themselves in lightning_pipedap.plan
-        from lightning_pipedap.plan import PLANNERS  # noqa: PLC0415
-
-        names += [n for n in PLANNERS if n not in names]
-    except ImportError:
-        pass
-    return tuple(names)
+    return tuple(BUILTIN_SCHEDULES) + tuple(n for n in PLANNERS if n not in BUILTIN_SCHEDULES)
 
 
 @dataclass
@@ -122,9 +120,11 @@ class PipeDAPStrategy(DDPStrategy):
     TETC 2025). Updates equal DDP's (tested to 1e-6 in fp32).
 
     Args:
-        schedule: op-list planner: ``"dear"`` (RS in backward, AG in next forward), ``"allreduce"``
-            (WFBP: one all-reduce per bucket in backward), or a planner registered in
-            :mod:`lightning_pipedap.plan`; :func:`valid_schedule_names` lists them.
+        schedule: op-list planner. Fixed schedules with ``bucket_cap_mb`` fusion, no profiling:
+            ``"dear"`` (RS in backward, AG before the next forward) and ``"allreduce"`` (WFBP: one
+            all-reduce per bucket in backward). Planned schedules, from a profile measured during
+            ``profile_steps`` warm-up steps and the α-β model of the live group: ``"optimal"``,
+            ``"pipedap"``, ``"wfbp"``, ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
         bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
         defer_update: apply updates in the next forward (True) or at the end of backward, as
             DDP does (False: sync mode; RS/AG still overlap backward).
@@ -135,6 +135,15 @@ class PipeDAPStrategy(DDPStrategy):
         ring_chunk_mb: piece size of the pipelined gloo ring reduce-scatter/all-gather, in MiB.
         deferrable_optimizers: extra optimizer classes whose ``step`` is per-parameter (safe to
             split by bucket); torch's SGD, Adam, AdamW, ... are known already.
+        profile_steps: sync-mode steps whose per-layer forward/backward times are measured (median)
+            before a planned schedule is computed (>= 1).
+        cost_model: α-β model for planning: a JSON file written by ``CostModel.save``, a
+            :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
+            process group (a few seconds; cached per backend, world size and hosts).
+        cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
+        replan_margin: re-profile and re-plan when the measured median iteration time differs from
+            the prediction by more than this fraction (checked every ``replan_every`` steps, at most
+            ``max_replans`` times).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
@@ -157,6 +166,12 @@ class PipeDAPStrategy(DDPStrategy):
         wait_timeout_s: float = 300.0,
         ring_chunk_mb: float = 2.0,
         deferrable_optimizers: tuple[type, ...] = (),
+        profile_steps: int = 3,
+        cost_model: Optional[Union[str, CostModel]] = None,
+        cost_model_cache: bool = True,
+        replan_margin: float = 0.5,
+        replan_every: int = 50,
+        max_replans: int = 1,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -172,13 +187,19 @@ class PipeDAPStrategy(DDPStrategy):
             reasons = "; ".join(f"{k}: {_REJECTED_DDP_KWARGS.get(k) or 'unknown argument'}" for k in bad)
             raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons})")
         names = valid_schedule_names()
-        if not callable(schedule) and schedule not in names:
+        if schedule not in names:
             raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(names)}")
         for name, value in (("bucket_cap_mb", bucket_cap_mb), ("wait_timeout_s", wait_timeout_s), ("ring_chunk_mb", ring_chunk_mb)):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(f"warmup_steps must be an integer >= 1, got {warmup_steps!r}")
+        for name, value, low in (("warmup_steps", warmup_steps, 1), ("profile_steps", profile_steps, 1),
+                                 ("replan_every", replan_every, 2), ("max_replans", max_replans, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not isinstance(replan_margin, (int, float)) or replan_margin <= 0:
+            raise ValueError(f"replan_margin must be a positive fraction (0.5 = 50%), got {replan_margin!r}")
+        if cost_model is not None and not isinstance(cost_model, (str, CostModel)):
+            raise ValueError(f"cost_model must be a path to a cost-model JSON file, a CostModel or None, got {cost_model!r}")
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -196,6 +217,18 @@ class PipeDAPStrategy(DDPStrategy):
         self.wait_timeout_s = float(wait_timeout_s)
         self.ring_chunk_mb = float(ring_chunk_mb)
         self.deferrable_optimizers = tuple(deferrable_optimizers)
+        self.profile_steps = profile_steps
+        self.cost_model = cost_model
+        self.cost_model_cache = bool(cost_model_cache)
+        self.replan_margin = float(replan_margin)
+        self.replan_every = replan_every
+        self.max_replans = max_replans
+        #: the planner's predicted iteration time (s), the measured median (s, at the last drift check),
+        #: the no-overlap time compute + communication (s) and the merged profile (dict), once planned
+        self.predicted_iteration_s: Optional[float] = None
+        self.measured_iteration_s: Optional[float] = None
+        self.no_overlap_time_s: Optional[float] = None
+        self.profile: Optional[dict] = None
         #: how many bucket updates of the last ``fit`` were applied where: "forward" (overlapped with
         #: the next forward, the goal), "leftover" (start of backward: its module was not called in
         #: forward), "flush" (validation, checkpoint, end of training)
@@ -218,7 +251,19 @@ class PipeDAPStrategy(DDPStrategy):
         self._trace: Optional[list[torch.nn.Module]] = None
         self._trace_seen: set[int] = set()
         self._sync_steps = 0
-        self._planned = False
+        self._phase = "trace"  # trace -> (profile) -> run
+        self._order: list[int] = []
+        self._owners: list[Optional[torch.nn.Module]] = []
+        self._layers: list[list[int]] = []
+        self._layer_of_param: list[int] = []
+        self._layer_of_module: dict[int, list[int]] = {}
+        self._recorder: Optional[StepRecorder] = None
+        self._profiled: list[tuple[list[float], list[float]]] = []
+        self._t_updates: list[float] = []
+        self._t_backward_done: Optional[float] = None
+        self._cost_model: Optional[CostModel] = None
+        self._iter_starts: list[float] = []
+        self._replans = 0
         self._aborted = False
         self._buffers_sync_next = True
         self._orig_clip: Optional[Callable] = None
@@ -310,24 +355,22 @@ class PipeDAPStrategy(DDPStrategy):
         for m in model.modules():
             self._hook_handles.append(m.register_forward_pre_hook(self._on_module_forward))
         # warm-up: registration order, one all-reduce per bucket (WFBP), sync mode
-        self._rebuild(list(range(len(params))), "allreduce", owners=None)
+        order = list(range(len(params)))
+        self._install(order, self._builtin(order, "allreduce"), owners=None)
 
-    def _rebuild(self, order: list[int], name: Any, owners: Optional[list[Optional[torch.nn.Module]]]) -> None:
-        """Rebuild buckets and engine for parameter ``order`` (forward order) with planner ``name``."""
+    def _builtin(self, order: list[int], name: str) -> Schedule:
+        params = [self._params[i] for i in order]
+        sizes = [p.numel() * p.element_size() for p in params]
+        keys = [(p.dtype, p.device) for p in params]
+        return builtin_schedule(name, sizes, int(self.bucket_cap_mb * 2**20), keys)
+
+    def _install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]]) -> None:
+        """Replace the engine: parameters in forward ``order``, ``schedule`` over their indices."""
         if self._engine is not None:
             self._engine.wait_idle()
             self._engine.close()
         params = [self._params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
-        sizes = [p.numel() * p.element_size() for p in params]
-        keys = [(p.dtype, p.device) for p in params]
-        cap = int(self.bucket_cap_mb * 2**20)
-        if callable(name):
-            schedule = name(sizes, cap, self.world_size)
-        elif name in BUILTIN_SCHEDULES:
-            schedule = builtin_schedule(name, sizes, cap, keys)
-        else:
-            raise ValueError(f"pipedap: planner {name!r} needs a profile; not available in this version")
         self._engine = CommEngine(self._comm, params, schedule, self.wait_timeout_s)
         self._engine.timeline_enabled = self.timeline_enabled
         self._updater = None
@@ -341,8 +384,8 @@ class PipeDAPStrategy(DDPStrategy):
                     self._triggers.setdefault(id(owner), []).append(b)
         rank_zero_info(f"pipedap: {schedule.describe()[:300]}")
 
-    def _plan_from_trace(self) -> None:
-        """Rank 0 turns the traced forward order into a parameter order; every rank rebuilds with it."""
+    def _order_from_trace(self) -> None:
+        """Rank 0 turns the traced forward order into a parameter order; every rank adopts it."""
         lm = self.lightning_module
         order: Optional[list[int]] = None
         if self.global_rank == 0:
@@ -355,22 +398,110 @@ class PipeDAPStrategy(DDPStrategy):
                         seen.add(i)
                         order.append(i)
             order += [i for i in range(len(self._params)) if i not in seen]
-        order = C.broadcast_object(order, src=0)
+        self._order = C.broadcast_object(order, src=0)
         # owner module (first user in forward order) of each parameter, per rank's own module objects
         owner_of: dict[int, torch.nn.Module] = {}
         for m in [lm] + list(self._trace or []):
             for p in m.parameters(recurse=False):
                 owner_of.setdefault(id(p), m)
-        owners = [owner_of.get(id(self._params[i])) for i in order]
+        self._owners = [owner_of.get(id(self._params[i])) for i in self._order]
         self._trace = None
-        self._rebuild(order, self.schedule_name, owners)
-        self._planned = True
+
+    def _after_sync_step(self, t_step_end: float) -> None:
+        """Advance warm-up: trace -> (profile) -> run, identically on every rank."""
+        self._sync_steps += 1
+        if self._phase == "trace" and self._sync_steps >= self.warmup_steps:
+            self._order_from_trace()
+            if self.schedule_name in BUILTIN_SCHEDULES:
+                self._install(self._order, self._builtin(self._order, self.schedule_name), self._owners)
+                self._phase = "run"
+            else:
+                self._start_profiling()
+        elif self._phase == "profile" and self._recorder is not None:
+            rec, self._recorder = self._recorder, None
+            if rec.complete:
+                self._profiled.append(rec.times())
+                if self._t_backward_done is not None:
+                    self._t_updates.append(max(0.0, t_step_end - self._t_backward_done))
+            if len(self._profiled) >= self.profile_steps:
+                self._finish_profiling()
+
+    def _start_profiling(self) -> None:
+        """Profiling buckets (fixed fusion, all-reduce, sync mode) and the α-β model of the live group."""
+        self._install(self._order, self._builtin(self._order, "allreduce"), self._owners)
+        self._layers = group_layers([id(o) if o is not None else None for o in self._owners])
+        self._layer_of_param = [k for k, layer in enumerate(self._layers) for _ in layer]
+        self._layer_of_module = {}
+        for k, layer in enumerate(self._layers):
+            owner = self._owners[layer[0]]
+            if owner is not None:
+                self._layer_of_module.setdefault(id(owner), []).append(k)
+        if self._cost_model is None:
+            if isinstance(self.cost_model, str):
+                self._cost_model = load_cost_model(self.cost_model)
+            elif self.cost_model is not None:
+                self._cost_model = self.cost_model
+            else:
+                largest = max(p.numel() * p.element_size() for p in self._params)
+                self._cost_model = measure_cost_model(
+                    self._comm, self.root_device, max_bytes=min(64 << 20, max(largest, 1 << 20)),
+                    use_cache=self.cost_model_cache,
+                )
+        self._profiled, self._t_updates = [], []
+        self._phase = "profile"
+
+    def _finish_profiling(self) -> None:
+        """Rank 0 plans from the median profile; every rank installs the broadcast schedule."""
+        plan = None
+        if self.global_rank == 0:
+            lm = self.lightning_module
+            names = {id(m): n or "<root>" for n, m in lm.named_modules()}
+            params = [self._params[i] for i in self._order]
+            layer_names = [names.get(id(self._owners[l[0]]), "<unused>") for l in self._layers]
+            layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self._layers]
+            profile = merge_steps(type(lm).__name__, layer_names, layer_bytes, self._profiled, self._t_updates)
+            schedule = get_planner(self.schedule_name)(profile, self._cost_model, self.world_size)
+            no_overlap = profile.t_compute + profile.t_update + sum(
+                self._cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in schedule.buckets
+            )
+            plan = (schedule, no_overlap, profile.to_dict())
+        schedule, self.no_overlap_time_s, self.profile = C.broadcast_object(plan, src=0)
+        keys = [(self._params[i].dtype, self._params[i].device) for i in self._order]
+        self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners)
+        self.predicted_iteration_s = schedule.predicted_iteration_s
+        self._iter_starts = []
+        self._phase = "run"
+
+    def _check_drift(self) -> None:
+        """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
+        self._iter_starts.append(time.perf_counter())
+        n = len(self._iter_starts)
+        if self.predicted_iteration_s is None or n <= self.replan_every or self._replans >= self.max_replans:
+            return
+        if (n - 1) % self.replan_every:
+            return
+        gaps = [b - a for a, b in zip(self._iter_starts[-self.replan_every - 1 : -1], self._iter_starts[-self.replan_every :])]
+        measured = statistics.median(gaps)
+        drift = C.broadcast_object(abs(measured / self.predicted_iteration_s - 1.0), src=0)
+        self.measured_iteration_s = measured
+        if drift > self.replan_margin:
+            rank_zero_info(
+                f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "
+                f"{self.predicted_iteration_s * 1e3:.1f} ms (drift {drift:.0%} > {self.replan_margin:.0%}): re-planning"
+            )
+            self._replans += 1
+            self._apply_all("flush")
+            self._start_profiling()
 
     # ------------------------------------------------------------------ hooks
     def _on_grad_ready(self, p: Tensor) -> None:
         engine = self._engine
         if engine is not None and engine.collecting and p.grad is not None:
-            engine.grad_ready(self._index_of[id(p)], p.grad)
+            i = self._index_of[id(p)]
+            engine.grad_ready(i, p.grad)
+            if self._recorder is not None:
+                self._sync_device()
+                self._recorder.param_ready(i)
 
     def _on_module_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self._in_train_forward:
@@ -378,6 +509,10 @@ class PipeDAPStrategy(DDPStrategy):
         if self._trace is not None and id(module) not in self._trace_seen:
             self._trace_seen.add(id(module))
             self._trace.append(module)
+        if self._recorder is not None:
+            for k in self._layer_of_module.get(id(module), ()):
+                self._sync_device()
+                self._recorder.layer_used(k)
         if self._pending is not None:
             buckets = self._triggers.get(id(module))
             if buckets:
@@ -391,13 +526,22 @@ class PipeDAPStrategy(DDPStrategy):
             self._sync_buffers()
         if self._pending is not None and self._root_buckets:
             self._apply(self._root_buckets)
-        if self._trace is None and not self._planned and self._sync_steps == 0:
+        if self._phase == "trace" and self._sync_steps == 0 and self._trace is None:
             self._trace, self._trace_seen = [], set()
+        if self._phase == "profile" and self._sync_grads:
+            self._sync_device()
+            self._recorder = StepRecorder(self._layer_of_param, len(self._layers))
+            self._recorder.forward_start()
+            for k in self._layer_of_module.get(id(self.lightning_module), ()):
+                self._recorder.layer_used(k)
         self._in_train_forward = True
         try:
             out = super().training_step(*args, **kwargs)
         finally:
             self._in_train_forward = False
+        if self._recorder is not None:
+            self._sync_device()
+            self._recorder.forward_end()
         # DDP's rule: buffers are broadcast before a forward that follows a grad-syncing forward
         self._buffers_sync_next = torch.is_grad_enabled() and self._sync_grads
         return out
@@ -427,23 +571,36 @@ class PipeDAPStrategy(DDPStrategy):
         self._apply_all("leftover")  # leftovers of the previous update (buckets whose modules were not called)
         if self._sync_grads:
             self._engine.begin_iteration()
+            if self._recorder is not None:
+                self._sync_device()
+                self._recorder.backward_start()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         engine = self._engine
         if engine is None or not engine.collecting:
             return
+        if self._recorder is not None:
+            self._sync_device()
+            self._recorder.backward_end()
         engine.finish_backward()
         if not self._deferring:
             engine.wait_idle()
             with torch.no_grad():
                 for b in range(engine.num_buckets):
                     write_back_grads(engine.wait_done(b))
+            self._sync_device()
+            self._t_backward_done = time.perf_counter()
+
+    def _sync_device(self) -> None:
+        """On CUDA, synchronise before a profiling timestamp (only called while profiling)."""
+        if self.root_device.type == "cuda":
+            torch.cuda.synchronize(self.root_device)
 
     def _can_defer(self, optimizer: Optimizer) -> bool:
         lm = self.lightning_module
         return (
             self.defer_update
-            and self._planned
+            and self._phase == "run"
             and lm.automatic_optimization
             and len(self.optimizers) == 1
             and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + self.deferrable_optimizers)
@@ -458,12 +615,13 @@ class PipeDAPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> Any:
         if self._engine is None or not self._can_defer(optimizer):
+            self._t_backward_done = None
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._engine is not None:
-                self._sync_steps += 1
-                if not self._planned and self._sync_steps >= self.warmup_steps:
-                    self._plan_from_trace()
+                self._sync_device()
+                self._after_sync_step(time.perf_counter())
             return out
+        self._check_drift()
         if self._updater is None:
             self._updater = BucketOptimizer(optimizer, self._engine.buckets)
         step = _DeferredStep(optimizer)

@@ -13,6 +13,7 @@ from lightning_pipedap.measure.timeline import (
     as_op_records,
     chrome_trace,
     communication_ms,
+    compute_ms,
     exposed_communication_ms,
     gantt_png,
     gantt_rgb,
@@ -20,6 +21,7 @@ from lightning_pipedap.measure.timeline import (
     lane_of_kind,
     overlap_ratio,
     records_from_chrome_trace,
+    subtract,
     union,
     write_chrome_trace,
 )
@@ -57,6 +59,18 @@ def test_exposed_communication_and_overlap_are_exact():
     assert communication_ms(recs, kinds=COMPRESS_KINDS) == pytest.approx(2.0)
 
 
+def test_waits_inside_compute_do_not_hide_communication():
+    # the forward blocks 2-6 ms on AG0 (2-6 ms) and the backward 12-13 ms on nothing of ours
+    recs = hand_made_step() + [OpRecord("wait", "wait", None, *ms(2, 6), "compute"),
+                               OpRecord("AG0", "AG", 0, *ms(2, 6), "comm"),
+                               OpRecord("wait", "wait", None, *ms(18, 20), "compute")]
+    assert compute_ms(recs) == pytest.approx(32.0 - 4.0 - 2.0)
+    # comm union 4 + 27 = 31 ms; hidden: [15,18] + [20,25] + [28,32] = 12 ms
+    assert communication_ms(recs) == pytest.approx(31.0)
+    assert exposed_communication_ms(recs) == pytest.approx(19.0)
+    assert overlap_ratio(recs) == pytest.approx(12.0 / 31.0)
+
+
 def test_no_communication_gives_no_ratio_and_zero_exposed():
     recs = [r for r in hand_made_step() if r.lane == "compute"]
     assert overlap_ratio(recs) is None
@@ -71,6 +85,9 @@ def test_interval_helpers():
     assert intersection_length([(0, 10)], [(2, 3), (5, 7), (9, 12)]) == 4
     assert intersection_length([(0, 1), (4, 6)], [(0, 6)]) == 3
     assert intersection_length([], [(0, 1)]) == 0
+    assert subtract([(0, 10)], [(2, 3), (5, 7), (9, 12)]) == [(0, 2), (3, 5), (7, 9)]
+    assert subtract([(0, 2), (4, 6)], [(1, 5)]) == [(0, 1), (5, 6)]
+    assert subtract([(0, 2)], [(0, 2)]) == []
 
 
 def test_op_record_validation():

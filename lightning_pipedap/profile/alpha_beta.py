@@ -1,0 +1,110 @@
+"""Fit the α-β cost model of RS, AG and AR on the live dedicated process group.
+
+A short micro-benchmark (all ranks together): for a geometric range of bucket sizes it times each
+primitive a few times (median), then fits ``T = α + β·bytes`` per primitive with
+:func:`lightning_pipedap.plan.cost_model.fit_cost_model` (non-negative least squares, R² reported).
+Rank 0's timings are broadcast so every rank plans with the same model. Results are cached per
+(backend, world size, host set, master address) in ``~/.cache/lightning_pipedap`` unless disabled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.plan.cost_model import CostModel, fit_cost_model
+from lightning_pipedap.schedule import OpKind
+
+CACHE_DIR = Path(os.environ.get("PIPEDAP_CACHE_DIR", Path.home() / ".cache" / "lightning_pipedap"))
+
+
+def _cache_key(comm: C.CommGroup) -> str:
+    hosts = C.all_gather_object(socket.gethostname())
+    raw = json.dumps([comm.backend, comm.world_size, sorted(hosts), os.environ.get("MASTER_ADDR", "")])
+    return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def measure_cost_model(
+    comm: C.CommGroup,
+    device: torch.device,
+    dtype: torch.dtype = torch.float32,
+    max_bytes: int = 16 << 20,
+    min_bytes: int = 4 << 10,
+    repeats: int = 3,
+    budget_s: float = 8.0,
+    use_cache: bool = True,
+) -> CostModel:
+    """Time RS/AG/AR for sizes ``min_bytes·4^k ≤ max_bytes`` and fit the α-β model.
+
+    Args:
+        comm: the dedicated group (the engine's, so the fit covers what the engine will use).
+        device: device of the test buffers.
+        max_bytes, min_bytes: size range of the test buckets in bytes.
+        repeats: timed runs per size and primitive (median kept; one untimed warm-up run first).
+        budget_s: stop adding larger sizes once this many seconds have been spent (rank 0 decides).
+        use_cache: read/write the fitted model from/to the cache directory.
+
+    Returns:
+        The fitted :class:`CostModel` (``meta`` holds backend, world size, R² per primitive).
+
+    Raises:
+        ValueError: if the size range is empty.
+    """
+    if min_bytes > max_bytes:
+        raise ValueError(f"empty size range for the α-β fit: min {min_bytes} > max {max_bytes} bytes")
+    key = _cache_key(comm) if use_cache else None
+    path = CACHE_DIR / f"alpha_beta-{key}.json" if key else None
+    cached = None
+    if path is not None and comm.rank == 0 and path.exists():
+        try:
+            cached = CostModel.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, json.JSONDecodeError):
+            cached = None
+    cached = C.broadcast_object(cached.to_dict() if cached is not None else None, src=0)
+    if cached is not None:
+        return CostModel.from_dict(cached)
+
+    ops = {
+        OpKind.REDUCE_SCATTER: C.reduce_scatter_,
+        OpKind.ALL_GATHER: C.all_gather_,
+        OpKind.ALL_REDUCE: C.all_reduce_,
+    }
+    samples: dict[OpKind, list[tuple[float, float]]] = {k: [] for k in ops}
+    elem = torch.tensor([], dtype=dtype).element_size()
+    t_start = time.perf_counter()
+    nbytes = min_bytes
+    while nbytes <= max_bytes:
+        numel = max(comm.world_size, nbytes // elem // comm.world_size * comm.world_size)
+        buf = torch.zeros(numel, dtype=dtype, device=device)
+        for kind, fn in ops.items():
+            times = []
+            for r in range(repeats + 1):
+                C.barrier()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                fn(buf, comm)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                if r:
+                    times.append(time.perf_counter() - t0)
+            samples[kind].append((float(numel * elem), statistics.median(times)))
+        spent = C.broadcast_object(time.perf_counter() - t_start, src=0)
+        if spent > budget_s:
+            break
+        nbytes *= 4
+    samples = C.broadcast_object({k.value: v for k, v in samples.items()}, src=0)
+    model = fit_cost_model(samples, meta={"backend": comm.backend, "world_size": comm.world_size,
+                                          "source": "measured", "sizes": len(samples["RS"])})
+    if path is not None and comm.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model.to_dict(), indent=1))
+    return model

@@ -1,0 +1,441 @@
+"""EnergyMonitor, SpeedupMonitor and CommTimeline in a 1-process CPU Trainer with a tiny model.
+
+Energy counters, clocks and the strategy's op timeline are fakes driven by the training loop, so
+every logged value is known exactly.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_pipedap.measure.callbacks import (
+    CommTimeline,
+    EnergyMonitor,
+    SpeedupMonitor,
+    batch_size_of,
+    read_summary,
+)
+from lightning_pipedap.measure.timeline import OpRecord
+
+BATCH = 4
+
+
+class Tiny(LightningModule):
+    """Linear(4, 2); ``on_step(n)`` is called in every training_step with the number of steps done."""
+
+    def __init__(self, on_step=None, clock=None):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+        self.on_step = on_step
+        self.clock = clock  # FakeClock advanced by the phases of a step (CommTimeline test)
+        self.steps_done = 0
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.layer(x), y)
+        self.steps_done += 1
+        if self.on_step is not None:
+            self.on_step(self.steps_done)
+        if self.clock is not None:
+            self.clock.advance(0.010)  # forward: 10 ms
+            loss.register_hook(lambda g: self.clock.advance(0.020))  # backward: 20 ms
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):  # runs after the callbacks' hook
+        if self.clock is not None:
+            self.clock.advance(0.002)  # update: 2 ms
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):  # runs after the callbacks' hook
+        if self.clock is not None:
+            self.clock.advance(0.008)  # idle until the next step: the step lasts 40 ms
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        ds = TensorDataset(torch.randn(32, 4, generator=g), torch.randn(32, 2, generator=g))
+        return DataLoader(ds, batch_size=BATCH)
+
+
+def make_trainer(tmp_path, callbacks, max_steps, logger="csv", strategy=None):
+    lg = CSVLogger(str(tmp_path), name="run") if logger == "csv" else TensorBoardLogger(str(tmp_path), name="run")
+    kw = {"strategy": strategy} if strategy is not None else {"devices": 1}
+    return Trainer(accelerator="cpu", max_steps=max_steps, logger=lg, callbacks=callbacks,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0, limit_val_batches=0, **kw)
+
+
+def read_metrics(trainer):
+    """metrics.csv as {column: [(step, value), ...]} for non-empty cells."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    with open(os.path.join(trainer.logger.log_dir, "metrics.csv")) as f:
+        for row in csv.DictReader(f):
+            for k, v in row.items():
+                if k != "step" and v != "":
+                    out.setdefault(k, []).append((int(row["step"]), float(v)))
+    return out
+
+
+def read_hparams(trainer):
+    with open(os.path.join(trainer.logger.log_dir, "hparams.yaml")) as f:
+        return f.read()
+
+
+def values(metrics, key):
+    return [v for _, v in metrics[key]]
+
+
+# ------------------------------------------------------------------------------------------ energy
+def patch_fake_nvml(monkeypatch, counter_mJ):
+    """Make ``pynvml`` report ``counter_mJ()`` and EnergyMonitor see CUDA device 0."""
+    import pynvml
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlShutdown", lambda: None)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: ("handle", i))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTotalEnergyConsumption", lambda h: counter_mJ())
+    monkeypatch.setattr(EnergyMonitor, "_cuda_index", staticmethod(lambda trainer: 0))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+
+def test_energy_monitor_logs_nvml_joules(tmp_path, monkeypatch):
+    model = Tiny()
+    # 2 J per training step on top of an arbitrary driver-lifetime total
+    patch_fake_nvml(monkeypatch, lambda: 7_000_000 + 2000 * model.steps_done)
+    mon = EnergyMonitor(window_steps=2, reference_J_per_sample=1.0)
+    trainer = make_trainer(tmp_path, [mon], max_steps=6)
+    trainer.fit(model)
+
+    m = read_metrics(trainer)
+    assert not [k for k in m if k.startswith("energy/estimated_")]
+    assert values(m, "energy/measured_J_per_step") == pytest.approx([2.0, 2.0, 2.0])
+    assert values(m, "energy/measured_J_per_sample") == pytest.approx([0.5, 0.5, 0.5])
+    assert values(m, "energy/measured_saving_pct") == pytest.approx([50.0, 50.0, 50.0])
+    assert values(m, "energy/measured_total_J") == pytest.approx([4.0, 8.0, 12.0, 12.0])
+    assert [s for s, _ in m["energy/measured_J_per_step"]] == [2, 4, 6]
+    assert all(v > 0 for v in values(m, "energy/measured_mean_W"))
+    assert "energy_source: nvml:gpu0" in read_hparams(trainer)
+    assert (mon.energy_source, mon.energy_kind, mon.total_J) == ("nvml:gpu0", "measured", pytest.approx(12.0))
+    assert mon.state_dict()["energy_source"] == "nvml:gpu0"
+    summary = read_summary(os.path.join(trainer.logger.log_dir, "measure_summary.json"))
+    assert summary["energy_kind"] == "measured"
+    assert summary["energy_J_per_sample"] == pytest.approx(0.5)
+    assert summary["energy_J_per_step"] == pytest.approx(2.0)
+    assert summary["energy_total_J"] == pytest.approx(12.0)
+
+
+def test_energy_monitor_rapl_with_wrap_around(tmp_path, monkeypatch):
+    root = tmp_path / "powercap"
+    pkg, dram = root / "intel-rapl:0", root / "intel-rapl:0:1"
+    for path, name, max_uj in ((pkg, "package-0", 10_000_000), (dram, "dram", 65_000_000)):
+        os.makedirs(path)
+        (path / "name").write_text(name)
+        (path / "max_energy_range_uj").write_text(str(max_uj))
+
+    def set_counters(steps_done):  # package +3 J/step, wraps every ~3 steps; dram +1 J/step
+        (pkg / "energy_uj").write_text(str((5_000_000 + 3_000_000 * steps_done) % 10_000_000))
+        (dram / "energy_uj").write_text(str(1_000_000 * (1 + steps_done)))
+
+    set_counters(0)
+    mon = EnergyMonitor(window_steps=3, rapl_root=str(root))
+    trainer = make_trainer(tmp_path, [mon], max_steps=6)
+    trainer.fit(Tiny(on_step=set_counters))
+
+    m = read_metrics(trainer)
+    assert not [k for k in m if k.startswith("energy/estimated_")]
+    assert values(m, "energy/measured_J_per_step") == pytest.approx([4.0, 4.0])
+    assert values(m, "energy/measured_J_per_sample") == pytest.approx([1.0, 1.0])
+    assert values(m, "energy/measured_total_J")[-1] == pytest.approx(24.0)
+    assert "energy_source: rapl:package-0+package-0/dram" in read_hparams(trainer)
+
+
+def test_without_counters_only_estimated_tags_appear(tmp_path, monkeypatch):
+    import pynvml
+
+    def no_driver():
+        raise pynvml.NVMLError_LibraryNotFound()
+
+    monkeypatch.setattr(pynvml, "nvmlInit", no_driver)
+    mon = EnergyMonitor(window_steps=2, rapl_root=str(tmp_path / "no_powercap"), estimate_watts=12.0,
+                        reference_J_per_sample=1.0)
+    trainer = make_trainer(tmp_path, [mon], max_steps=4)
+    with pytest.warns(UserWarning, match="ESTIMATED energy"):
+        trainer.fit(Tiny())
+
+    m = read_metrics(trainer)
+    energy_keys = {k for k in m if k.startswith("energy/")}
+    assert energy_keys == {"energy/estimated_J_per_step", "energy/estimated_J_per_sample",
+                           "energy/estimated_mean_W", "energy/estimated_total_J", "energy/estimated_saving_pct"}
+    for per_step, per_sample in zip(values(m, "energy/estimated_J_per_step"),
+                                    values(m, "energy/estimated_J_per_sample")):
+        assert per_step == pytest.approx(BATCH * per_sample) and per_step >= 0
+    hp = read_hparams(trainer)
+    assert "energy_source: estimate:12W x cpu_s" in hp and "energy_estimate_watts: 12.0" in hp
+    assert mon.energy_kind == "estimated"
+
+
+def test_energy_reference_file_of_other_kind_is_not_compared(tmp_path, monkeypatch):
+    model = Tiny()
+    patch_fake_nvml(monkeypatch, lambda: 3000 * model.steps_done)
+    ref = tmp_path / "ref.json"
+    ref.write_text(json.dumps({"energy_kind": "estimated", "energy_J_per_sample": 2.0}))
+    mon = EnergyMonitor(window_steps=2, reference_file=str(ref))
+    trainer = make_trainer(tmp_path, [mon], max_steps=2)
+    with pytest.warns(UserWarning, match="no energy saving logged"):
+        trainer.fit(model)
+    m = read_metrics(trainer)
+    assert values(m, "energy/measured_J_per_sample") == pytest.approx([0.75])
+    assert "energy/measured_saving_pct" not in m
+
+    ref.write_text(json.dumps({"energy_kind": "measured", "energy_J_per_sample": 1.5}))
+    model2 = Tiny()
+    patch_fake_nvml(monkeypatch, lambda: 3000 * model2.steps_done)
+    trainer = make_trainer(tmp_path, [EnergyMonitor(window_steps=2, reference_file=str(ref))], max_steps=2)
+    trainer.fit(model2)
+    assert values(read_metrics(trainer), "energy/measured_saving_pct") == pytest.approx([50.0])
+
+
+def test_energy_monitor_argument_errors(tmp_path):
+    with pytest.raises(ValueError, match="window_steps=0"):
+        EnergyMonitor(window_steps=0)
+    with pytest.raises(ValueError, match="not both"):
+        EnergyMonitor(reference_J_per_sample=1.0, reference_file="x.json")
+    mon = EnergyMonitor(reference_file=str(tmp_path / "missing.json"))
+    with pytest.raises(FileNotFoundError, match="missing.json"):
+        make_trainer(tmp_path, [mon], max_steps=1).fit(Tiny())
+
+
+# ----------------------------------------------------------------------------------------- speedup
+class ListClock:
+    def __init__(self, times):
+        self.times = list(times)
+
+    def __call__(self):
+        return self.times.pop(0)
+
+
+# batch starts at 0, 10, 20 (two warm-up intervals of 10 s), then intervals 0.1, 0.3, 0.2 s -> median 0.2 s
+STARTS = [0.0, 10.0, 20.0, 20.1, 20.4, 20.6]
+
+
+def test_speedup_from_known_timings(tmp_path):
+    mon = SpeedupMonitor(warmup_steps=2, window_steps=3, reference_iteration_s=0.5, clock=ListClock(STARTS))
+    trainer = make_trainer(tmp_path, [mon], max_steps=6)
+    trainer.strategy.no_overlap_time_s = 0.3  # what the pipedap profiler provides
+    trainer.fit(Tiny())
+
+    m = read_metrics(trainer)
+    assert values(m, "speed/iteration_time_ms") == pytest.approx([200.0])
+    assert values(m, "speed/throughput_samples_per_s") == pytest.approx([BATCH / 0.2])
+    assert values(m, "speed/speedup_vs_reference") == pytest.approx([0.5 / 0.2])
+    assert values(m, "speed/speedup_vs_no_overlap") == pytest.approx([0.3 / 0.2])
+    assert values(m, "speed/no_overlap_time_ms") == pytest.approx([300.0])
+    assert mon.intervals_s == pytest.approx([0.1, 0.3, 0.2])
+    summary = read_summary(os.path.join(trainer.logger.log_dir, "measure_summary.json"))
+    assert summary["iteration_s"] == pytest.approx(0.2)
+    assert summary["throughput_samples_per_s"] == pytest.approx(20.0)
+    assert summary["samples_per_step"] == BATCH
+
+
+def test_speedup_against_reference_file_uses_throughput(tmp_path):
+    ref = tmp_path / "ddp_summary.json"
+    ref.write_text(json.dumps({"iteration_s": 0.4, "throughput_samples_per_s": 8.0}))
+    mon = SpeedupMonitor(warmup_steps=2, window_steps=3, reference_file=str(ref), clock=ListClock(STARTS))
+    trainer = make_trainer(tmp_path, [mon], max_steps=6)
+    trainer.fit(Tiny())
+    m = read_metrics(trainer)
+    assert values(m, "speed/speedup_vs_reference") == pytest.approx([20.0 / 8.0])
+    assert "speed/speedup_vs_no_overlap" not in m  # the strategy has no no_overlap_time_s
+
+
+class FakeTrainer:
+    """Just what SpeedupMonitor's hooks use, for checking which intervals are kept."""
+
+    world_size, is_global_zero, global_step, loggers = 1, True, 0, []
+
+    class strategy:  # noqa: N801 - attribute namespace
+        root_device = torch.device("cpu")
+
+        @staticmethod
+        def reduce(t, reduce_op="sum"):
+            return t
+
+
+def test_speedup_discards_intervals_across_validation_and_epochs():
+    clock = ListClock([0.0, 1.0, 5.0, 6.0, 6.5, 9.0, 9.25])
+    mon = SpeedupMonitor(warmup_steps=0, window_steps=100, clock=clock)
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    for _ in range(2):
+        mon.on_train_batch_start(tr, None, batch, 0)  # 0, 1 -> interval 1
+    mon.on_validation_start(tr, None)
+    for _ in range(3):
+        mon.on_train_batch_start(tr, None, batch, 0)  # 5 (after validation), 6, 6.5 -> intervals 1, 0.5
+    mon.on_train_epoch_end(tr, None)
+    for _ in range(2):
+        mon.on_train_batch_start(tr, None, batch, 0)  # 9, 9.25 -> interval 0.25
+    assert mon.intervals_s == pytest.approx([1.0, 1.0, 0.5, 0.25])
+
+
+def test_batch_size_of_nested_batches():
+    assert batch_size_of((torch.zeros(5, 2), torch.zeros(5))) == 5
+    assert batch_size_of({"ids": [torch.zeros(7, 3)], "y": torch.zeros(7)}) == 7
+    assert batch_size_of({"meta": "x"}) is None
+    with pytest.raises(ValueError, match="warmup_steps=-1"):
+        SpeedupMonitor(warmup_steps=-1)
+
+
+# ---------------------------------------------------------------------------------------- timeline
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, dt):
+        self.t += dt
+
+
+class TimelineStrategy(SingleDeviceStrategy):
+    """A strategy with the pipedap timeline contract: ``timeline_enabled`` and ``take_timeline()``.
+
+    Hand-made ops per step (ms from the step start, the model's phases are forward 0-10, backward 10-30,
+    update 30-32, step end 40): AG0 0-4 (deferred from the previous step), RS0 20-35, compress0 30-33.
+    """
+
+    def __init__(self, clock):
+        super().__init__(device=torch.device("cpu"))
+        self.clock = clock
+        self.timeline_enabled = False
+        self._records = []
+
+    def training_step(self, *args, **kwargs):
+        if self.timeline_enabled:
+            t = self.clock.t
+            self._records.append(OpRecord("AG0", "AG", 0, t, t + 0.004, "comm"))
+        return super().training_step(*args, **kwargs)
+
+    def post_backward(self, closure_loss):
+        super().post_backward(closure_loss)
+        if self.timeline_enabled:
+            t = self.clock.t  # end of backward: 30 ms
+            self._records.append(OpRecord("RS0", "RS", 0, t - 0.010, t + 0.005, "comm"))
+            self._records.append(OpRecord("compress0", "compress", 0, t, t + 0.003, "compress"))
+
+    def take_timeline(self):
+        out, self._records = self._records, []
+        return out
+
+
+def test_comm_timeline_with_strategy_records(tmp_path):
+    clock = FakeClock()
+    tl = CommTimeline(every_n_steps=2, warmup_steps=1, clock=clock)
+    trainer = make_trainer(tmp_path, [tl], max_steps=4, logger="tb", strategy=TimelineStrategy(clock))
+    trainer.fit(Tiny(clock=clock))
+
+    # comm union [0,4] + [20,35] = 19 ms; hidden by compute [0,32]: 4 + 12 = 16 ms -> 3 ms exposed
+    expected = {"timeline/step_ms": 40.0, "timeline/compute_ms": 32.0, "timeline/comm_ms": 19.0,
+                "timeline/exposed_comm_ms": 3.0, "timeline/overlap_ratio": 16.0 / 19.0,
+                "timeline/compress_ms": 3.0, "timeline/exposed_compress_ms": 1.0}
+    assert len(tl.history) == 2
+    for h in tl.history:
+        assert h == pytest.approx(expected)
+    assert tl.last_window[1] - tl.last_window[0] == pytest.approx(0.040)
+
+    log_dir = trainer.logger.log_dir
+    names = [os.path.basename(p) for p in tl.trace_files]
+    assert names == ["step0000001_rank0.trace.json", "step0000003_rank0.trace.json"]
+    for path in tl.trace_files:
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        got = sorted((e["name"], round(e["ts"] / 1000, 6), round(e["dur"] / 1000, 6)) for e in events)
+        assert got == sorted([("forward", 0, 10), ("backward", 10, 20), ("update", 30, 2), ("AG0", 0, 4),
+                              ("RS0", 20, 15), ("compress0", 30, 3)])
+        assert os.path.isfile(path.replace(".trace.json", ".png"))
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(log_dir, size_guidance={"images": 0, "scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Images("timeline/gantt")] == [1, 3]
+    assert [e.value for e in acc.Scalars("timeline/exposed_comm_ms")] == pytest.approx([3.0, 3.0])
+
+
+def test_comm_timeline_on_plain_strategy_records_compute_only(tmp_path):
+    tl = CommTimeline(every_n_steps=2, warmup_steps=0)
+    trainer = make_trainer(tmp_path, [tl], max_steps=3)
+    with pytest.warns(UserWarning, match="has no take_timeline"):
+        trainer.fit(Tiny())
+    m = read_metrics(trainer)
+    assert [s for s, _ in m["timeline/step_ms"]] == [0, 2]
+    assert "timeline/exposed_comm_ms" not in m and "timeline/overlap_ratio" not in m
+    assert len(tl.trace_files) == 2
+    for path in tl.trace_files:
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+        assert sorted(e["name"] for e in events) == ["backward", "forward", "update"]
+        assert all(e["dur"] >= 0 for e in events)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="every_n_steps=0"):
+            CommTimeline(every_n_steps=0)
+
+
+# ---------------------------------------------------------------------------------- two ranks (gloo)
+class RaplTiny(Tiny):
+    """Rank 0 advances a fake RAPL package counter by 4 J per step (RAPL counts the whole socket)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 0:
+            path = os.path.join(self.root, "intel-rapl:0", "energy_uj")
+            with open(path + ".tmp", "w") as f:
+                f.write(str(4_000_000 * self.steps_done))
+            os.replace(path + ".tmp", path)
+        return loss
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_sum_energy_and_samples(tmp_path):
+    root = tmp_path / "powercap"
+    os.makedirs(root / "intel-rapl:0")
+    (root / "intel-rapl:0" / "name").write_text("package-0")
+    (root / "intel-rapl:0" / "energy_uj").write_text("0")
+    (root / "intel-rapl:0" / "max_energy_range_uj").write_text("262143328850")
+    callbacks = [EnergyMonitor(window_steps=2, rapl_root=str(root)), SpeedupMonitor(warmup_steps=1, window_steps=2),
+                 CommTimeline(every_n_steps=2, warmup_steps=1)]
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, callbacks=callbacks,
+                      logger=CSVLogger(str(tmp_path), name="run", version=0), enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                      limit_val_batches=0)
+    trainer.fit(RaplTiny(str(root)))
+
+    m = read_metrics(trainer)
+    # rank 1 reads 0 J (its socket is counted by local rank 0); 2 ranks x 4 samples per step
+    assert values(m, "energy/measured_J_per_step") == pytest.approx([4.0, 4.0])
+    assert values(m, "energy/measured_J_per_sample") == pytest.approx([0.5, 0.5])
+    assert values(m, "energy/measured_total_J")[-1] == pytest.approx(16.0)
+    assert len(m["speed/throughput_samples_per_s"]) == 1
+    assert [s for s, _ in m["timeline/step_ms"]] == [1, 3]
+    summary = read_summary(os.path.join(trainer.logger.log_dir, "measure_summary.json"))
+    assert summary["samples_per_step"] == 2 * BATCH
+    assert summary["energy_source"] == "rapl:package-0"
+    traces = sorted(os.listdir(os.path.join(trainer.logger.log_dir, "timeline")))
+    assert [t for t in traces if t.endswith(".json")] == [
+        "step0000001_rank0.trace.json", "step0000001_rank1.trace.json",
+        "step0000003_rank0.trace.json", "step0000003_rank1.trace.json"]
