@@ -262,3 +262,10 @@ def shutdown() -> None:
     """Destroy the default group if it exists."""
     if is_initialized():
         dist.destroy_process_group()
+
+
+def all_gather_object(obj: object) -> list:
+    """Gather one picklable object from every rank on the default group; returns the list by rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

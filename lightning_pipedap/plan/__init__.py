@@ -1,0 +1,24 @@
+"""Planning (pure Python, no ``torch.distributed``): profiles, alpha-beta cost model, timeline
+simulator and planners that turn a profile into a :class:`~lightning_pipedap.schedule.Schedule`.
+
+Typical use::
+
+    from lightning_pipedap.plan import CostModel, get_planner, load_profile, simulate
+    prof = load_profile("resnet50")
+    cm = CostModel.from_allreduce(alpha_s=1.3e-3, beta_s_per_byte=6e-11)
+    sched = get_planner("optimal")(prof, cm, world_size=8)
+    print(sched.describe(), sched.predicted_iteration_s, simulate(prof, cm, sched).exposed_comm_s)
+"""
+
+from lightning_pipedap.plan.cost_model import AlphaBeta, CostModel, fit_alpha_beta, fit_cost_model, load_cost_model
+from lightning_pipedap.plan.planners import PLANNERS, get_planner
+from lightning_pipedap.plan.profile import (
+    LayerProfile, ModelProfile, load_profile, load_reference_profile, save_profile, shared_profiles_dir,
+)
+from lightning_pipedap.plan.simulator import Evaluator, LowerBounds, SimResult, lower_bounds, simulate
+
+__all__ = [
+    "AlphaBeta", "CostModel", "Evaluator", "LayerProfile", "LowerBounds", "ModelProfile", "PLANNERS", "SimResult",
+    "fit_alpha_beta", "fit_cost_model", "get_planner", "load_cost_model", "load_profile", "load_reference_profile",
+    "lower_bounds", "save_profile", "shared_profiles_dir", "simulate",
+]

@@ -1,0 +1,227 @@
+"""Helpers shared by the planners: contiguous tensor fusion, candidate fusions, op-list builders.
+
+Fusions here are *contiguous*: a fusion is given by the sorted start layers of its buckets
+(``starts[0] == 0``); bucket ``b`` holds layers ``starts[b] .. starts[b+1]-1`` (forward order).
+Op lists are built as integer codes (``3 * bucket + k``, k: 0 RS, 1 AG, 2 AR; see
+:func:`lightning_pipedap.plan.simulator.op_code`) and evaluated with
+:class:`~lightning_pipedap.plan.simulator.Evaluator`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, Sequence
+
+from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.simulator import Evaluator, code_op
+from lightning_pipedap.schedule import Schedule, fuse_by_size
+
+RS, AG, AR = 0, 1, 2
+Starts = tuple[int, ...]
+OpsBuilder = Callable[[Evaluator], list[int]]
+
+
+def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int) -> None:
+    """Validate the arguments every planner shares.
+
+    Raises:
+        ValueError: if ``world_size`` is not an int >= 1, disagrees with ``cost_model.meta['world_size']``,
+            or ``channels`` is not 1 or 2.
+        TypeError: if ``profile`` or ``cost_model`` has the wrong type.
+    """
+    if not isinstance(profile, ModelProfile):
+        raise TypeError(f"profile must be a ModelProfile, got {type(profile).__name__}")
+    if not isinstance(cost_model, CostModel):
+        raise TypeError(f"cost_model must be a CostModel, got {type(cost_model).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    ws = cost_model.meta.get("world_size")
+    if ws is not None and int(ws) != world_size:
+        raise ValueError(f"cost model was built for world size {ws}, but world_size={world_size}")
+    if channels not in (1, 2):
+        raise ValueError(f"channels must be 1 or 2, got {channels!r}")
+
+
+def buckets_of(starts: Starts, num_layers: int) -> tuple[tuple[int, ...], ...]:
+    """Buckets (tuples of layer indices) of a contiguous fusion given by its start layers."""
+    ends = list(starts[1:]) + [num_layers]
+    return tuple(tuple(range(s, e)) for s, e in zip(starts, ends))
+
+
+def starts_of(buckets: Sequence[Sequence[int]]) -> Starts:
+    """Start layers of contiguous buckets (inverse of :func:`buckets_of`)."""
+    return tuple(bk[0] for bk in buckets)
+
+
+def _prefix_bytes(profile: ModelProfile) -> list[int]:
+    pre = [0]
+    for l in profile.layers:
+        pre.append(pre[-1] + l.nbytes)
+    return pre
+
+
+def dp_backward_fusion(profile: ModelProfile, cost: Callable[[float], float]) -> Starts:
+    """Contiguous fusion that minimises the end of a channel running one op per bucket in backward order.
+
+    Exact dynamic program in O(L²): ``E[i]`` = least channel end time once layers ``i .. L-1`` are
+    reduced, ``E[L] = 0``, ``E[i] = min_{j>i} max(E[j], ready(i)) + cost(bytes(i..j-1))`` with
+    ``ready(i) = Σ_{k>=i} t_b(k)``. Optimal substructure holds because the end time of a bucket is
+    non-decreasing in the channel's free time (the recursion of MG-WFBP, Shi et al. INFOCOM 2019,
+    written for contiguous buckets). For WFBP (all-reduce per bucket) the iteration time is
+    ``max(Σ t_b, E[0]) + Σ t_f + t_update``, so this fusion is the best WFBP fusion.
+
+    Args:
+        profile: layers in forward order.
+        cost: seconds of the one op of a bucket of the given bytes.
+
+    Returns:
+        Bucket start layers.
+    """
+    L = profile.num_layers
+    pre = _prefix_bytes(profile)
+    suffix_tb = [0.0] * (L + 1)
+    for i in range(L - 1, -1, -1):
+        suffix_tb[i] = suffix_tb[i + 1] + profile.layers[i].t_b
+    E = [0.0] * (L + 1)
+    nxt = [L] * (L + 1)
+    for i in range(L - 1, -1, -1):
+        r = suffix_tb[i]
+        best, arg = math.inf, L
+        pi = pre[i]
+        for j in range(i + 1, L + 1):
+            e = E[j]
+            v = (e if e > r else r) + cost(pre[j] - pi)
+            if v < best:
+                best, arg = v, j
+        E[i], nxt[i] = best, arg
+    starts, i = [], 0
+    while i < L:
+        starts.append(i)
+        i = nxt[i]
+    return tuple(starts)
+
+
+def fusion_candidates(profile: ModelProfile, cost_model: CostModel, *, max_buckets: int = 512) -> list[Starts]:
+    """Candidate contiguous fusions, chosen from the profile and the cost model.
+
+    The candidates: one bucket per layer (when ``L <= max_buckets``), one bucket for the whole
+    model, the DP fusions of :func:`dp_backward_fusion` for all-reduce and for reduce-scatter costs,
+    and greedy size caps (:func:`lightning_pipedap.schedule.fuse_by_size`) at every power of two
+    from 4 KiB to the model size. Duplicates are removed; order is deterministic.
+    """
+    L = profile.num_layers
+    out: list[Starts] = []
+    if L <= max_buckets:
+        out.append(tuple(range(L)))
+    out.append((0,))
+    out.append(dp_backward_fusion(profile, cost_model.all_reduce))
+    out.append(dp_backward_fusion(profile, cost_model.reduce_scatter))
+    total = max(1, profile.total_bytes)
+    cap = 4096
+    sizes = profile.sizes_bytes
+    while cap < 2 * total:
+        out.append(starts_of(fuse_by_size(sizes, cap)))
+        cap *= 2
+    seen, uniq = set(), []
+    for s in out:
+        if s not in seen:
+            seen.add(s)
+            uniq.append(s)
+    return uniq
+
+
+def resolve_fusion(fusion: Any, profile: ModelProfile, cost_model: CostModel) -> list[Starts]:
+    """Turn a planner's ``fusion`` option into candidate fusions.
+
+    Args:
+        fusion: ``"auto"`` (every candidate of :func:`fusion_candidates`; the planner keeps the best),
+            ``"none"`` (one bucket per layer), ``"single"`` (one bucket), an int (greedy cap in bytes),
+            or explicit contiguous buckets (a sequence of tuples of layer indices).
+
+    Raises:
+        ValueError: for an unknown string, a non-positive cap or buckets that are not contiguous
+            in forward order and a partition of the layers.
+    """
+    L = profile.num_layers
+    if isinstance(fusion, str):
+        if fusion == "auto":
+            return fusion_candidates(profile, cost_model)
+        if fusion == "none":
+            return [tuple(range(L))]
+        if fusion == "single":
+            return [(0,)]
+        raise ValueError(f"unknown fusion {fusion!r}; valid: 'auto', 'none', 'single', a cap in bytes, or buckets")
+    if isinstance(fusion, bool):
+        raise ValueError(f"fusion must be 'auto', 'none', 'single', a cap in bytes or buckets, got {fusion!r}")
+    if isinstance(fusion, (int, float)):
+        if fusion <= 0:
+            raise ValueError(f"fusion cap must be > 0 bytes, got {fusion}")
+        return [starts_of(fuse_by_size(profile.sizes_bytes, int(fusion)))]
+    buckets = tuple(tuple(int(i) for i in bk) for bk in fusion)
+    flat = [i for bk in buckets for i in bk]
+    if flat != list(range(L)):
+        raise ValueError(
+            f"explicit fusion must list layers 0..{L - 1} in order as contiguous buckets; got {buckets[:5]}..."
+        )
+    if any(not bk for bk in buckets):
+        raise ValueError("explicit fusion has an empty bucket")
+    return [starts_of(buckets)]
+
+
+def merge_adjacent(ev: Evaluator, codes: list[int]) -> list[int]:
+    """Replace every ``RS(b)`` directly followed by ``AG(b)`` with ``AR(b)`` where that is cheaper.
+
+    Never makes the iteration slower: the AR waits for the same gradients as the RS, the channel
+    order is unchanged and the AR ends no later than the AG would have (op durations enter the
+    timeline only through ``max`` and ``+``, so shorter durations never delay anything).
+    """
+    out: list[int] = []
+    i, n = 0, len(codes)
+    cost = ev.cost
+    while i < n:
+        c = codes[i]
+        if c % 3 == RS and i + 1 < n and codes[i + 1] == c + 1 and cost[c + 2] < cost[c] + cost[c + 1]:
+            out.append(c + 2)
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return out
+
+
+def wfbp_codes(ev: Evaluator) -> list[int]:
+    """WFBP: one all-reduce per bucket in gradient-ready (backward) order ``B-1 .. 0``."""
+    return [3 * b + AR for b in range(ev.B - 1, -1, -1)]
+
+
+def dear_codes(ev: Evaluator) -> list[int]:
+    """DeAR: reduce-scatters in backward order, then all-gathers in forward order."""
+    return [3 * b + RS for b in range(ev.B - 1, -1, -1)] + [3 * b + AG for b in range(ev.B)]
+
+
+def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int], predicted: float | None = None) -> Schedule:
+    """Build, validate and return the :class:`Schedule` with its predicted iteration time."""
+    if predicted is None:
+        predicted = ev.period_codes(codes)
+    sched = Schedule(buckets=ev.buckets, ops=tuple(code_op(c) for c in codes), name=name,
+                     predicted_iteration_s=predicted)
+    return sched.validate(profile.num_layers)
+
+
+def best_over_fusions(profile: ModelProfile, cost_model: CostModel, channels: int, fusions: Iterable[Starts],
+                      builder: OpsBuilder) -> tuple[float, Evaluator, list[int]]:
+    """Evaluate ``builder`` on every fusion; return ``(iteration s, evaluator, codes)`` of the best.
+
+    Ties keep the earlier fusion (deterministic).
+    """
+    L = profile.num_layers
+    best: tuple[float, Evaluator, list[int]] | None = None
+    for st in fusions:
+        ev = Evaluator(profile, cost_model, buckets_of(st, L), channels)
+        codes = builder(ev)
+        p = ev.period_codes(codes)
+        if best is None or p < best[0]:
+            best = (p, ev, codes)
+    assert best is not None
+    return best

@@ -1,0 +1,36 @@
+"""No-overlap baseline: all communication after the backward, before the next forward.
+
+One bucket holds every layer and is reduced by one all-reduce (or RS + AG if that is cheaper), so
+the iteration time is ``Σ t_b + min(T_AR, T_RS + T_AG)(model bytes) + t_update + Σ t_f``: the best
+schedule that overlaps nothing (one bucket minimises the communication time, the alpha-beta cost
+being subadditive). This is the reference for speedups of the overlapping planners.
+"""
+
+from __future__ import annotations
+
+from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.planners._common import AG, AR, RS, check_common, finish
+from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.simulator import Evaluator
+from lightning_pipedap.schedule import Schedule
+
+
+def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, channels: int = 1) -> Schedule:
+    """One bucket, reduced after the whole backward.
+
+    Args:
+        profile: layers in forward order.
+        cost_model: op costs.
+        world_size: number of data-parallel workers (checked against ``cost_model.meta``).
+        channels: 1 or 2 communication channels for the prediction.
+
+    Returns:
+        The schedule, ``name="no_overlap"``, with ``predicted_iteration_s`` set.
+
+    Raises:
+        ValueError: see :func:`lightning_pipedap.plan.planners._common.check_common`.
+    """
+    check_common(profile, cost_model, world_size, channels)
+    ev = Evaluator(profile, cost_model, (tuple(range(profile.num_layers)),), channels)
+    codes = [AR] if ev.cost[AR] <= ev.cost[RS] + ev.cost[AG] else [RS, AG]
+    return finish("no_overlap", profile, ev, codes)
