@@ -52,6 +52,7 @@ from lightning_pipedap.engine.update import (
     snapshot_hparams,
     write_back_grads,
 )
+from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.plan import PLANNERS, CostModel, get_planner, load_cost_model
 from lightning_pipedap.profile.alpha_beta import measure_cost_model
 from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
@@ -267,7 +268,8 @@ class PipeDAPStrategy(DDPStrategy):
         self._aborted = False
         self._buffers_sync_next = True
         self._orig_clip: Optional[Callable] = None
-        self.timeline_enabled = False
+        self._timeline_enabled = False
+        self._records: list[OpRecord] = []
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
@@ -372,7 +374,7 @@ class PipeDAPStrategy(DDPStrategy):
         params = [self._params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine = CommEngine(self._comm, params, schedule, self.wait_timeout_s)
-        self._engine.timeline_enabled = self.timeline_enabled
+        self._engine.timeline_enabled = self._timeline_enabled
         self._updater = None
         self._triggers, self._root_buckets = {}, []
         if owners is not None:
@@ -584,7 +586,10 @@ class PipeDAPStrategy(DDPStrategy):
             self._recorder.backward_end()
         engine.finish_backward()
         if not self._deferring:
+            t0 = time.perf_counter()
             engine.wait_idle()
+            if self._timeline_enabled:
+                self._records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
             with torch.no_grad():
                 for b in range(engine.num_buckets):
                     write_back_grads(engine.wait_done(b))
@@ -647,13 +652,18 @@ class PipeDAPStrategy(DDPStrategy):
             for b in buckets:
                 if b not in pending.remaining:
                     continue
+                t0 = time.perf_counter()
                 if pending.clip is not None and pending.clip.algorithm == "norm" and pending.coef is None:
                     engine.wait_all_reduced()
                     sq = shard_sum_of_squares(engine.buckets, self._comm.rank)
                     total = C.all_reduce_scalar(sq, self.root_device) ** 0.5
                     pending.coef = clip_coefficient(total, pending.clip.value)
                 bucket = engine.wait_done(b)
+                t1 = time.perf_counter()
                 self._updater.step(bucket, pending.hparams, pending.clip, pending.coef)
+                if self._timeline_enabled:
+                    self._records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute"))
+                    self._records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))
                 pending.remaining.discard(b)
                 self.update_counts[where] += 1
         if not pending.remaining:
@@ -690,12 +700,28 @@ class PipeDAPStrategy(DDPStrategy):
         return super().optimizer_state(optimizer)
 
     # ------------------------------------------------------------------ timeline
-    def take_timeline(self) -> list[Any]:
-        """Op timings of the rounds run while ``timeline_enabled`` was set (see :class:`OpTiming`)."""
-        if self._engine is None:
-            return []
-        self._engine.timeline_enabled = self.timeline_enabled
-        return self._engine.take_timings()
+    @property
+    def timeline_enabled(self) -> bool:
+        """Record op timings (engine ops, waits on them, bucket updates) for :meth:`take_timeline`."""
+        return self._timeline_enabled
+
+    @timeline_enabled.setter
+    def timeline_enabled(self, value: bool) -> None:
+        self._timeline_enabled = bool(value)
+        if self._engine is not None:
+            self._engine.timeline_enabled = self._timeline_enabled
+
+    def take_timeline(self) -> list[OpRecord]:
+        """Return and clear the records taken while :attr:`timeline_enabled` was set.
+
+        RS/AG/AR records (lane ``comm``) come from the communication worker; ``wait`` records are
+        the time the training thread blocked on communication; ``update`` records are per-bucket
+        optimizer steps. Times are ``time.perf_counter()`` seconds (host issue times on CUDA).
+        """
+        out, self._records = self._records, []
+        if self._engine is not None:
+            out = as_op_records(self._engine.take_timings()) + out
+        return sorted(out, key=lambda r: r.start_s)
 
     # ------------------------------------------------------------------ teardown
     def on_exception(self, exception: BaseException) -> None:

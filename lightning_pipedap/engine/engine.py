@@ -261,6 +261,7 @@ class CommEngine:
                         return
                     if self._cuda:
                         self._stream.wait_event(self._ready_ev[b])
+                record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
                 t0 = time.perf_counter()
                 if op.kind is OpKind.REDUCE_SCATTER:
                     C.reduce_scatter_(buf, self.comm)
@@ -268,7 +269,7 @@ class CommEngine:
                     C.all_gather_(buf, self.comm)
                 else:
                     C.all_reduce_(buf, self.comm)
-                if self.timeline_enabled:
+                if record:
                     self._timings.append(OpTiming(op, t0, time.perf_counter()))
                 if op.kind is OpKind.ALL_GATHER:
                     if self._cuda:
