@@ -234,6 +234,8 @@ class PipeDAPStrategy(DDPStrategy):
         #: the next forward, the goal), "leftover" (start of backward: its module was not called in
         #: forward), "flush" (validation, checkpoint, end of training)
         self.update_counts = {"forward": 0, "leftover": 0, "flush": 0}
+        #: re-plans triggered by drift in the last ``fit``
+        self.replans_done = 0
         self._reset_runtime()
 
     def _reset_runtime(self) -> None:
@@ -264,7 +266,6 @@ class PipeDAPStrategy(DDPStrategy):
         self._t_backward_done: Optional[float] = None
         self._cost_model: Optional[CostModel] = None
         self._iter_starts: list[float] = []
-        self._replans = 0
         self._aborted = False
         self._buffers_sync_next = True
         self._orig_clip: Optional[Callable] = None
@@ -351,6 +352,7 @@ class PipeDAPStrategy(DDPStrategy):
             )
         self._params = params
         self.update_counts = {"forward": 0, "leftover": 0, "flush": 0}
+        self.replans_done = 0
         self._comm = C.new_comm_group(self.wait_timeout_s, int(self.ring_chunk_mb * 2**20))
         for p in params:
             self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -449,6 +451,12 @@ class PipeDAPStrategy(DDPStrategy):
                     self._comm, self.root_device, max_bytes=min(64 << 20, max(largest, 1 << 20)),
                     use_cache=self.cost_model_cache,
                 )
+        cm = self._cost_model
+        rank_zero_info(
+            "pipedap: α-β model "
+            + ", ".join(f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 8e9:.3f} ns/bit R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}"
+                        for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)))
+        )
         self._profiled, self._t_updates = [], []
         self._phase = "profile"
 
@@ -478,7 +486,7 @@ class PipeDAPStrategy(DDPStrategy):
         """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
         self._iter_starts.append(time.perf_counter())
         n = len(self._iter_starts)
-        if self.predicted_iteration_s is None or n <= self.replan_every or self._replans >= self.max_replans:
+        if self.predicted_iteration_s is None or n <= self.replan_every or self.replans_done >= self.max_replans:
             return
         if (n - 1) % self.replan_every:
             return
@@ -491,7 +499,7 @@ class PipeDAPStrategy(DDPStrategy):
                 f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "
                 f"{self.predicted_iteration_s * 1e3:.1f} ms (drift {drift:.0%} > {self.replan_margin:.0%}): re-planning"
             )
-            self._replans += 1
+            self.replans_done += 1
             self._apply_all("flush")
             self._start_profiling()
 

@@ -312,7 +312,17 @@ def _shared_dir(local: str) -> str:
     return C.broadcast_object(local, src=0) if C.is_initialized() else local
 
 
-SPECIAL = {"val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+def run_replan_case() -> dict[str, float]:
+    """A forced re-profile/re-plan in the middle of training keeps DDP parity."""
+    kw = {"opt": "adamw", "sched": "step"}
+    ref = train("mlp", kw, {}, "ddp")
+    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=1e-9, max_replans=1)
+    out = train("mlp", kw, {}, strategy)
+    return {"optimal": max_diff(out, ref), "replans": strategy.replans_done,
+            "predicted_ms": (strategy.predicted_iteration_s or 0) * 1e3}
+
+
+SPECIAL = {"replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 
 def main(out_path: str, names: list[str]) -> None:

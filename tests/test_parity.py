@@ -52,3 +52,12 @@ def test_resume_mid_epoch_equals_uninterrupted(parity_results):
     assert "error" not in res, res.get("error")
     assert res["ddp"] <= TOL  # the harness itself resumes exactly
     assert res["dear"] <= TOL
+
+
+@pytest.mark.multiprocess
+def test_replan_on_drift_keeps_parity(parity_results):
+    res = parity_results["replan_on_drift"]
+    assert "error" not in res, res.get("error")
+    assert res["replans"] == 1
+    assert res["predicted_ms"] > 0
+    assert res["optimal"] <= TOL
