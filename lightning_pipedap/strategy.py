@@ -600,7 +600,7 @@ class PipeDAPStrategy(DDPStrategy):
                 self._records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
             with torch.no_grad():
                 for b in range(engine.num_buckets):
-                    write_back_grads(engine.wait_done(b))
+                    write_back_grads(engine.wait_done(b), engine.used_flags(b))
             self._sync_device()
             self._t_backward_done = time.perf_counter()
 
@@ -668,7 +668,7 @@ class PipeDAPStrategy(DDPStrategy):
                     pending.coef = clip_coefficient(total, pending.clip.value)
                 bucket = engine.wait_done(b)
                 t1 = time.perf_counter()
-                self._updater.step(bucket, pending.hparams, pending.clip, pending.coef)
+                self._updater.step(bucket, pending.hparams, pending.clip, pending.coef, engine.used_flags(b))
                 if self._timeline_enabled:
                     self._records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute"))
                     self._records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))

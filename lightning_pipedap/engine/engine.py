@@ -184,6 +184,20 @@ class CommEngine:
             torch.cuda.current_stream().wait_event(self._done_ev[b])
         return self.buckets[b]
 
+    def used_flags(self, b: int) -> list[bool]:
+        """Which parameters of bucket ``b`` got a gradient on *any* rank in this round.
+
+        A parameter that got a local gradient is used without looking at the reduced flag, so the
+        host reads the reduced flags (a device sync on CUDA) only when some parameter of the bucket
+        got no local gradient.
+        """
+        bucket = self.buckets[b]
+        local = [self._got[i] for i in bucket.param_indices]
+        if all(local):
+            return local
+        reduced = (bucket.flags > 0).tolist()
+        return [l or r for l, r in zip(local, reduced)]
+
     def wait_all_reduced(self) -> None:
         """Block until every bucket's RS or AR has finished (each rank then holds its reduced shards)."""
         self._wait(self._all_reduced, "the last reduce-scatter/all-reduce of the round")

@@ -94,11 +94,13 @@ class BucketOptimizer:
                     per_group.setdefault(gi, []).append((slot, p))
             self._members.append(sorted(per_group.items()))
 
-    def step(self, bucket: FlatBucket, hparams: list[dict[str, Any]], clip: ClipRequest | None, coef: float | None) -> None:
+    def step(self, bucket: FlatBucket, hparams: list[dict[str, Any]], clip: ClipRequest | None, coef: float | None,
+             used: list[bool] | None = None) -> None:
         """Apply the update of ``bucket`` from its reduced gradients (call under ``torch.no_grad``).
 
         Args:
             bucket: a bucket whose AG/AR has finished.
+            used: per parameter, whether any rank produced a gradient (default: read the reduced flags).
             hparams: :func:`snapshot_hparams` taken at the step's ``optimizer_step``.
             clip: the step's clip request, or ``None``.
             coef: the global clip-by-norm coefficient (required when ``clip.algorithm == "norm"``).
@@ -106,7 +108,8 @@ class BucketOptimizer:
         members = self._members[bucket.index]
         if not members:
             return
-        used = (bucket.flags > 0).tolist()
+        if used is None:
+            used = (bucket.flags > 0).tolist()
         groups, saved = [], []
         for gi, slots in members:
             plist = []
@@ -135,12 +138,14 @@ class BucketOptimizer:
                 p.grad = g
 
 
-def write_back_grads(bucket: FlatBucket) -> None:
+def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None:
     """Sync mode: set each parameter's ``.grad`` to its reduced (averaged) gradient.
 
     Parameters that no rank produced a gradient for keep their ``.grad`` untouched (DDP semantics).
+    ``used`` (per parameter, any rank had a gradient) defaults to the reduced flags.
     """
-    used = (bucket.flags > 0).tolist()
+    if used is None:
+        used = (bucket.flags > 0).tolist()
     for slot, p in enumerate(bucket.params):
         if not used[slot]:
             continue
