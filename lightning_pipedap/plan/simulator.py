@@ -42,7 +42,6 @@ choice can communicate those bytes in less time (divided by the number of channe
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 

@@ -13,14 +13,21 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    sorted *suffix*. Prefixes tried: reduce-scatters in backward order with or without PipeDAP's gap
    filling, all-reduces in backward order, and all-reduce only where it saves a start-up; each cut
    at the last ``cut_window + 1`` positions before the backward ends (leaving a ready RS for later
-   can pay off when it would delay bucket 0). Adjacent RS + AG pairs become AR where cheaper.
+   can pay off when it would delay bucket 0); then, for fusions of at most 48 buckets, single ops
+   are greedily dropped from the best prefix into the suffix while that helps. Adjacent RS + AG
+   pairs become AR where cheaper.
 3. **Fusion hill climbing** from the best candidate fusions, with the structured op lists as inner
    solver: merge two adjacent buckets, move a boundary by 1, 4 or 16 layers, or split a bucket
    (after its first layer, before its last, or at a quarter, half or three quarters of its bytes).
-   First improvement; stops at a local optimum or after ``max_fusion_evals`` fusions.
-4. **Op-list polish** of the best schedule: move any op to any valid position, split an AR into
-   RS + AG, merge RS + AG into an AR (at either position). First improvement; stops at a local
-   optimum or after ``max_polish_evals`` evaluations.
+   First improvement; stops at a local optimum, after ``max_fusion_evals`` fusions, or once the
+   evaluated fusions hold ``max_fusion_work`` buckets in total (a size-aware cap: large models with
+   hundreds of buckets get fewer, costlier evaluations).
+4. **Op-list polish** of the incumbent and of the ``polish_fusions`` best fusions of stages 2-3
+   (a fusion whose structured op list is second best can polish into the best schedule, e.g. when
+   an all-gather must run early even though it delays later reduce-scatters): move any op to any
+   valid position, split an AR into RS + AG, merge RS + AG into an AR (at either position). First
+   improvement; each polish stops at a local optimum or after ``max_polish_evals`` evaluations, and
+   the stage stops once the evaluated op lists hold ``max_polish_work`` ops in total.
 5. **Exact branch and bound** when the model has at most ``exact_max_layers`` layers: every
    contiguous fusion, depth-first over op lists (every op kind at every step), pruned by (a) a lower
    bound (each unfinished bucket's earliest possible completion fed through the next forward, and,
@@ -46,7 +53,7 @@ from lightning_pipedap.plan.planners import no_overlap as _no_overlap
 from lightning_pipedap.plan.planners import pipedap as _pipedap
 from lightning_pipedap.plan.planners import wfbp as _wfbp
 from lightning_pipedap.plan.planners._common import (
-    AG, AR, RS, Starts, buckets_of, check_common, dp_backward_fusion, finish, fusion_candidates,
+    AG, AR, RS, Starts, buckets_of, check_common, dp_backward_fusion, finish,
     merge_adjacent, resolve_fusion, starts_of,
 )
 from lightning_pipedap.plan.planners.pipedap import pipedap_codes
@@ -113,27 +120,47 @@ def _start_times(ev: Evaluator, seq: Sequence[int]) -> list[float]:
     return out
 
 
-def structured_best(ev: Evaluator, cut_window: int = 6) -> tuple[float, list[int]]:
+def _compose(ev: Evaluator, prefix: Sequence[int]) -> list[int]:
+    status = [0] * ev.B
+    for c in prefix:
+        b, kk = divmod(c, 3)
+        status[b] = 2 if kk != RS else (1 if status[b] == 0 else 2)
+    return merge_adjacent(ev, list(prefix) + _suffix(ev, status))
+
+
+def structured_best(ev: Evaluator, cut_window: int = 6, drop_max_buckets: int = 48) -> tuple[float, list[int]]:
     """Best structured op list (stage 2 of the module docstring) for the evaluator's fusion.
+
+    After the cuts, when the fusion has at most ``drop_max_buckets`` buckets, single ops are
+    greedily dropped from the best prefix (moved to the sorted suffix) while that helps: the best
+    prefix need not be contiguous (e.g. a huge bucket's all-reduce first, smaller ready ones later).
 
     Returns:
         ``(iteration seconds, op codes)``.
     """
     Tb = ev.t_backward
-    best_p, best = math.inf, []
+    best_p, best, best_prefix = math.inf, [], []
     for seq in _prefixes(ev):
         starts = _start_times(ev, seq)
-        kmax = bisect.bisect_left(starts, Tb) if all(starts[i] <= starts[i + 1] for i in range(len(starts) - 1)) \
-            else sum(1 for s in starts if s < Tb)
+        kmax = sum(1 for x in starts if x < Tb)
         for k in range(kmax, max(-1, kmax - cut_window - 1), -1):
-            status = [0] * ev.B
-            for c in seq[:k]:
-                b, kk = divmod(c, 3)
-                status[b] = 2 if kk != RS else (1 if status[b] == 0 else 2)
-            codes = merge_adjacent(ev, seq[:k] + _suffix(ev, status))
+            codes = _compose(ev, seq[:k])
             p = ev.period_codes(codes)
             if p < best_p:
-                best_p, best = p, codes
+                best_p, best, best_prefix = p, codes, seq[:k]
+    if ev.B <= drop_max_buckets:
+        improved = True
+        while improved:
+            improved = False
+            for i, c in enumerate(best_prefix):
+                if c % 3 == RS and c + 1 in best_prefix:
+                    continue  # its all-gather is in the prefix too: dropping the RS alone is invalid
+                cand = best_prefix[:i] + best_prefix[i + 1:]
+                codes = _compose(ev, cand)
+                p = ev.period_codes(codes)
+                if p < best_p * (1 - _TOL):
+                    best_p, best, best_prefix, improved = p, codes, cand, True
+                    break
     return best_p, best
 
 
@@ -180,16 +207,23 @@ class _FusionSearch:
             hit = self.cache[starts] = (p, codes, ev)
         return hit
 
-    def climb(self, start: Starts, max_evals: int) -> tuple[float, Starts]:
+    def work(self) -> int:
+        """Buckets summed over the evaluated fusions (one structured search costs O(buckets))."""
+        return sum(len(st) for st in self.cache)
+
+    def climb(self, start: Starts, max_evals: int, max_work: int) -> tuple[float, Starts]:
         cur = start
         cur_p = self.evaluate(cur)[0]
         L = self.profile.num_layers
+        work = self.work()
         improved = True
-        while improved and len(self.cache) < max_evals:
+        while improved and len(self.cache) < max_evals and work < max_work:
             improved = False
             for nb in _fusion_neighbors(cur, L, self.pre):
-                if len(self.cache) >= max_evals and nb not in self.cache:
-                    break
+                if nb not in self.cache:
+                    if len(self.cache) >= max_evals or work >= max_work:
+                        break
+                    work += len(nb)
                 p = self.evaluate(nb)[0]
                 if p < cur_p * (1 - _TOL):
                     cur, cur_p, improved = nb, p, True
@@ -390,7 +424,8 @@ def exact_search(profile: ModelProfile, cost_model: CostModel, channels: int, up
 
 # ----------------------------------------------------------------------------------- planner
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
-         channels: int = 1, cut_window: int = 6, max_fusion_evals: int = 400, max_polish_evals: int = 3000,
+         channels: int = 1, cut_window: int = 6, max_fusion_evals: int = 400, max_fusion_work: int = 12_000,
+         max_polish_evals: int = 3000, polish_fusions: int = 4, max_polish_work: int = 2_000_000,
          exact_max_layers: int = 8, max_exact_nodes: int = 200_000) -> Schedule:
     """Search fusion, op order and op mode; never predicts worse than ``no_overlap``, ``wfbp``,
     ``dear`` or ``pipedap`` (they are evaluated and kept if best).
@@ -405,7 +440,11 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         channels: 1 or 2 communication channels.
         cut_window: prefix cuts tried per structured op list (stage 2), >= 0.
         max_fusion_evals: fusions evaluated by the hill climbing (stage 3), >= 1.
-        max_polish_evals: op lists evaluated by the polish (stage 4), >= 0.
+        max_fusion_work: stage 3 also stops once the fusions it evaluated hold this many buckets in
+            total (the cost of one evaluation grows with the bucket count), >= 0.
+        max_polish_evals: op lists evaluated per polished schedule (stage 4), >= 0.
+        polish_fusions: besides the incumbent, polish the best this many fusions of stages 2-3, >= 0.
+        max_polish_work: stage 4 stops once the evaluated op lists hold this many ops in total, >= 0.
         exact_max_layers: run the exact search (stage 5) when ``num_layers <= exact_max_layers``.
         max_exact_nodes: node budget of the exact search.
 
@@ -417,7 +456,9 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     """
     check_common(profile, cost_model, world_size, channels)
     for name, v, lo in (("cut_window", cut_window, 0), ("max_fusion_evals", max_fusion_evals, 1),
-                        ("max_polish_evals", max_polish_evals, 0), ("exact_max_layers", exact_max_layers, 0),
+                        ("max_fusion_work", max_fusion_work, 0),
+                        ("max_polish_evals", max_polish_evals, 0), ("polish_fusions", polish_fusions, 0),
+                        ("max_polish_work", max_polish_work, 0), ("exact_max_layers", exact_max_layers, 0),
                         ("max_exact_nodes", max_exact_nodes, 0)):
         if not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
@@ -443,17 +484,27 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     scored = sorted({st: search.evaluate(st)[0] for st in seeds}.items(), key=lambda kv: (kv[1], kv[0]))
     if not fixed:
         budget = len(search.cache) + max_fusion_evals
+        work_budget = search.work() + max_fusion_work
         for st, _ in scored[:3]:
-            search.climb(st, budget)
+            search.climb(st, budget, work_budget)
     st_best = min(search.cache, key=lambda s: (search.cache[s][0], s))
     p, codes, ev = search.cache[st_best]
     if p < best_p * (1 - _TOL):
         best_p, best_ev, best_codes = p, ev, codes
 
-    # stage 4
-    p, codes, _ = polish(best_ev, list(best_codes), max_polish_evals)
-    if p < best_p * (1 - _TOL):
-        best_p, best_codes = p, codes
+    # stage 4: polish the incumbent and the next best fusions of stages 2-3
+    ranked = sorted(search.cache.items(), key=lambda kv: (kv[1][0], kv[0]))
+    to_polish = [(best_ev, best_codes)] + [(ev, codes) for st, (_, codes, ev) in ranked[:polish_fusions]
+                                           if ev is not best_ev]
+    work_left = max_polish_work
+    for ev, codes in to_polish:
+        evals = min(max_polish_evals, work_left // max(1, len(codes)))
+        if evals <= 0:
+            break
+        p, codes, used = polish(ev, list(codes), evals)
+        work_left -= used * len(codes)
+        if p < best_p * (1 - _TOL):
+            best_p, best_ev, best_codes = p, ev, codes
 
     # stage 5
     if L <= exact_max_layers:
