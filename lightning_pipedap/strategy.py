@@ -75,9 +75,13 @@ _REJECTED_DDP_KWARGS = {
 _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
 
+# runtime schedule name -> planner name; a planner whose name is a fixed schedule gets "_tuned"
+_PLANNED = {(n if n not in BUILTIN_SCHEDULES else f"{n}_tuned"): n for n in PLANNERS}
+
+
 def valid_schedule_names() -> tuple[str, ...]:
     """Names accepted by ``PipeDAPStrategy(schedule=...)``: built-ins plus registered planners."""
-    return tuple(BUILTIN_SCHEDULES) + tuple(n for n in PLANNERS if n not in BUILTIN_SCHEDULES)
+    return tuple(BUILTIN_SCHEDULES) + tuple(_PLANNED.keys())
 
 
 @dataclass
@@ -114,8 +118,8 @@ class _DeferredStep:
 class PipeDAPStrategy(DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 
-    Each gradient bucket is reduce-scattered during backward and all-gathered later (with the
-    ``"dear"`` schedule: right after backward, in forward order), and its optimizer update is
+    Each gradient bucket is reduce-scattered during backward and all-gathered later (for example
+    right after backward, in forward order, with ``"dear"``), and its optimizer update is
     applied in the forward pre-hook of the module that first uses it in the next iteration, so
     communication overlaps both backward and forward (DeAR, Zhang et al., ICDCS 2023; PipeDAP,
     TETC 2025). Updates equal DDP's (tested to 1e-6 in fp32).
@@ -125,7 +129,8 @@ class PipeDAPStrategy(DDPStrategy):
             ``"dear"`` (RS in backward, AG before the next forward) and ``"allreduce"`` (WFBP: one
             all-reduce per bucket in backward). Planned schedules, from a profile measured during
             ``profile_steps`` warm-up steps and the α-β model of the live group: ``"optimal"``,
-            ``"pipedap"``, ``"wfbp"``, ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
+            ``"pipedap"``, ``"wfbp"``, ``"dear_tuned"`` (DeAR order, planned fusion) and
+            ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
         bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
         defer_update: apply updates in the next forward (True) or at the end of backward, as
             DDP does (False: sync mode; RS/AG still overlap backward).
@@ -160,7 +165,7 @@ class PipeDAPStrategy(DDPStrategy):
 
     def __init__(
         self,
-        schedule: str = "dear",
+        schedule: str = "optimal",
         bucket_cap_mb: float = 25.0,
         defer_update: bool = True,
         warmup_steps: int = 1,
@@ -470,7 +475,7 @@ class PipeDAPStrategy(DDPStrategy):
             layer_names = [names.get(id(self._owners[l[0]]), "<unused>") for l in self._layers]
             layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self._layers]
             profile = merge_steps(type(lm).__name__, layer_names, layer_bytes, self._profiled, self._t_updates)
-            schedule = get_planner(self.schedule_name)(profile, self._cost_model, self.world_size)
+            schedule = get_planner(_PLANNED[self.schedule_name])(profile, self._cost_model, self.world_size)
             no_overlap = profile.t_compute + profile.t_update + sum(
                 self._cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in schedule.buckets
             )

@@ -86,14 +86,15 @@ def _worker(args: argparse.Namespace) -> dict:
         if v == "ddp":
             strategy = "ddp"
         else:
-            strategy = lightning_pipedap.PipeDAPStrategy(schedule=v, bucket_cap_mb=args.bucket_mb)
+            strategy = lightning_pipedap.PipeDAPStrategy(schedule=v, bucket_cap_mb=args.bucket_mb, replan_every=10**6)
         timer = _StepTimer()
         trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, num_nodes=hosts, max_steps=args.steps + args.warmup,
                              logger=False, enable_checkpointing=False, enable_progress_bar=False,
                              enable_model_summary=False, callbacks=[timer])
         trainer.fit(model, DataLoader(ds, batch_size=args.batch, shuffle=False))
         d = [b - a for a, b in zip(timer.starts[:-1], timer.starts[1:])][args.warmup:]
-        out[v] = {"median_s": statistics.median(d), "steps": len(d)}
+        out[v] = {"median_s": statistics.median(d), "steps": len(d),
+                  "predicted_s": getattr(strategy, "predicted_iteration_s", None)}
     # compute-only reference: same model, forward+backward+step with no communication at all
     model = _make_model(args.width, args.depth)
     opt = model.configure_optimizers()
@@ -121,6 +122,7 @@ def _worker(args: argparse.Namespace) -> dict:
         ts.append(time.perf_counter() - t0)
     out["allreduce_only"] = {"median_s": statistics.median(ts[1:]), "steps": 3}
     out["params_M"] = nparams / 1e6
+    C.shutdown()  # destroy the default group before exit (gloo threads alive at exit can abort the process)
     return out
 
 
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--bucket-mb", type=float, default=4.0)
+    ap.add_argument("--bucket-mb", type=float, default=4.0, help="fusion cap of the fixed schedules (MiB)")
     ap.add_argument("--worker", action="store_true")
     args = ap.parse_args(argv)
     if args.worker:
@@ -158,10 +160,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{args.hosts} ranks, link {rate or 'uncapped'}, MLP {res['params_M']:.1f} M params, batch {args.batch}")
     print(f"compute-only {comp * 1e3:.0f} ms, all-reduce-only {comm * 1e3:.0f} ms, lower bound {bound * 1e3:.0f} ms")
     ddp = res.get("ddp", {}).get("median_s")
-    print(f"{'variant':12s} {'iter ms':>9s} {'vs ddp':>8s} {'/bound':>8s}")
+    print(f"{'variant':12s} {'iter ms':>9s} {'vs ddp':>8s} {'/bound':>8s} {'predicted':>10s} {'error':>7s}")
     for v in args.variants.split(","):
-        t = res[v]["median_s"]
-        print(f"{v:12s} {t * 1e3:9.0f} {(ddp / t if ddp else float('nan')):8.2f} {t / bound:8.2f}")
+        t, pred = res[v]["median_s"], res[v].get("predicted_s")
+        pr = f"{pred * 1e3:10.0f} {(t / pred - 1) * 100:6.1f}%" if pred else f"{'-':>10s} {'-':>7s}"
+        print(f"{v:12s} {t * 1e3:9.0f} {(ddp / t if ddp else float('nan')):8.2f} {t / bound:8.2f} {pr}")
 
 
 if __name__ == "__main__":
