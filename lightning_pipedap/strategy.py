@@ -269,6 +269,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._profiled: list[tuple[list[float], list[float]]] = []
         self._t_updates: list[float] = []
         self._t_backward_done: Optional[float] = None
+        self._t_step_end: Optional[float] = None
         self._cost_model: Optional[CostModel] = None
         self._iter_starts: list[float] = []
         self._aborted = False
@@ -547,6 +548,8 @@ class PipeDAPStrategy(DDPStrategy):
             self._sync_device()
             self._recorder = StepRecorder(self._layer_of_param, len(self._layers))
             self._recorder.forward_start()
+            if self._t_step_end is not None:
+                self._recorder.pre_gap = self._recorder.t_fwd0 - self._t_step_end
             for k in self._layer_of_module.get(id(self.lightning_module), ()):
                 self._recorder.layer_used(k)
         self._in_train_forward = True
@@ -637,7 +640,8 @@ class PipeDAPStrategy(DDPStrategy):
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
             if self._engine is not None:
                 self._sync_device()
-                self._after_sync_step(time.perf_counter())
+                self._t_step_end = time.perf_counter()
+                self._after_sync_step(self._t_step_end)
             return out
         self._check_drift()
         if self._updater is None:

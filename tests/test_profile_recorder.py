@@ -26,10 +26,13 @@ def _recorded(times):
 
 def test_step_recorder_segments_add_up():
     r = _recorded([0.0, 1.0, 3.0, 6.0, 10.0, 11.0, 12.5, 14.0, 14.5, 15.0, 16.0])
+    r.pre_gap = 0.5
     t_f, t_b = r.times()
-    assert t_f == [3.0, 3.0, 4.0]  # layer 0 also gets the 1 s before its first use
+    # layer 0 also gets the 1 s before its first use and the 0.5 s gap before the step;
+    # the last layer gets the 1 s between forward end and backward start
+    assert t_f == [3.5, 3.0, 5.0]
     assert t_b == [2.0, 1.5, 1.5]  # layer 0 also gets the 1 s after its gradients were ready
-    assert sum(t_f) == 10.0 and sum(t_b) == 5.0
+    assert sum(t_f) == 11.5 and sum(t_b) == 5.0
 
 
 def test_incomplete_step_is_an_error():

@@ -9,7 +9,11 @@ profiled step the strategy reports:
   post-accumulate-grad hook, ``backward_end()`` in ``post_backward``.
 
 Forward time of layer k is the time between its first use and the first use of the next layer
-(layer 0 also gets the time before it, the last layer the time until the forward returns).
+(layer 0 also gets the time before it and ``pre_gap``: the host work between the previous step's
+end and this forward, such as data loading and loop bookkeeping; the last layer gets the time until
+the forward returns and the work between forward and backward, such as ``zero_grad``). These
+serial host costs are real per-iteration compute that communication can overlap, so they belong in
+the profile.
 Backward time of layer k is the time between the moment the gradients of layers ``> k`` were all
 ready and the moment its own were (the rest of backward after layer 0 is added to layer 0). The
 segments add up to the measured forward and backward wall times exactly, which is what the timeline
@@ -52,6 +56,8 @@ class StepRecorder:
         self.f_first: list[float | None] = [None] * num_layers
         self.ready: list[float | None] = [None] * num_layers
         self.t_fwd0 = self.t_fwd1 = self.t_bwd0 = self.t_bwd1 = None
+        #: seconds of host work between the previous step's end and this step's forward
+        self.pre_gap = 0.0
 
     def forward_start(self) -> None:
         self.t_fwd0 = self.clock()
@@ -94,9 +100,10 @@ class StepRecorder:
             bounds = [t for t, _ in seen] + [self.t_fwd1]
             for j, (t, k) in enumerate(seen):
                 t_f[k] = max(0.0, bounds[j + 1] - t)
-            t_f[seen[0][1]] += max(0.0, seen[0][0] - self.t_fwd0)
+            t_f[seen[0][1]] += max(0.0, seen[0][0] - self.t_fwd0) + self.pre_gap
+            t_f[seen[-1][1]] += max(0.0, self.t_bwd0 - self.t_fwd1)
         elif L:
-            t_f[0] = self.t_fwd1 - self.t_fwd0
+            t_f[0] = self.t_fwd1 - self.t_fwd0 + self.pre_gap + max(0.0, self.t_bwd0 - self.t_fwd1)
         # backward: in backward order (last layer first), cumulative max of ready times
         t_b = [0.0] * L
         prev = self.t_bwd0

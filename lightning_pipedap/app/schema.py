@@ -1,0 +1,146 @@
+"""Structured-config schemas (dataclasses in Hydra's ConfigStore) and validation before launch.
+
+The YAML files of the ``strategy`` and ``scheduler`` groups extend these schemas through their
+defaults list (``- /schema/strategy/pipedap@_here_``), so Hydra rejects unknown keys and values of
+the wrong type while composing. Range and choice checks live in ``__post_init__`` and run in
+:func:`validate`, which converts the composed nodes to the dataclasses (``OmegaConf.to_object``)
+before anything is instantiated or any process is started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+#: Schedules that have a config file in ``conf/scheduler``. Which of them the installed strategy can
+#: run is :func:`lightning_pipedap.valid_schedule_names` (planners register themselves).
+SCHEDULER_NAMES = ("allreduce", "dear", "pipedap", "optimal")
+#: Lightning launcher start methods.
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class ConfigError(ValueError):
+    """An invalid config value, found before anything is instantiated or launched."""
+
+
+def _choice(what: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{what}={value!r} is not valid; valid choices: {', '.join(choices)}")
+
+
+def _positive(what: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{what}={value!r} must be a number > 0")
+
+
+@dataclass
+class SchedulerConf:
+    """``scheduler`` group: which communication schedule the pipedap strategy runs.
+
+    ``allreduce``: WFBP, one all-reduce per bucket in backward. ``dear``: reduce-scatter in backward,
+    all-gather before the next forward (DeAR, ICDCS 2023). ``pipedap`` and ``optimal``: planned
+    orders (PipeDAP, TETC 2025), available once their planners are installed.
+    """
+
+    name: str = "dear"
+
+    def __post_init__(self) -> None:
+        _choice("scheduler", self.name, SCHEDULER_NAMES)
+
+
+@dataclass
+class DDPStrategyConf:
+    """``strategy=ddp``: Lightning's ``DDPStrategy`` (all-reduce inside backward), the baseline."""
+
+    _target_: str = "lightning.pytorch.strategies.DDPStrategy"
+    start_method: str = "popen"
+    process_group_backend: Optional[str] = None
+    find_unused_parameters: bool = False
+
+    def __post_init__(self) -> None:
+        _choice("strategy.start_method", self.start_method, START_METHODS)
+
+
+@dataclass
+class PipeDAPStrategyConf:
+    """``strategy=pipedap``: :class:`lightning_pipedap.PipeDAPStrategy` (see its docstring for units)."""
+
+    _target_: str = "lightning_pipedap.PipeDAPStrategy"
+    schedule: str = "dear"
+    bucket_cap_mb: float = 25.0
+    defer_update: bool = True
+    warmup_steps: int = 1
+    wait_timeout_s: float = 300.0
+    ring_chunk_mb: float = 2.0
+    start_method: str = "popen"
+    process_group_backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from lightning_pipedap import valid_schedule_names  # noqa: PLC0415 (planners register on import)
+
+        _choice("strategy.schedule", self.schedule, tuple(valid_schedule_names()))
+        _positive("strategy.bucket_cap_mb", self.bucket_cap_mb)
+        _positive("strategy.wait_timeout_s", self.wait_timeout_s)
+        _positive("strategy.ring_chunk_mb", self.ring_chunk_mb)
+        if self.warmup_steps < 1:
+            raise ConfigError(f"strategy.warmup_steps={self.warmup_steps} must be >= 1")
+        _choice("strategy.start_method", self.start_method, START_METHODS)
+
+
+@dataclass
+class NamedStrategyConf:
+    """``strategy=auto``: a strategy given by its Lightning registry name (single process, debugging)."""
+
+    name: str = "auto"
+
+    def __post_init__(self) -> None:
+        from lightning.pytorch.strategies import StrategyRegistry  # noqa: PLC0415
+
+        _choice("strategy.name", self.name, ("auto", *StrategyRegistry.available_strategies()))
+
+
+_SCHEMAS = {
+    ("schema/strategy", "ddp"): DDPStrategyConf,
+    ("schema/strategy", "pipedap"): PipeDAPStrategyConf,
+    ("schema/strategy", "named"): NamedStrategyConf,
+    ("schema/scheduler", "scheduler"): SchedulerConf,
+}
+
+
+def register_configs() -> None:
+    """Store the schemas in Hydra's ConfigStore (idempotent; called when the app module is imported)."""
+    cs = ConfigStore.instance()
+    for (group, name), node in _SCHEMAS.items():
+        cs.store(group=group, name=name, node=node)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check the composed config before anything is instantiated or launched.
+
+    Converts ``cfg.scheduler`` and ``cfg.strategy`` to their schema dataclasses, which runs the range
+    and choice checks, and checks that every other group node is present.
+
+    Raises:
+        ConfigError: (a ``ValueError``) a bad value; the message names the key, the value and the
+            valid choices.
+    """
+    for key in ("model", "data", "strategy", "trainer"):
+        if key not in cfg or cfg[key] is None:
+            raise ConfigError(f"config group {key!r} is missing; choose one with {key}=<option>")
+    for key in ("scheduler", "strategy"):
+        node = cfg.get(key)
+        if node is None:
+            continue
+        if OmegaConf.get_type(node) is dict:
+            raise ConfigError(f"config {key!r} is not typed by a schema: its YAML must list "
+                             f"'/schema/{key}/<name>@_here_' in its defaults")
+        try:
+            OmegaConf.to_object(node)
+        except ConfigError:
+            raise
+        except Exception as e:  # OmegaConf may wrap errors raised in __post_init__
+            cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
+            raise ConfigError(str(cause or e)) from e

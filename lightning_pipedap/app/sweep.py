@@ -1,0 +1,234 @@
+"""Hydra callbacks for multiruns: validate every job before the first starts; summarise at the end.
+
+:class:`ValidateSweep` (``on_multirun_start``) expands the sweep (command-line overrides and
+``hydra.sweeper.params``, as Hydra's basic sweeper does), composes each job's config and runs
+:func:`lightning_pipedap.app.schema.validate` on it, so ``scheduler=dear,foo`` or
+``strategy.bucket_cap_mb=25,-1`` stops the sweep before any job or process starts.
+
+:class:`SweepSummary` (``on_multirun_end``) reads each job's ``results.json`` and writes, in the
+sweep directory, ``sweep_summary.csv``, ``sweep_summary.md`` and ``sweep_summary.png`` (bar charts of
+median iteration time, speedup and energy per step), and a TensorBoard run
+``<sweep_dir>/tensorboard`` with the same numbers as scalars (step = job number), the table as text
+and the chart as an image.
+
+Speedup of a job = median iteration time of the DDP job(s) with the same other overrides (all
+overrides except ``strategy``/``scheduler`` ones) divided by the job's median iteration time;
+DDP jobs therefore show about 1.0, and jobs without a matching DDP job show nothing.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import itertools
+import json
+import os
+import statistics
+import sys
+from typing import Any, Optional
+
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+#: Columns of the CSV and Markdown tables, in order.
+COLUMNS = ("job", "strategy", "schedule", "overrides", "processes", "val_acc", "iteration_ms",
+           "speedup_vs_ddp", "energy_J_per_step", "energy_kind", "fit_s")
+_STRATEGY_KEYS = ("strategy", "scheduler")
+
+
+def expand_sweep(overrides: list[str], sweeper_params: Optional[dict[str, Any]] = None) -> list[list[str]]:
+    """The per-job override lists of a basic-sweeper multirun (cartesian product, in Hydra's order:
+    ``hydra.sweeper.params`` first, then the command line; a later override of the same key wins).
+
+    Raises:
+        ValueError: an override that Hydra cannot parse (message from Hydra's parser).
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: PLC0415
+
+    lines = [f"{k}={v}" for k, v in (sweeper_params or {}).items()] + list(overrides)
+    parsed = OverridesParser.create().parse_overrides(lines)
+    by_key: dict[str, list[str]] = {}
+    for ov in parsed:
+        key = ov.get_key_element()
+        if ov.is_sweep_override():
+            if ov.is_discrete_sweep():
+                by_key[key] = [f"{key}={v}" for v in ov.sweep_string_iterator()]
+            else:  # interval sweeps need a sweeper plugin (e.g. Optuna); nothing to enumerate
+                by_key[key] = []
+        else:
+            by_key[key] = [f"{key}={ov.get_value_element_as_str()}"]
+    choices = [v for v in by_key.values() if v]
+    return [list(job) for job in itertools.product(*choices)]
+
+
+class ValidateSweep(Callback):
+    """Compose and validate every job of a basic-sweeper multirun before the first job starts.
+
+    Exceptions in Hydra callbacks only become warnings, so a failure ends the process with
+    ``SystemExit`` (exit status 1) and a message naming the job's overrides and the bad value.
+    Sweeps run by another sweeper (e.g. Optuna) choose their jobs on the fly and are not checked here;
+    each of their jobs is still validated before it starts.
+    """
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from hydra import compose  # noqa: PLC0415
+
+        from lightning_pipedap.app.schema import validate  # noqa: PLC0415
+
+        sweeper = config.hydra.get("sweeper", {})
+        if not str(sweeper.get("_target_", "")).endswith("BasicSweeper"):
+            return
+        params = {str(k): str(v) for k, v in (sweeper.get("params") or {}).items()}
+        jobs = expand_sweep(list(config.hydra.overrides.task), params)
+        for num, job in enumerate(jobs):
+            try:
+                cfg = compose(config_name=config.hydra.job.config_name, overrides=job)
+                validate(cfg)
+            except Exception as e:  # noqa: BLE001 (reported with the job's overrides, then exit)
+                msg = str(e).split("\nConfig search path")[0].strip()
+                print(f"Error in sweep job #{num} ({' '.join(job)}): {msg}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from e
+
+
+def read_results(sweep_dir: str) -> list[dict[str, Any]]:
+    """All ``<sweep_dir>/*/results.json`` of a sweep, sorted by job number."""
+    rows = []
+    for path in glob.glob(os.path.join(sweep_dir, "*", "results.json")):
+        with open(path) as f:
+            rows.append(json.load(f))
+    return sorted(rows, key=lambda r: r.get("job_num", 0))
+
+
+def _is_strategy_override(ov: str) -> bool:
+    key = ov.split("=", 1)[0].lstrip("+~")
+    return key.split(".", 1)[0].split("@", 1)[0] in _STRATEGY_KEYS
+
+
+def add_speedup(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add ``speedup_vs_ddp`` to each row (see the module docstring); ``None`` without a reference."""
+    def context(r: dict[str, Any]) -> tuple[str, ...]:
+        return tuple(sorted(o for o in r.get("overrides", []) if not _is_strategy_override(o)))
+
+    refs: dict[tuple[str, ...], list[float]] = {}
+    for r in rows:
+        if r.get("strategy") == "ddp" and r.get("iteration_ms"):
+            refs.setdefault(context(r), []).append(float(r["iteration_ms"]))
+    for r in rows:
+        ref = refs.get(context(r))
+        it = r.get("iteration_ms")
+        r["speedup_vs_ddp"] = statistics.median(ref) / float(it) if ref and it else None
+    return rows
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows restricted to :data:`COLUMNS` (overrides joined by spaces)."""
+    out = []
+    for r in rows:
+        out.append({
+            "job": r.get("job_num"), "strategy": r.get("strategy"), "schedule": r.get("schedule") or "",
+            "overrides": " ".join(r.get("overrides", [])), "processes": r.get("processes"),
+            "val_acc": r.get("val_acc"), "iteration_ms": r.get("iteration_ms"),
+            "speedup_vs_ddp": r.get("speedup_vs_ddp"), "energy_J_per_step": r.get("energy_J_per_step"),
+            "energy_kind": r.get("energy_kind") or "", "fit_s": r.get("fit_s"),
+        })
+    return out
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """A GitHub-flavoured Markdown table of :func:`table_rows` output."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
+    """PNG with one bar panel per quantity (iteration time, speedup, energy when present)."""
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    panels = [("iteration_ms", "median iteration time (ms)"), ("speedup_vs_ddp", "speedup vs DDP"),
+              ("energy_J_per_step", "energy per step (J)")]
+    panels = [p for p in panels if any(r[p[0]] is not None for r in rows)] or panels[:1]
+    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}" for r in rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), squeeze=False)
+    for ax, (key, title) in zip(axes[0], panels):
+        vals = [r[key] if r[key] is not None else 0.0 for r in rows]
+        ax.barh(range(len(rows)), vals, color=["#888888" if r["strategy"] == "ddp" else "#1f77b4" for r in rows])
+        ax.set_yticks(range(len(rows)), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10)
+        if key == "speedup_vs_ddp":
+            ax.axvline(1.0, color="k", lw=0.8, ls="--")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_summary(sweep_dir: str, tensorboard: bool = True) -> Optional[dict[str, str]]:
+    """Write the sweep summary files into ``sweep_dir``; return their paths, or ``None`` when no job
+    wrote ``results.json``."""
+    rows = read_results(sweep_dir)
+    if not rows:
+        return None
+    rows = table_rows(add_speedup(rows))
+    paths = {k: os.path.join(sweep_dir, f"sweep_summary.{k}") for k in ("csv", "md", "png")}
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    md = markdown_table(rows)
+    with open(paths["md"], "w") as f:
+        f.write(md)
+    bar_chart(rows, paths["png"])
+    if tensorboard:
+        paths["tensorboard"] = _write_tensorboard(rows, md, paths["png"], os.path.join(sweep_dir, "tensorboard"))
+    return paths
+
+
+def _write_tensorboard(rows: list[dict[str, Any]], md: str, png: str, logdir: str) -> str:
+    import matplotlib.image as mpimg  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+    from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415
+
+    with SummaryWriter(logdir) as w:
+        for r in rows:
+            for key in ("iteration_ms", "speedup_vs_ddp", "energy_J_per_step", "val_acc"):
+                if r[key] is not None:
+                    w.add_scalar(f"sweep/{key}", float(r[key]), global_step=int(r["job"]))
+        w.add_text("sweep/table", md)
+        img = mpimg.imread(png)[..., :3]
+        w.add_image("sweep/bar_chart", np.ascontiguousarray(img), dataformats="HWC")
+    return logdir
+
+
+class SweepSummary(Callback):
+    """Write the sweep summary (see :func:`write_summary`) at the end of a multirun.
+
+    Args:
+        tensorboard: also write the TensorBoard run ``<sweep_dir>/tensorboard``.
+    """
+
+    def __init__(self, tensorboard: bool = True) -> None:
+        self.tensorboard = tensorboard
+        self._sweep_dir: Optional[str] = None
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._sweep_dir = os.path.abspath(str(config.hydra.sweep.dir))  # resolve ${now:...} once
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        sweep_dir = self._sweep_dir or os.path.abspath(str(config.hydra.sweep.dir))
+        paths = write_summary(sweep_dir, self.tensorboard)
+        if paths is None:
+            print(f"sweep summary: no results.json under {sweep_dir}", flush=True)
+            return
+        print(f"sweep summary: {paths['md']}\n{open(paths['md']).read()}", flush=True)

@@ -1,0 +1,230 @@
+"""Entry point: ``pipedap-train`` or ``python -m lightning_pipedap.app.train`` (Hydra app).
+
+With no arguments it trains the digits CNN on scikit-learn's digits with ``strategy=pipedap``
+(schedule ``dear``) on 2 CPU processes and prints a short summary. Everything is created from the
+config in ``conf/`` (repository root) with ``hydra.utils.instantiate``; see ``conf/train.yaml``.
+
+Examples::
+
+    pipedap-train                                   # the default experiment
+    pipedap-train strategy=ddp                      # the DDP baseline
+    pipedap-train -m strategy=ddp,pipedap scheduler=allreduce,dear trainer.max_epochs=2
+
+Each job writes ``results.json`` (metrics, median iteration time, energy, paths) in its output
+directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+import lightning.pytorch as pl
+import torch
+from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
+from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
+from lightning_pipedap.app.schema import ConfigError, register_configs, validate
+
+#: ``conf/`` at the repository root, as an absolute path computed from this file: Hydra would read a
+#: relative path as a package path when the app runs as the ``pipedap-train`` console script.
+#: Works from a checkout and with ``pip install -e .`` (a wheel does not carry ``conf/``).
+CONFIG_PATH = str(Path(__file__).resolve().parents[2] / "conf")
+RESULTS_FILE = "results.json"
+MEASURE_FILE = "measure_summary.json"
+
+register_configs()
+
+
+def _instantiate_group(node: Optional[DictConfig]) -> list[Any]:
+    """Instantiate every entry with a ``_target_`` of a keyed group (callbacks, logger)."""
+    if not node:
+        return []
+    return [hydra.utils.instantiate(v) for v in node.values() if isinstance(v, DictConfig) and "_target_" in v]
+
+
+def build_strategy(cfg: DictConfig, multirun: bool) -> Any:
+    """The Trainer's ``strategy`` argument: an instance from ``cfg.strategy._target_`` (with the
+    start method adapted under multirun, see :mod:`lightning_pipedap.app.launch`), or a registry name."""
+    node = cfg.strategy
+    if "_target_" not in node:
+        return named_strategy_for(node.name, multirun)
+    kwargs = {}
+    if "start_method" in node:
+        kwargs["start_method"] = start_method_for(node.start_method, multirun)
+    return hydra.utils.instantiate(node, **kwargs)
+
+
+def strategy_label(cfg: DictConfig) -> tuple[str, Optional[str]]:
+    """``(name, schedule)`` for summaries: ``("ddp", None)``, ``("pipedap", "dear")``, ``("auto", None)``."""
+    node = cfg.strategy
+    if "_target_" not in node:
+        return str(node.name), None
+    target = str(node._target_)
+    if target.endswith("PipeDAPStrategy"):
+        return "pipedap", str(node.schedule)
+    if target.endswith("DDPStrategy"):
+        return "ddp", None
+    return target.rsplit(".", 1)[-1], None
+
+
+def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
+    out = {}
+    for k, v in trainer.callback_metrics.items():
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            out[k] = float(v)
+        elif isinstance(v, (int, float)):
+            out[k] = float(v)
+    return out
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s: float) -> dict[str, Any]:
+    """The job's results (written to ``results.json``): metrics from ``trainer.callback_metrics``,
+    iteration time and energy from the measure callbacks' ``measure_summary.json`` (when present)."""
+    metrics = _scalar_metrics(trainer)
+    measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
+    name, schedule = strategy_label(cfg)
+    hc = HydraConfig.get() if HydraConfig.initialized() else None
+    tb_dirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+    it_s = measure.get("iteration_s")
+    res: dict[str, Any] = {
+        "job_num": int(hc.job.num) if hc is not None and hc.job.get("num") is not None else 0,
+        "overrides": list(hc.overrides.task) if hc is not None else [],
+        "strategy": name,
+        "schedule": schedule,
+        "model": str(cfg.model.get("net", {}).get("_target_", cfg.model._target_)).rsplit(".", 1)[-1],
+        "processes": int(trainer.world_size),
+        "accelerator": str(cfg.trainer.get("accelerator", "")),
+        "fit_s": fit_s,
+        "val_acc": metrics.get("val/acc"),
+        "val_loss": metrics.get("val/loss"),
+        "iteration_ms": None if it_s is None else 1000.0 * float(it_s),
+        "throughput_samples_per_s": measure.get("throughput_samples_per_s"),
+        "energy_J_per_step": measure.get("energy_J_per_step"),
+        "energy_J_per_sample": measure.get("energy_J_per_sample"),
+        "energy_total_J": measure.get("energy_total_J"),
+        "energy_kind": measure.get("energy_kind"),
+        "speedup_vs_reference": None,
+        "metrics": metrics,
+        "output_dir": output_dir,
+        "tensorboard_dir": tb_dirs[0] if tb_dirs else None,
+    }
+    ref_file = OmegaConf.select(cfg, "callbacks.speedup.reference_file")
+    if ref_file and res["iteration_ms"]:
+        ref_s = _read_json(str(ref_file)).get("iteration_s")
+        if ref_s:
+            res["speedup_vs_reference"] = 1000.0 * float(ref_s) / res["iteration_ms"]
+    return res
+
+
+def _fmt(v: Any, spec: str, unit: str = "") -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{unit}"
+
+
+def format_summary(res: dict[str, Any]) -> str:
+    """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
+    sched = f" (schedule {res['schedule']})" if res.get("schedule") else ""
+    if res.get("speedup_vs_reference") is not None:
+        speed = f"{res['speedup_vs_reference']:.3f}x vs the reference run"
+    else:
+        speed = "n/a in a single run: sweep `-m strategy=ddp,pipedap` for speedup vs DDP"
+    energy = "n/a (callbacks.energy not enabled)"
+    if res.get("energy_J_per_step") is not None:
+        per_sample = _fmt(res.get("energy_J_per_sample"), ".3g")
+        energy = f"{res['energy_J_per_step']:.3g} J/step, {per_sample} J/sample ({res.get('energy_kind')})"
+    it = _fmt(res.get("iteration_ms"), ".2f", " ms median")
+    if res.get("throughput_samples_per_s"):
+        it += f", {res['throughput_samples_per_s']:.0f} samples/s"
+    lines = [
+        f"strategy        {res['strategy']}{sched}, {res['processes']} process(es), {res['accelerator']}",
+        f"val/acc         {_fmt(res.get('val_acc'), '.4f')}   val/loss {_fmt(res.get('val_loss'), '.4f')}",
+        f"iteration time  {it}",
+        f"speedup         {speed}",
+        f"energy          {energy}",
+        f"fit time        {res['fit_s']:.1f} s",
+        f"TensorBoard     tensorboard --logdir {res.get('tensorboard_dir') or res['output_dir']}",
+        f"results         {os.path.join(res['output_dir'], RESULTS_FILE)}",
+    ]
+    bar = "-" * 72
+    return "\n".join([bar, f"pipedap-train summary ({res['model']})", bar, *lines, bar])
+
+
+def lookup_metric(res: dict[str, Any], name: Optional[str]) -> Optional[float]:
+    """Value of ``name`` in the results (top level first, then the logged metrics), or ``None``."""
+    if not name:
+        return None
+    v = res.get(name, res["metrics"].get(name))
+    return None if v is None else float(v)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Validate ``cfg``, build everything with ``hydra.utils.instantiate``, fit, and (on global rank 0)
+    write ``results.json`` and print the summary. Returns the results dict (``{}`` on other ranks).
+
+    Raises:
+        ValueError: an invalid config value (before any process is started).
+    """
+    validate(cfg)
+    multirun = in_multirun()
+    output_dir = os.path.abspath(str(cfg.paths.output_dir))
+    pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
+
+    datamodule = hydra.utils.instantiate(cfg.data)
+    model = hydra.utils.instantiate(cfg.model)
+    callbacks = _instantiate_group(cfg.get("callbacks"))
+    loggers = _instantiate_group(cfg.get("logger"))
+    strategy = build_strategy(cfg, multirun)
+    trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
+                                                  logger=loggers or False)
+
+    with distributed_env():
+        t0 = time.perf_counter()
+        trainer.fit(model, datamodule=datamodule)
+        fit_s = time.perf_counter() - t0
+
+    if trainer.global_rank != 0:
+        return {}
+    res = collect_results(cfg, trainer, output_dir, fit_s)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+        json.dump(res, f, indent=2)
+    if cfg.get("print_summary", True):
+        print(format_summary(res), flush=True)
+    return res
+
+
+@hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
+def main(cfg: DictConfig) -> Optional[float]:
+    """Hydra entry point; returns ``cfg.optimized_metric`` of the run (for sweepers such as Optuna).
+
+    An invalid config value ends the process with status 2 and a one-line message (no traceback).
+    """
+    try:
+        res = train(cfg)
+    except ConfigError as e:
+        overrides = " ".join(HydraConfig.get().overrides.task) if HydraConfig.initialized() else ""
+        print(f"Invalid config ({overrides or 'no overrides'}): {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    return lookup_metric(res, cfg.get("optimized_metric")) if res else None
+
+
+if __name__ == "__main__":
+    main()

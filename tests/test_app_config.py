@@ -1,0 +1,162 @@
+"""Config composition and validation of the Hydra app (in-process, no training)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+from omegaconf import OmegaConf
+
+from lightning_pipedap.app.launch import DIST_ENV_VARS, distributed_env, named_strategy_for, start_method_for
+from lightning_pipedap.app.schema import ConfigError, validate
+from lightning_pipedap.app.sweep import expand_sweep
+from lightning_pipedap.app.train import CONFIG_PATH, strategy_label
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=CONFIG_PATH, version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def test_default_config_is_digits_pipedap_on_two_cpu_processes():
+    cfg = _compose()
+    validate(cfg)
+    assert cfg.model.net._target_ == "lightning_pipedap.models.DigitsCNN"
+    assert cfg.data._target_ == "lightning_pipedap.data.DigitsDataModule"
+    assert cfg.strategy._target_ == "lightning_pipedap.PipeDAPStrategy"
+    assert cfg.strategy.schedule == "dear"  # interpolated from the scheduler group
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == ("cpu", 2, 1)
+    assert strategy_label(cfg) == ("pipedap", "dear")
+
+
+def test_scheduler_group_sets_strategy_schedule():
+    cfg = _compose("scheduler=allreduce")
+    assert cfg.strategy.schedule == "allreduce"
+    assert strategy_label(_compose("strategy=ddp")) == ("ddp", None)
+
+
+def test_unknown_group_option_names_valid_choices():
+    with pytest.raises(MissingConfigException) as e:
+        _compose("scheduler=foo")
+    msg = str(e.value)
+    assert "scheduler/foo" in msg
+    for name in ("allreduce", "dear", "pipedap", "optimal"):
+        assert name in msg
+
+
+def test_unknown_strategy_key_fails_at_compose():
+    # the ddp schema has no bucket_cap_mb: a typo or a pipedap-only key is caught by the schema
+    with pytest.raises(Exception, match="bucket_cap_mb"):
+        _compose("strategy=ddp", "strategy.bucket_cap_mb=3")
+
+
+def test_wrong_type_fails_at_compose():
+    with pytest.raises(Exception, match="bucket_cap_mb"):
+        _compose("strategy.bucket_cap_mb=abc")
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb=-1.0 must be a number > 0"),
+    ("strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb=0.0 must be a number > 0"),
+    ("strategy.wait_timeout_s=0", "strategy.wait_timeout_s"),
+    ("strategy.warmup_steps=0", "strategy.warmup_steps=0 must be >= 1"),
+    ("strategy.start_method=thread", "valid choices: popen, spawn, fork, forkserver"),
+    ("strategy.schedule=nope", "strategy.schedule='nope' is not valid; valid choices: allreduce, dear"),
+])
+def test_bad_values_fail_validation_with_choices(override, needle):
+    cfg = _compose(override)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert needle in str(e.value)
+
+
+def test_schedule_choices_follow_the_installed_strategy():
+    import lightning_pipedap
+
+    for name in ("allreduce", "dear", "pipedap", "optimal"):
+        cfg = _compose(f"scheduler={name}")
+        if name in lightning_pipedap.valid_schedule_names():
+            validate(cfg)
+        else:
+            with pytest.raises(ConfigError, match=f"'{name}' is not valid"):
+                validate(cfg)
+
+
+def test_default_callbacks_exist_and_every_callback_config_resolves():
+    cfg = _compose()
+    targets = {k: v._target_ for k, v in cfg.callbacks.items()}
+    assert "model_checkpoint" in targets
+    for name, target in targets.items():
+        mod, _, cls = target.rpartition(".")
+        assert hasattr(importlib.import_module(mod), cls), f"callbacks.{name}: {target} does not exist"
+    measure = importlib.import_module("lightning_pipedap.measure.callbacks")
+    for key, cls in (("speedup", "SpeedupMonitor"), ("energy", "EnergyMonitor"), ("comm_timeline", "CommTimeline")):
+        assert (key in targets) == hasattr(measure, cls)
+
+
+def test_every_experiment_composes_and_validates():
+    exp_dir = os.path.join(CONFIG_PATH, "experiment")
+    names = sorted(f[:-5] for f in os.listdir(exp_dir) if f.endswith(".yaml"))
+    assert {"digits", "gpt_stdlib", "bert_stdlib", "resnet18_synthetic", "compare_schedules"} <= set(names)
+    for name in names:
+        cfg = _compose(f"experiment={name}")
+        validate(cfg)
+    cfg = _compose("experiment=resnet50_synthetic")
+    assert cfg.model.net._target_.endswith("resnet50") and cfg.data._target_.endswith("SyntheticImagesDataModule")
+
+
+def test_callbacks_none_builds_no_callbacks():
+    from lightning_pipedap.app.train import _instantiate_group
+
+    assert _instantiate_group(_compose("callbacks=none").get("callbacks")) == []
+
+
+def test_trainer_and_logger_groups():
+    cfg = _compose("trainer=multi_node", "logger=[tensorboard,csv]")
+    assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == ("gpu", 8, 2)
+    assert set(cfg.logger) == {"tensorboard", "csv"}
+
+
+def test_expand_sweep_matches_basic_sweeper_order():
+    jobs = expand_sweep(["strategy=ddp,pipedap", "trainer.max_epochs=1", "scheduler=allreduce,dear"])
+    assert jobs == [
+        ["strategy=ddp", "trainer.max_epochs=1", "scheduler=allreduce"],
+        ["strategy=ddp", "trainer.max_epochs=1", "scheduler=dear"],
+        ["strategy=pipedap", "trainer.max_epochs=1", "scheduler=allreduce"],
+        ["strategy=pipedap", "trainer.max_epochs=1", "scheduler=dear"],
+    ]
+    # hydra.sweeper.params come first; a command-line override of the same key replaces them
+    assert expand_sweep(["seed=1"], {"seed": "3,4", "x": "range(2)"}) == [["seed=1", "x=0"], ["seed=1", "x=1"]]
+
+
+def test_start_method_under_multirun():
+    assert start_method_for("popen", multirun=True) == "spawn"
+    assert start_method_for("popen", multirun=False) == "popen"
+    assert start_method_for("fork", multirun=True) == "fork"
+    assert named_strategy_for("ddp", multirun=True) == "ddp_spawn"
+    assert named_strategy_for("auto", multirun=True) == "auto"
+
+
+def test_distributed_env_sets_a_port_and_restores(monkeypatch):
+    for k in DIST_ENV_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NODE_RANK", "0")
+    with distributed_env() as info:
+        assert os.environ["MASTER_PORT"] == str(info["master_port"]) and 1024 <= info["master_port"] <= 65535
+        os.environ["LOCAL_RANK"] = "0"  # what Lightning's launcher leaves behind
+        os.environ["NODE_RANK"] = "5"
+    assert "MASTER_PORT" not in os.environ and "LOCAL_RANK" not in os.environ
+    assert os.environ["NODE_RANK"] == "0"
+    # started by an external launcher (torchrun, or Lightning's popen for rank > 0): no new port
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with distributed_env() as info:
+        assert info["master_port"] is None and "MASTER_PORT" not in os.environ
+
+
+def test_schema_types_the_strategy_node():
+    cfg = _compose()
+    obj = OmegaConf.to_object(cfg.strategy)
+    assert type(obj).__name__ == "PipeDAPStrategyConf" and obj.bucket_cap_mb == 25.0

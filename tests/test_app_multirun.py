@@ -1,0 +1,113 @@
+"""The Hydra app end to end in subprocesses: fail-fast validation, and 2-job x 2-rank multiruns that
+finish, write their job directories and the sweep summary, and leave no process behind."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.multiprocess
+
+
+def _run(args, cwd, timeout=300):
+    marker = uuid.uuid4().hex
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PIPEDAP_TEST_MARKER=marker, HYDRA_FULL_ERROR="0")
+    for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "lightning_pipedap.app.train", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    return proc, marker
+
+
+def _processes_with(marker):
+    """PIDs of live processes whose environment carries ``marker`` (children inherit it)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if f"PIPEDAP_TEST_MARKER={marker}".encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
+def test_bad_value_fails_before_any_process(tmp_path):
+    proc, marker = _run(["strategy.bucket_cap_mb=-1", f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "strategy.bucket_cap_mb=-1.0 must be a number > 0" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    assert not os.path.exists(tmp_path / "run" / "results.json")
+
+
+def test_bad_sweep_value_stops_the_sweep_before_the_first_job(tmp_path):
+    proc, _ = _run(["-m", "scheduler=dear,foo", f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path, timeout=120)
+    assert proc.returncode == 1
+    assert "Error in sweep job #1 (scheduler=foo)" in proc.stderr
+    assert "Available options in 'scheduler'" in proc.stderr and "allreduce" in proc.stderr
+    assert not os.path.exists(tmp_path / "sweep" / "0")
+
+
+TINY = ["data.limit=192", "data.batch_size=16", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
+        "callbacks.speedup.warmup_steps=1", "callbacks.speedup.window_steps=2", "~callbacks.comm_timeline"]
+
+
+def _check_sweep(tmp_path, proc, marker, strategies):
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    sweep = tmp_path / "sweep"
+    assert sorted(os.listdir(tmp_path)) == ["sweep"]  # nothing written outside the sweep dir
+    assert {"0", "1", "sweep_summary.csv", "sweep_summary.md", "sweep_summary.png", "tensorboard"} <= set(os.listdir(sweep))
+    for job in ("0", "1"):
+        res = json.loads((sweep / job / "results.json").read_text())
+        assert res["processes"] == 2 and res["strategy"] == strategies[int(job)]
+        assert res["output_dir"] == str(sweep / job)
+        assert 0.0 <= res["val_acc"] <= 1.0 and res["iteration_ms"] > 0
+        assert os.path.isdir(sweep / job / "tensorboard") and os.listdir(sweep / job / "checkpoints")
+    with open(sweep / "sweep_summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["job"] for r in rows] == ["0", "1"]
+    assert out.count("All distributed processes registered. Starting with 2 processes") == 2
+    assert _processes_with(marker) == []
+
+
+def test_multirun_two_jobs_two_ranks_ddp(tmp_path):
+    proc, marker = _run(["-m", "strategy=ddp", "scheduler=allreduce,dear", *TINY,
+                         f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    _check_sweep(tmp_path, proc, marker, ["ddp", "ddp"])
+    with open(tmp_path / "sweep" / "sweep_summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    # both jobs are DDP with the same other overrides: speedup = median of the two / own time
+    its = [float(r["iteration_ms"]) for r in rows]
+    assert [float(r["speedup_vs_ddp"]) for r in rows] == pytest.approx([sum(its) / 2 / t for t in its])
+
+
+def _pipedap_registered() -> bool:
+    try:
+        import lightning_pipedap  # noqa: F401
+        from lightning.pytorch.strategies import StrategyRegistry
+    except Exception:  # noqa: BLE001
+        return False
+    return "pipedap" in StrategyRegistry
+
+
+@pytest.mark.skipif(not _pipedap_registered(), reason="`import lightning_pipedap` does not register 'pipedap' yet")
+def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
+    # two pipedap jobs back to back in one Hydra process: the second must start its own ranks again
+    proc, marker = _run(["-m", "strategy=pipedap", "scheduler=allreduce,dear", *TINY,
+                         f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
+    _check_sweep(tmp_path, proc, marker, ["pipedap", "pipedap"])
+    res = [json.loads((tmp_path / "sweep" / j / "results.json").read_text()) for j in ("0", "1")]
+    assert [r["schedule"] for r in res] == ["allreduce", "dear"]
+    # same seed and data: both schedules apply the same averaged gradients, so the same model
+    assert res[1]["val_acc"] == pytest.approx(res[0]["val_acc"], abs=1e-6)
+    assert res[1]["val_loss"] == pytest.approx(res[0]["val_loss"], rel=1e-5)

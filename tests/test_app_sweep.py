@@ -1,0 +1,61 @@
+"""Sweep summary (pure: fake results.json files, hand-computed speedups)."""
+
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+
+from lightning_pipedap.app.sweep import add_speedup, markdown_table, table_rows, write_summary
+
+
+def _job(root, num, strategy, schedule, overrides, it_ms, energy=None):
+    d = os.path.join(root, str(num))
+    os.makedirs(d)
+    res = {"job_num": num, "strategy": strategy, "schedule": schedule, "overrides": overrides, "processes": 2,
+           "val_acc": 0.9, "iteration_ms": it_ms, "energy_J_per_step": energy, "energy_kind": "estimated" if energy else None,
+           "fit_s": 1.0, "metrics": {}}
+    with open(os.path.join(d, "results.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_speedup_is_against_the_ddp_job_with_the_same_other_overrides():
+    rows = [
+        {"strategy": "ddp", "overrides": ["strategy=ddp", "model=a"], "iteration_ms": 10.0},
+        {"strategy": "pipedap", "overrides": ["strategy=pipedap", "scheduler=dear", "model=a"], "iteration_ms": 8.0},
+        {"strategy": "ddp", "overrides": ["strategy=ddp", "model=b"], "iteration_ms": 30.0},
+        {"strategy": "ddp", "overrides": ["model=b", "strategy=ddp", "scheduler=dear"], "iteration_ms": 50.0},
+        {"strategy": "pipedap", "overrides": ["strategy=pipedap", "strategy.bucket_cap_mb=4", "model=b"], "iteration_ms": 20.0},
+        {"strategy": "pipedap", "overrides": ["strategy=pipedap", "model=c"], "iteration_ms": 5.0},
+    ]
+    out = [r["speedup_vs_ddp"] for r in add_speedup(rows)]
+    # model=a: 10/10, 10/8; model=b: reference = median(30, 50) = 40; model=c: no DDP job
+    assert out == [1.0, 1.25, 40 / 30, 40 / 50, 2.0, None]
+
+
+def test_write_summary_csv_markdown_png_tensorboard(tmp_path):
+    root = str(tmp_path)
+    _job(root, 0, "ddp", None, ["strategy=ddp"], 12.0, energy=0.3)
+    _job(root, 1, "pipedap", "dear", ["strategy=pipedap"], 8.0, energy=0.2)
+    paths = write_summary(root)
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["strategy"] for r in rows] == ["ddp", "pipedap"]
+    assert [float(r["speedup_vs_ddp"]) for r in rows] == [1.0, 1.5]
+    md = open(paths["md"]).read().splitlines()
+    assert md[0].startswith("| job | strategy | schedule |") and len(md) == 4
+    assert "| 1 | pipedap | dear |" in md[3] and "| 1.5 |" in md[3]
+    with open(paths["png"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert glob.glob(os.path.join(paths["tensorboard"], "events.out.tfevents.*"))
+
+
+def test_empty_sweep_writes_nothing(tmp_path):
+    assert write_summary(str(tmp_path)) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_markdown_escapes_pipes():
+    rows = table_rows([{"job_num": 0, "strategy": "ddp", "overrides": ["a=x|y"], "iteration_ms": None}])
+    assert "a=x\\|y" in markdown_table(rows)
