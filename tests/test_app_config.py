@@ -27,9 +27,9 @@ def test_default_config_is_digits_pipedap_on_two_cpu_processes():
     assert cfg.model.net._target_ == "lightning_pipedap.models.DigitsCNN"
     assert cfg.data._target_ == "lightning_pipedap.data.DigitsDataModule"
     assert cfg.strategy._target_ == "lightning_pipedap.PipeDAPStrategy"
-    assert cfg.strategy.schedule == "dear"  # interpolated from the scheduler group
+    assert cfg.strategy.schedule == "optimal"  # interpolated from the scheduler group
     assert (cfg.trainer.accelerator, cfg.trainer.devices, cfg.trainer.num_nodes) == ("cpu", 2, 1)
-    assert strategy_label(cfg) == ("pipedap", "dear")
+    assert strategy_label(cfg) == ("pipedap", "optimal")
 
 
 def test_scheduler_group_sets_strategy_schedule():
@@ -43,7 +43,7 @@ def test_unknown_group_option_names_valid_choices():
         _compose("scheduler=foo")
     msg = str(e.value)
     assert "scheduler/foo" in msg
-    for name in ("allreduce", "dear", "pipedap", "optimal"):
+    for name in ("allreduce", "dear", "no_overlap", "wfbp", "dear_tuned", "pipedap", "optimal"):
         assert name in msg
 
 
@@ -76,7 +76,7 @@ def test_bad_values_fail_validation_with_choices(override, needle):
 def test_schedule_choices_follow_the_installed_strategy():
     import lightning_pipedap
 
-    for name in ("allreduce", "dear", "pipedap", "optimal"):
+    for name in ("allreduce", "dear", "no_overlap", "wfbp", "dear_tuned", "pipedap", "optimal"):
         cfg = _compose(f"scheduler={name}")
         if name in lightning_pipedap.valid_schedule_names():
             validate(cfg)

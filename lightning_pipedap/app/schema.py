@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 
 #: Schedules that have a config file in ``conf/scheduler``. Which of them the installed strategy can
 #: run is :func:`lightning_pipedap.valid_schedule_names` (planners register themselves).
-SCHEDULER_NAMES = ("allreduce", "dear", "pipedap", "optimal")
+SCHEDULER_NAMES = ("allreduce", "dear", "no_overlap", "wfbp", "dear_tuned", "pipedap", "optimal")
 #: Lightning launcher start methods.
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -69,12 +69,18 @@ class PipeDAPStrategyConf:
     """``strategy=pipedap``: :class:`lightning_pipedap.PipeDAPStrategy` (see its docstring for units)."""
 
     _target_: str = "lightning_pipedap.PipeDAPStrategy"
-    schedule: str = "dear"
+    schedule: str = "optimal"
     bucket_cap_mb: float = 25.0
     defer_update: bool = True
     warmup_steps: int = 1
     wait_timeout_s: float = 300.0
     ring_chunk_mb: float = 2.0
+    profile_steps: int = 3
+    cost_model: Optional[str] = None
+    cost_model_cache: bool = True
+    replan_margin: float = 0.5
+    replan_every: int = 50
+    max_replans: int = 1
     start_method: str = "popen"
     process_group_backend: Optional[str] = None
 
@@ -85,8 +91,11 @@ class PipeDAPStrategyConf:
         _positive("strategy.bucket_cap_mb", self.bucket_cap_mb)
         _positive("strategy.wait_timeout_s", self.wait_timeout_s)
         _positive("strategy.ring_chunk_mb", self.ring_chunk_mb)
-        if self.warmup_steps < 1:
-            raise ConfigError(f"strategy.warmup_steps={self.warmup_steps} must be >= 1")
+        for name, value, low in (("warmup_steps", self.warmup_steps, 1), ("profile_steps", self.profile_steps, 1),
+                                 ("replan_every", self.replan_every, 2), ("max_replans", self.max_replans, 0)):
+            if value < low:
+                raise ConfigError(f"strategy.{name}={value} must be >= {low}")
+        _positive("strategy.replan_margin", self.replan_margin)
         _choice("strategy.start_method", self.start_method, START_METHODS)
 
 
