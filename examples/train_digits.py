@@ -1,6 +1,6 @@
 """Train a small CNN on scikit-learn's digits with strategy="pipedap" on 2 CPU processes (no Hydra).
 
-    python examples/train_digits.py                   # pipedap, schedule dear
+    python examples/train_digits.py                   # pipedap, schedule optimal
     python examples/train_digits.py --strategy ddp    # the DDP baseline, for comparison
     python examples/train_digits.py --schedule allreduce
 
@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategy", choices=("pipedap", "ddp"), default="pipedap")
     schedules = ", ".join(lightning_pipedap.valid_schedule_names())
-    parser.add_argument("--schedule", default="dear", help=f"pipedap schedule: {schedules}")
+    parser.add_argument("--schedule", default="optimal", help=f"pipedap schedule: {schedules}")
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
