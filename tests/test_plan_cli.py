@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pipedap import simulate as cli
+from lightning_pipedap.measure import timeline
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import load_profile
@@ -39,8 +40,17 @@ def test_table_png_and_trace_on_tiny_profile(tmp_path, capsys):
     assert f"window {lower_bounds(prof, cm).window_s * 1e3:.3f} ms" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     events = json.loads(trace.read_text())["traceEvents"]
-    assert sum(1 for e in events if e["ph"] == "M" and e["name"] == "process_name") == len(cli.ORDER)
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert list(procs.values()) == list(cli.ORDER)  # one process per planner, named after it
     assert any(e.get("cat") == "wait" for e in events)
+    # the trace is measure.timeline's: lanes as threads, every op of the optimal schedule on the comm lane
+    pid = next(p for p, n in procs.items() if n == "optimal")
+    threads = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"
+               and e["pid"] == pid}
+    assert threads == {"compute": 0, "comm": 1, "compress": 2}
+    comm_names = {e["name"] for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 1}
+    assert comm_names == {str(op) for op in get_planner("optimal")(prof, cm, 4).ops}
+    assert not hasattr(cli, "draw_gantt") and cli.chrome_trace is timeline.chrome_trace  # one drawing and writer
 
 
 def test_bandwidth_gives_ring_beta():
@@ -53,6 +63,8 @@ def test_bandwidth_gives_ring_beta():
     (["--planner", "fastest"], "unknown planner 'fastest'"),
     (["--alpha", "1e-4"], "exactly one of --beta"),
     (["--beta", "1e-9"], "need --alpha"),
+    (["--out", "x.md"], "--out goes with --sweep"),
+    (["--sweep"], "--sweep runs the fixed Validation 1 grid; drop --profile"),
 ])
 def test_bad_arguments_exit_2(argv, match, capsys):
     rc = cli.main(["--profile", str(DATA / "tiny_profile.json"), "--world-size", "2", *argv])
@@ -74,3 +86,36 @@ def test_module_runs_on_shared_profile():
     line = next(l for l in res.stdout.splitlines() if l.startswith("wfbp"))
     assert float(line.split()[3]) == pytest.approx(expected * 1e3, abs=1e-3)
     assert "profile vgg16: 16 layers" in res.stdout
+
+
+def test_profile_and_world_size_required_without_sweep_and_sweep_takes_no_what_if(capsys):
+    assert cli.main(["--world-size", "2"]) == 2
+    assert "give --profile and --world-size (or --sweep)" in capsys.readouterr().err
+    assert cli.main(["--sweep", "--beta-scale", "10"]) == 2  # the grid is fixed: no silently ignored option
+    assert "drop --beta-scale" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(), reason=f"shared profiles not found at {SHARED}")
+def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
+    # the full grid takes ~30 s; the CLI path is the same on a one-model, one-worker-count grid
+    full = cli.run_sweep
+    monkeypatch.setattr(cli, "run_sweep", lambda **kw: full(SHARED, models=("vgg16",), world_sizes=(8,), **kw))
+    out = tmp_path / "PLANNERS.md"
+    out.write_text(f"# doc\n{cli.SWEEP_BEGIN}\nstale\n{cli.SWEEP_END}\ntail\n")
+    assert cli.main(["--sweep", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = [l for l in printed.splitlines() if l.startswith("| vgg16 |")]
+    assert [r.split("|")[3].strip() for r in rows] == ["1", "10", "30"]
+    prof = load_profile(SHARED / "vgg16.json")
+    for r, k in zip(rows, (1.0, 10.0, 30.0)):
+        cm = CostModel.from_reference(SHARED / "alpha_beta.json", 8, startup_sharing=0.0).scaled(beta_factor=k)
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        for name, cell in zip(cli.ORDER, cells[3:8]):
+            assert float(cell) == pytest.approx(get_planner(name)(prof, cm, 8).predicted_iteration_s * 1e3, abs=1e-3)
+        lb = lower_bounds(prof, cm)
+        assert float(cells[8]) == pytest.approx(lb.sum_bound_s * 1e3, abs=1e-3)
+        assert float(cells[9]) == pytest.approx(lb.window_s * 1e3, abs=1e-3)
+    assert "optimal <= every other planner on 3/3 rows" in printed
+    text = out.read_text()
+    assert text.startswith("# doc\n" + cli.SWEEP_BEGIN) and text.endswith(cli.SWEEP_END + "\ntail\n")
+    assert "stale" not in text and printed.strip() in text

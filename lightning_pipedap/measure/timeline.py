@@ -233,18 +233,22 @@ def overlap_ratio(
 
 
 # ----------------------------------------------------------------------------------------- exports
-def chrome_trace(records: Iterable[OpRecord], rank: int = 0, origin_s: Optional[float] = None) -> dict[str, Any]:
+def chrome_trace(records: Iterable[OpRecord], rank: int = 0, origin_s: Optional[float] = None, *,
+                 process_name: Optional[str] = None) -> dict[str, Any]:
     """Chrome trace-event JSON object (loads in Perfetto / ``chrome://tracing``).
 
     One complete event (``"ph": "X"``) per record, ``pid`` = rank, ``tid`` = lane (0 compute, 1 comm,
     2 compress, named by metadata events); ``ts``/``dur`` in µs relative to ``origin_s`` (default:
-    the earliest start). ``args`` hold ``bucket``, ``kind`` and the absolute ``start_s``.
+    the earliest start). ``args`` hold ``bucket``, ``kind`` and the absolute ``start_s``. The
+    process is named ``process_name`` (default ``"rank <rank>"``); the ``traceEvents`` of several
+    calls with distinct ``rank`` can be concatenated into one trace (e.g. one process per planner).
     """
     records = list(records)
     if origin_s is None:
         origin_s = min((r.start_s for r in records), default=0.0)
+    name = f"rank {rank}" if process_name is None else process_name
     events: list[dict[str, Any]] = [
-        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}},
+        {"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": name}},
     ]
     for tid, lane in enumerate(LANES):
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}})
@@ -281,60 +285,197 @@ def records_from_chrome_trace(trace: dict[str, Any]) -> list[OpRecord]:
 _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "update": "#8172b2", "RS": "#dd8452",
            "AG": "#c44e52", "AR": "#937860", "compress": "#da8bc3", "decompress": "#8c8c8c",
            "wait": "#ffffff"}
+_EXPOSED_COLOR = "#d62728"
+#: a bar gets its name written on it when it is at least this fraction of the visible time span wide
+_LABEL_MIN_FRACTION = 0.02
+
+Panel = tuple[str, Sequence[OpRecord]]
 
 
-def gantt_figure(records: Iterable[OpRecord], title: str = "", origin_s: Optional[float] = None):
-    """A matplotlib ``Figure`` (Agg canvas, no pyplot state): one row per lane, times in ms.
+def pack_rows(records: Sequence[OpRecord]) -> list[tuple[int, int]]:
+    """Sub-rows for concurrent records of one lane (greedy interval partitioning, by start time).
+
+    Returns:
+        For each record, in input order, ``(row, rows)``: its sub-row index and the number of
+        sub-rows its lane needs (1 when no two records of the lane overlap). ``wait`` records take
+        no sub-row: they are drawn over the compute phase they interrupt (``(0, rows)``).
+    """
+    out: list[tuple[int, int]] = [(0, 1)] * len(records)
+    for lane in LANES:
+        idx = sorted((i for i, r in enumerate(records) if r.lane == lane and r.kind != WAIT_KIND),
+                     key=lambda i: (records[i].start_s, records[i].end_s))
+        ends: list[float] = []
+        rows = {}
+        for i in idx:
+            r = records[i]
+            k = next((j for j, e in enumerate(ends) if e <= r.start_s), len(ends))
+            if k == len(ends):
+                ends.append(r.end_s)
+            else:
+                ends[k] = r.end_s
+            rows[i] = k
+        n = max(1, len(ends))
+        for i, r in enumerate(records):
+            if r.lane == lane:
+                out[i] = (rows.get(i, 0), n)
+    return out
+
+
+def exposed_intervals(records: Iterable[OpRecord], window: Optional[Interval] = None,
+                      comm_kinds: Sequence[str] = COMM_KINDS,
+                      compute_kinds: Sequence[str] = COMPUTE_KINDS) -> list[Interval]:
+    """The exposed communication as sorted disjoint ``(start_s, end_s)`` intervals: union of the
+    ``comm_kinds`` records minus busy compute (compute minus ``wait``), clipped to ``window``.
+    Their total length is :func:`exposed_communication_ms` / 1000."""
+    records = list(records)
+    return subtract(_intervals(records, comm_kinds, window), _busy_compute(records, compute_kinds, window))
+
+
+def _draw_panel(ax, records: list[OpRecord], origin_s: float, window: Optional[Interval], highlight_exposed: bool,
+                title: str) -> set[str]:
+    """Draw one timeline on ``ax`` (lanes top to bottom); return the kinds drawn (for the legend)."""
+    lanes = [ln for ln in LANES if ln != "compress" or any(r.lane == ln for r in records)]
+    if window is not None:
+        records = [r for r in records if r.end_s > window[0] and r.start_s < window[1]]
+    rows = pack_rows(records)
+    if window is not None:
+        span = (window[1] - window[0]) * 1000.0
+    else:
+        span = (max((r.end_s for r in records), default=origin_s) - origin_s) * 1000.0
+    for r, (row, nrows) in zip(records, rows):
+        s, e = r.start_s, r.end_s
+        if window is not None:
+            s, e = max(s, window[0]), min(e, window[1])
+        h = 0.8 / nrows
+        y0 = lanes.index(r.lane) - 0.4 + row * h
+        x0 = (s - origin_s) * 1000.0
+        w = (e - s) * 1000.0
+        wait = r.kind == WAIT_KIND  # drawn hatched on top of the compute phase it interrupts
+        ax.broken_barh([(x0, max(w, 1e-6))], (y0, h if not wait else 0.8), facecolors=_COLORS[r.kind],
+                       edgecolor="black", linewidth=0.3, hatch="///" if wait else None, zorder=3 if wait else 2)
+        if r.bucket is not None and w >= _LABEL_MIN_FRACTION * span:
+            ax.text(x0 + w / 2, y0 + h / 2, r.name, fontsize=6, va="center", ha="center", clip_on=True, zorder=5)
+    exposed = exposed_intervals(records, window) if highlight_exposed else []
+    y = lanes.index("comm")
+    for s, e in exposed:
+        ax.axvspan((s - origin_s) * 1000.0, (e - origin_s) * 1000.0, ymin=0.0, ymax=1.0, facecolor=_EXPOSED_COLOR,
+                   alpha=0.15, zorder=1, linewidth=0)
+        ax.broken_barh([((s - origin_s) * 1000.0, (e - s) * 1000.0)], (y + 0.42, 0.12), facecolors=_EXPOSED_COLOR,
+                       zorder=4)
+    ax.set_yticks(range(len(lanes)))
+    ax.set_yticklabels(lanes)
+    ax.set_ylim(-0.6, len(lanes) - 0.4)
+    if window is not None:
+        ax.set_xlim((window[0] - origin_s) * 1000.0, (window[1] - origin_s) * 1000.0)
+    ax.invert_yaxis()
+    if title:
+        ax.set_title(title, fontsize=8, loc="left")
+    kinds = {r.kind for r in records}
+    if exposed:
+        kinds.add("exposed")
+    return kinds
+
+
+def _legend(target, kinds: set[str], **kw) -> None:
+    used = [k for k in (*KINDS, "exposed") if k in kinds]
+    if not used:
+        return
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=_EXPOSED_COLOR, label="exposed comm.") if k == "exposed" else
+               Patch(facecolor=_COLORS[k], edgecolor="black", linewidth=0.3, hatch="///" if k == WAIT_KIND else None,
+                     label=k) for k in used]
+    target.legend(handles=handles, fontsize=6, ncol=len(used), framealpha=0.7, **kw)
+
+
+def _figure(panels: Sequence[Panel], origin_s: Optional[float], window: Optional[Interval], highlight_exposed: bool,
+            figsize: tuple[float, float]):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    panels = [(t, list(recs)) for t, recs in panels] or [("", [])]
+    if origin_s is None:
+        origin_s = window[0] if window is not None else min(
+            (r.start_s for _, recs in panels for r in recs), default=0.0)
+    fig = Figure(figsize=figsize, dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    kinds: set[str] = set()
+    for ax, (title, recs) in zip(axes, panels):
+        kinds |= _draw_panel(ax, recs, origin_s, window, highlight_exposed, title)
+    axes[-1].set_xlabel("time since step start (ms)")
+    if len(panels) == 1:
+        _legend(axes[0], kinds, loc="lower right", bbox_to_anchor=(1.0, 1.0))  # above the plot, beside the title
+        fig.tight_layout()
+    else:
+        _legend(fig, kinds, loc="upper right")
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / figsize[1]))
+    return fig
+
+
+def gantt_panels_figure(panels: Sequence[Panel], origin_s: Optional[float] = None, *,
+                        window: Optional[Interval] = None, highlight_exposed: bool = True, width_in: float = 10.0):
+    """A matplotlib ``Figure`` with one Gantt panel per ``(title, records)``, sharing the time axis.
+
+    Each panel has a ``compute`` lane (forward, backward, update; ``wait`` hatched on top: the
+    training thread blocked on communication), a ``comm`` lane (RS/AG/AR; concurrent operations
+    are stacked in sub-rows, see :func:`pack_rows`) and, when used, a ``compress`` lane. With
+    ``highlight_exposed`` the exposed communication (:func:`exposed_intervals`) is shaded red
+    across the panel and marked by a red bar under the ``comm`` lane. Used for measured timelines
+    (:class:`~lightning_pipedap.measure.callbacks.CommTimeline`) and simulated ones
+    (:func:`lightning_pipedap.plan.simulator.to_op_records`).
+
+    Args:
+        panels: ``(title, records)`` pairs; times in seconds.
+        origin_s: time drawn as 0 ms; default ``window[0]``, else the earliest start of all panels.
+        window: ``(start_s, end_s)`` to show; records are clipped to it (and so is the exposed
+            communication). Default: everything.
+        highlight_exposed: shade the exposed communication.
+        width_in: figure width in inches (height: 1.3 in per panel plus 0.9 in, at 100 dpi).
+
+    Returns:
+        ``matplotlib.figure.Figure`` with a ``FigureCanvasAgg`` attached (no pyplot state).
+    """
+    return _figure(panels, origin_s, window, highlight_exposed, (width_in, 0.9 + 1.3 * max(1, len(panels))))
+
+
+def gantt_figure(records: Iterable[OpRecord], title: str = "", origin_s: Optional[float] = None, *,
+                 window: Optional[Interval] = None, highlight_exposed: bool = True):
+    """A matplotlib ``Figure`` (Agg canvas, no pyplot state) of one timeline: one row per lane, ms.
+
+    The drawing of :func:`gantt_panels_figure` with a single panel, 10 x 2.6 inches at 100 dpi.
 
     Returns:
         ``matplotlib.figure.Figure`` with a ``FigureCanvasAgg`` attached.
     """
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    records = list(records)
-    if origin_s is None:
-        origin_s = min((r.start_s for r in records), default=0.0)
-    fig = Figure(figsize=(10, 2.6), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    lanes = list(LANES)
-    for r in records:
-        y = lanes.index(r.lane)
-        x0 = (r.start_s - origin_s) * 1000.0
-        wait = r.kind == WAIT_KIND  # drawn hatched on top of the compute phase it interrupts
-        ax.broken_barh([(x0, max(r.duration_s * 1000.0, 1e-6))], (y - 0.4, 0.8), facecolors=_COLORS[r.kind],
-                       edgecolor="black", linewidth=0.3, hatch="///" if wait else None, zorder=3 if wait else 2)
-        if r.bucket is not None:
-            ax.text(x0, y, r.name, fontsize=6, va="center", ha="left", clip_on=True)
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels(lanes)
-    ax.set_ylim(-0.6, len(lanes) - 0.4)
-    ax.set_xlabel("time since step start (ms)")
-    ax.invert_yaxis()
-    used = [k for k in KINDS if any(r.kind == k for r in records)]
-    if used:
-        ax.legend(handles=[Patch(color=_COLORS[k], label=k) for k in used], fontsize=6, ncol=len(used),
-                  loc="upper right", framealpha=0.7)
-    if title:
-        ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _figure([(title, records)], origin_s, window, highlight_exposed, (10.0, 2.6))
 
 
-def gantt_png(records: Iterable[OpRecord], path: str, title: str = "", origin_s: Optional[float] = None) -> str:
-    """Render :func:`gantt_figure` to a PNG file at ``path``; return the path."""
+def _save_png(fig, path: str) -> str:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    gantt_figure(records, title, origin_s).savefig(path, format="png")
+    fig.savefig(path, format="png")
     return path
 
 
-def gantt_rgb(records: Iterable[OpRecord], title: str = "", origin_s: Optional[float] = None):
+def gantt_png(records: Iterable[OpRecord], path: str, title: str = "", origin_s: Optional[float] = None, *,
+              window: Optional[Interval] = None, highlight_exposed: bool = True) -> str:
+    """Render :func:`gantt_figure` to a PNG file at ``path`` (parent folders created); return the path."""
+    return _save_png(gantt_figure(records, title, origin_s, window=window, highlight_exposed=highlight_exposed), path)
+
+
+def gantt_panels_png(panels: Sequence[Panel], path: str, origin_s: Optional[float] = None, *,
+                     window: Optional[Interval] = None, highlight_exposed: bool = True, width_in: float = 10.0) -> str:
+    """Render :func:`gantt_panels_figure` to a PNG file at ``path`` (parent folders created); return the path."""
+    return _save_png(gantt_panels_figure(panels, origin_s, window=window, highlight_exposed=highlight_exposed,
+                                         width_in=width_in), path)
+
+
+def gantt_rgb(records: Iterable[OpRecord], title: str = "", origin_s: Optional[float] = None, *,
+              window: Optional[Interval] = None, highlight_exposed: bool = True):
     """Render :func:`gantt_figure` to an ``uint8`` numpy array of shape ``(H, W, 3)`` (for TensorBoard)."""
     import numpy as np
 
-    fig = gantt_figure(records, title, origin_s)
+    fig = gantt_figure(records, title, origin_s, window=window, highlight_exposed=highlight_exposed)
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 

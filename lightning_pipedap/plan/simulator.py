@@ -43,14 +43,17 @@ choice can communicate those bytes in less time (divided by the number of channe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.profile import ModelProfile
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
+if TYPE_CHECKING:
+    from lightning_pipedap.measure.timeline import OpRecord
+
 __all__ = ["Evaluator", "Interval", "LowerBounds", "OpTiming", "SimResult", "lower_bounds", "simulate",
-           "op_code", "code_op"]
+           "op_code", "code_op", "to_op_records"]
 
 _K_RS, _K_AG, _K_AR = 0, 1, 2
 _KIND_OF_CODE = (OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE)
@@ -374,6 +377,62 @@ def simulate(profile: ModelProfile, cost_model: CostModel, schedule: Schedule, *
         ops=tuple(timings), compute=tuple(compute),
         bounds=lower_bounds(profile, cost_model, schedule, channels=channels),
     )
+
+
+def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
+    """A simulated timeline as :class:`~lightning_pipedap.measure.timeline.OpRecord` s, so that the
+    measured-timeline tools (exposed communication, Chrome trace, Gantt chart) apply unchanged.
+
+    Covers ``iterations`` consecutive steady-state iterations from time 0 (the start of the first
+    one's forward, see the module docstring), times in seconds:
+
+    * every op of :attr:`SimResult.ops` of each of those iterations (shifted by ``k * iteration_s``;
+      the last ones may end after ``iterations * iteration_s``), plus the ops of the previous
+      iteration that end after 0 (the first forward waits for them); kind ``RS``/``AG``/``AR``,
+      lane ``comm``, name ``str(op)`` (e.g. ``"RS3"``); with 2 channels both channels share the
+      ``comm`` lane (concurrent records);
+    * every compute interval, lane ``compute``: ``wait`` (exposed communication, the compute stream
+      idle), ``update`` (a bucket's share), ``forward`` (the layers up to the next bucket to wait
+      for), named ``W<b>``, ``U<b>``, ``F<b>``; ``backward``: one record ``B<b>`` per run of
+      consecutive layers of bucket ``b`` (their backward intervals are back to back).
+
+    Hence ``measure.timeline.exposed_communication_ms(records, window=(0, k * P))`` equals
+    ``k * exposed_comm_s`` in ms (the channel is busy whenever the compute stream waits), and
+    the busy compute per iteration equals ``compute_s``.
+
+    Args:
+        result: a :func:`simulate` result.
+        iterations: number of iterations, >= 1.
+
+    Returns:
+        ``list[OpRecord]``, compute records first, each group in time order.
+
+    Raises:
+        ValueError: if ``iterations < 1``.
+    """
+    from lightning_pipedap.measure.timeline import OpRecord  # lazy: plan/ does not need measure/ to plan
+
+    if not (isinstance(iterations, int) and iterations >= 1):
+        raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
+    P = result.iteration_s
+    prefix = {"forward": "F", "backward": "B", "update": "U", "wait": "W"}
+    compute: list[OpRecord] = []
+    for c in result.compute_window(iterations):
+        last = compute[-1] if compute else None
+        if (c.kind == "backward" and last is not None and last.kind == "backward" and last.bucket == c.bucket
+                and abs(last.end_s - c.start) <= 1e-12 * max(1.0, abs(c.start))):
+            last.end_s = c.end
+            continue
+        name = prefix[c.kind] + ("" if c.bucket is None else str(c.bucket))
+        compute.append(OpRecord(name, c.kind, c.bucket, c.start, c.end, "compute"))
+    comm: list[OpRecord] = []
+    for k in range(-1, iterations):
+        for t in result.ops:
+            s, e = t.start + k * P, t.end + k * P
+            if k >= 0 or e > 0.0:
+                comm.append(OpRecord(str(t.op), t.op.kind.value, t.op.bucket, s, e, "comm"))
+    comm.sort(key=lambda r: (r.start_s, r.end_s))
+    return compute + comm
 
 
 def lower_bounds(profile: ModelProfile, cost_model: CostModel, schedule: Schedule | None = None, *,
