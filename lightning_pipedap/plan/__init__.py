@@ -15,10 +15,10 @@ from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import (
     LayerProfile, ModelProfile, load_profile, load_reference_profile, save_profile, shared_profiles_dir,
 )
-from lightning_pipedap.plan.simulator import Evaluator, LowerBounds, SimResult, lower_bounds, simulate
+from lightning_pipedap.plan.simulator import Evaluator, LowerBounds, SimResult, lower_bounds, simulate, to_op_records
 
 __all__ = [
     "AlphaBeta", "CostModel", "Evaluator", "LayerProfile", "LowerBounds", "ModelProfile", "PLANNERS", "SimResult",
     "fit_alpha_beta", "fit_cost_model", "get_planner", "load_cost_model", "load_profile", "load_reference_profile",
-    "lower_bounds", "save_profile", "shared_profiles_dir", "simulate",
+    "lower_bounds", "save_profile", "shared_profiles_dir", "simulate", "to_op_records",
 ]
