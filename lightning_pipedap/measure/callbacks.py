@@ -413,6 +413,8 @@ class SpeedupMonitor(Callback):
     * ``speed/speedup_vs_no_overlap`` and ``speed/no_overlap_time_ms``: when the strategy exposes
       ``no_overlap_time_s`` (compute-only + communication-only time per step, seconds, from its
       profiler): ``no_overlap_time_s / iteration_s``. Not logged when it is ``None`` or missing.
+    * ``speed/predicted_iteration_ms`` and ``speed/prediction_error_pct`` (``100·(measured/predicted − 1)``):
+      when the strategy exposes the planner's ``predicted_iteration_s``.
 
     Args:
         warmup_steps: intervals discarded at the start (>= 0).
@@ -516,6 +518,10 @@ class SpeedupMonitor(Callback):
         if no_overlap is not None:
             m["speed/no_overlap_time_ms"] = 1000.0 * float(no_overlap)
             m["speed/speedup_vs_no_overlap"] = float(no_overlap) / it_s
+        predicted = getattr(trainer.strategy, "predicted_iteration_s", None)
+        if predicted:
+            m["speed/predicted_iteration_ms"] = 1000.0 * float(predicted)
+            m["speed/prediction_error_pct"] = 100.0 * (it_s / float(predicted) - 1.0)
         self.history.append(m)
         _log(trainer, m)
 
