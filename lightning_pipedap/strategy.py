@@ -460,7 +460,7 @@ class PipeDAPStrategy(DDPStrategy):
         cm = self._cost_model
         rank_zero_info(
             "pipedap: α-β model "
-            + ", ".join(f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 8e9:.3f} ns/bit R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}"
+            + ", ".join(f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 1e9 / 8:.3f} ns/bit R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}"
                         for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)))
         )
         self._profiled, self._t_updates = [], []

@@ -1,0 +1,26 @@
+"""Gradient compression: compressors with error feedback, and the pipelined helper process.
+
+* :mod:`.base`: :class:`Payload`, :class:`Compressor`, :class:`BucketState`.
+* :mod:`.compressors`: the methods and :func:`get_compressor`.
+* :mod:`.memory`: error-feedback residual updates.
+* :mod:`.runtime`: :class:`CompressionRuntime` (compressor + per-bucket states).
+* :mod:`.pipeline`: :class:`CompressionPipeline` (helper process with shared-memory slots, or inline).
+"""
+
+from lightning_pipedap.compress.base import BucketState, Compressor, Payload, TensorSpec
+from lightning_pipedap.compress.compressors import compressor_kwargs, get_compressor, valid_compressor_names
+from lightning_pipedap.compress.runtime import CompressionRuntime
+
+__all__ = [
+    "BucketState", "Compressor", "Payload", "TensorSpec", "CompressionRuntime",
+    "compressor_kwargs", "get_compressor", "valid_compressor_names",
+    "CompressionPipeline", "Ticket", "HelperDiedError", "HelperTimeoutError",
+]
+
+
+def __getattr__(name):  # lazy: the pipeline pulls in multiprocessing machinery
+    if name in ("CompressionPipeline", "Ticket", "HelperDiedError", "HelperTimeoutError"):
+        from lightning_pipedap.compress import pipeline
+
+        return getattr(pipeline, name)
+    raise AttributeError(name)

@@ -1,0 +1,92 @@
+"""One compressor plus the per-bucket states of one rank: what runs in the helper process or inline.
+
+:class:`CompressionRuntime` is the unit the pipeline's helper process owns (and the inline mode
+runs in the trainer). It keeps one :class:`~.base.BucketState` per bucket (error-feedback residual,
+PowerSGD warm-start Q, step counter) and exposes the three calls of a step::
+
+    payload = rt.compress(b, grad)            # round 0/1
+    while not payload.final:                  # PowerSGD: once
+        payload = rt.next_round(b, summed)    # summed = payload with data summed over ranks
+    grad_out = rt.decompress(b, summed)       # final payload summed over ranks (summable methods)
+
+Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (issue 4 item 5).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from lightning_pipedap.compress.base import BucketState, Compressor, Payload
+from lightning_pipedap.compress.compressors import get_compressor
+
+
+class CompressionRuntime:
+    """A compressor and the states of the buckets of one rank.
+
+    Args:
+        bucket_numels: elements of each bucket, index = bucket number.
+        compressor_name: a name from :func:`~.compressors.valid_compressor_names`.
+        compressor_kwargs: keyword arguments of that compressor (validated).
+
+    Raises:
+        ValueError: for an unknown compressor, bad keyword arguments or a bucket size < 1.
+    """
+
+    def __init__(self, bucket_numels: Sequence[int], compressor_name: str,
+                 compressor_kwargs: dict[str, Any] | None = None) -> None:
+        self.compressor_name = compressor_name
+        self.compressor_kwargs = dict(compressor_kwargs or {})
+        self.compressor: Compressor = get_compressor(compressor_name, **self.compressor_kwargs)
+        self.bucket_numels = tuple(int(n) for n in bucket_numels)
+        if not self.bucket_numels:
+            raise ValueError("bucket_numels is empty; the runtime needs at least one bucket")
+        self.states = [self.compressor.init_state(b, n) for b, n in enumerate(self.bucket_numels)]
+
+    def _state(self, bucket: int) -> BucketState:
+        if not (0 <= bucket < len(self.states)):
+            n = len(self.states)
+            raise ValueError(f"bucket {bucket} out of range; there are {n} buckets (0..{n - 1})")
+        return self.states[bucket]
+
+    def compress(self, bucket: int, grad: torch.Tensor) -> Payload:
+        """First payload of this step for ``bucket`` from its flat fp32 gradient ``[n]``."""
+        return self.compressor.compress(grad, self._state(bucket))
+
+    def next_round(self, bucket: int, reduced: Payload) -> Payload:
+        """Next round's payload from the previous one summed over ranks (PowerSGD: P → Q)."""
+        if reduced.final:
+            raise ValueError(f"bucket {bucket}: payload stage {reduced.stage} is final; decompress it instead")
+        return self.compressor.next_round(reduced, self._state(bucket))
+
+    def decompress(self, bucket: int, payload: Payload) -> torch.Tensor:
+        """Dense ``[n]`` fp32 gradient from a final payload; updates method state (PowerSGD warm start)."""
+        if not payload.final:
+            raise ValueError(f"bucket {bucket}: payload stage {payload.stage} is not final; call next_round() first")
+        return self.compressor.decompress(payload, self._state(bucket))
+
+    def aggregate(self, bucket: int, payloads: Sequence[Payload], average: bool = True) -> torch.Tensor:
+        """Mean (or sum) of all ranks' decompressed payloads, ``[n]`` (non-summable methods)."""
+        self._state(bucket)
+        return self.compressor.aggregate(payloads, average=average)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"compressor": name, "kwargs": {...}, "buckets": [BucketState.state_dict(), ...]}`` (CPU tensors)."""
+        return {"compressor": self.compressor_name, "kwargs": dict(self.compressor_kwargs),
+                "buckets": [s.state_dict() for s in self.states]}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore residuals, warm-start factors and step counters saved by :meth:`state_dict`.
+
+        Raises:
+            ValueError: if the checkpoint was written by another compressor or other buckets.
+        """
+        if sd.get("compressor") != self.compressor_name:
+            raise ValueError(f"checkpoint holds compression state of {sd.get('compressor')!r}, "
+                             f"this run uses {self.compressor_name!r}")
+        saved = [b["numel"] for b in sd["buckets"]]
+        if tuple(saved) != self.bucket_numels:
+            raise ValueError(f"checkpoint buckets {saved} differ from this run's buckets {list(self.bucket_numels)}")
+        for state, bsd in zip(self.states, sd["buckets"]):
+            state.load_state_dict(bsd)
