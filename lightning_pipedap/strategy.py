@@ -178,6 +178,10 @@ class PipeDAPStrategy(DDPStrategy):
         replan_margin: float = 0.5,
         replan_every: int = 50,
         max_replans: int = 1,
+        compression: Optional[str] = None,
+        compression_kwargs: Optional[dict[str, Any]] = None,
+        compression_mode: str = "process",
+        compression_threads: int = 1,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -204,6 +208,16 @@ class PipeDAPStrategy(DDPStrategy):
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(replan_margin, (int, float)) or replan_margin <= 0:
             raise ValueError(f"replan_margin must be a positive fraction (0.5 = 50%), got {replan_margin!r}")
+        if compression is not None:
+            from lightning_pipedap.compress import get_compressor, valid_compressor_names  # noqa: PLC0415
+
+            if compression not in valid_compressor_names():
+                raise ValueError(f"unknown compression {compression!r}; valid: {', '.join(valid_compressor_names())}")
+            get_compressor(compression, **(compression_kwargs or {}))  # validates the keyword arguments
+            if compression_mode not in ("process", "inline"):
+                raise ValueError(f"compression_mode must be 'process' or 'inline', got {compression_mode!r}")
+            if not isinstance(compression_threads, int) or compression_threads < 1:
+                raise ValueError(f"compression_threads must be an integer >= 1, got {compression_threads!r}")
         if cost_model is not None and not isinstance(cost_model, (str, CostModel)):
             raise ValueError(f"cost_model must be a path to a cost-model JSON file, a CostModel or None, got {cost_model!r}")
         super().__init__(
@@ -229,6 +243,10 @@ class PipeDAPStrategy(DDPStrategy):
         self.replan_margin = float(replan_margin)
         self.replan_every = replan_every
         self.max_replans = max_replans
+        self.compression = compression
+        self.compression_kwargs = dict(compression_kwargs or {})
+        self.compression_mode = compression_mode
+        self.compression_threads = compression_threads
         #: the planner's predicted iteration time (s), the measured median (s, at the last drift check),
         #: the no-overlap time compute + communication (s) and the merged profile (dict), once planned
         self.predicted_iteration_s: Optional[float] = None
@@ -374,14 +392,20 @@ class PipeDAPStrategy(DDPStrategy):
         keys = [(p.dtype, p.device) for p in params]
         return builtin_schedule(name, sizes, int(self.bucket_cap_mb * 2**20), keys)
 
-    def _install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]]) -> None:
-        """Replace the engine: parameters in forward ``order``, ``schedule`` over their indices."""
+    def _install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]],
+                 final: bool = False) -> None:
+        """Replace the engine: parameters in forward ``order``, ``schedule`` over their indices.
+
+        ``final``: the schedule training runs with (compression, if configured, starts here; warm-up
+        and profiling steps communicate uncompressed).
+        """
         if self._engine is not None:
             self._engine.wait_idle()
             self._engine.close()
         params = [self._params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
-        self._engine = CommEngine(self._comm, params, schedule, self.wait_timeout_s)
+        factory = self._compression_factory() if final and self.compression else None
+        self._engine = CommEngine(self._comm, params, schedule, self.wait_timeout_s, transport_factory=factory)
         self._engine.timeline_enabled = self._timeline_enabled
         self._updater = None
         self._triggers, self._root_buckets = {}, []
@@ -393,6 +417,25 @@ class PipeDAPStrategy(DDPStrategy):
                 elif owner is not None:
                     self._triggers.setdefault(id(owner), []).append(b)
         rank_zero_info(f"pipedap: {schedule.describe()[:300]}")
+
+    def _compression_factory(self) -> Callable[[list], Any]:
+        from lightning_pipedap.compress import CompressionPipeline  # noqa: PLC0415
+        from lightning_pipedap.compress.compressors import compressor_kwargs  # noqa: PLC0415
+        from lightning_pipedap.engine.compressed import CompressedTransport  # noqa: PLC0415
+
+        if self.root_device.type != "cpu":
+            raise ValueError("pipedap: compression= runs on CPU/gloo in this version; on CUDA use compression=None")
+        kwargs = dict(self.compression_kwargs)
+        if "rank" in compressor_kwargs(self.compression) and self.compression != "powersgd":
+            kwargs["rank"] = self.global_rank  # per-rank random streams (QSGD, DGC sampling)
+
+        def factory(buckets: list) -> Any:
+            pipe = CompressionPipeline([b.numel for b in buckets], self.compression, kwargs,
+                                       threads=self.compression_threads, timeout_s=self.wait_timeout_s,
+                                       mode=self.compression_mode)
+            return CompressedTransport(pipe, self._comm)
+
+        return factory
 
     def _order_from_trace(self) -> None:
         """Rank 0 turns the traced forward order into a parameter order; every rank adopts it."""
@@ -423,7 +466,7 @@ class PipeDAPStrategy(DDPStrategy):
         if self._phase == "trace" and self._sync_steps >= self.warmup_steps:
             self._order_from_trace()
             if self.schedule_name in BUILTIN_SCHEDULES:
-                self._install(self._order, self._builtin(self._order, self.schedule_name), self._owners)
+                self._install(self._order, self._builtin(self._order, self.schedule_name), self._owners, final=True)
                 self._phase = "run"
             else:
                 self._start_profiling()
@@ -483,7 +526,7 @@ class PipeDAPStrategy(DDPStrategy):
             plan = (schedule, no_overlap, profile.to_dict())
         schedule, self.no_overlap_time_s, self.profile = C.broadcast_object(plan, src=0)
         keys = [(self._params[i].dtype, self._params[i].device) for i in self._order]
-        self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners)
+        self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners, final=True)
         self.predicted_iteration_s = schedule.predicted_iteration_s
         self._iter_starts = []
         self._phase = "run"

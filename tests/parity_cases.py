@@ -322,7 +322,21 @@ def run_replan_case() -> dict[str, float]:
             "predicted_ms": (strategy.predicted_iteration_s or 0) * 1e3}
 
 
-SPECIAL = {"replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+def run_compression_case() -> dict[str, float]:
+    """Compression through the helper-process pipeline: ``none`` must equal DDP exactly; lossy
+    methods must stay close to DDP's trajectory after 3 epochs."""
+    ref = train("mlp", {"opt": "sgd"}, {}, "ddp")
+    res = {}
+    for name, kw, mode in [("none", {}, "process"), ("fp16", {}, "process"), ("powersgd", {"rank": 2}, "inline"),
+                           ("topk", {"ratio": 0.1}, "inline"), ("efsignsgd", {}, "inline")]:
+        st = PipeDAPStrategy(schedule="dear", bucket_cap_mb=0.002, compression=name, compression_kwargs=kw,
+                             compression_mode=mode)
+        out = train("mlp", {"opt": "sgd"}, {}, st)
+        res[name] = max_diff(out, ref)
+    return res
+
+
+SPECIAL = {"compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 
 def main(out_path: str, names: list[str]) -> None:

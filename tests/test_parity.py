@@ -61,3 +61,14 @@ def test_replan_on_drift_keeps_parity(parity_results):
     assert res["replans"] == 1
     assert res["predicted_ms"] > 0
     assert res["optimal"] <= TOL
+
+
+@pytest.mark.multiprocess
+def test_compressed_training_through_the_engine(parity_results):
+    res = parity_results["compression"]
+    assert "error" not in res, res.get("error")
+    assert res["none"] <= TOL  # the helper-process round trip itself changes nothing
+    assert res["fp16"] < 1e-3  # fp16 rounding of averaged gradients only
+    for lossy in ("powersgd", "topk", "efsignsgd"):
+        # approximate methods follow DDP's trajectory loosely (DDP itself moved the weights by 0.26)
+        assert 0.0 < res[lossy] < 0.2, (lossy, res[lossy])

@@ -9,7 +9,7 @@ before anything is instantiated or any process is started.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -81,6 +81,10 @@ class PipeDAPStrategyConf:
     replan_margin: float = 0.5
     replan_every: int = 50
     max_replans: int = 1
+    compression: Optional[str] = None
+    compression_kwargs: dict[str, Any] = field(default_factory=dict)
+    compression_mode: str = "process"
+    compression_threads: int = 1
     start_method: str = "popen"
     process_group_backend: Optional[str] = None
 
@@ -96,6 +100,11 @@ class PipeDAPStrategyConf:
             if value < low:
                 raise ConfigError(f"strategy.{name}={value} must be >= {low}")
         _positive("strategy.replan_margin", self.replan_margin)
+        if self.compression is not None:
+            from lightning_pipedap.compress import valid_compressor_names  # noqa: PLC0415
+
+            _choice("strategy.compression", self.compression, tuple(valid_compressor_names()))
+        _choice("strategy.compression_mode", self.compression_mode, ("process", "inline"))
         _choice("strategy.start_method", self.start_method, START_METHODS)
 
 

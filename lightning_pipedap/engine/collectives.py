@@ -269,3 +269,13 @@ def all_gather_object(obj: object) -> list:
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+    """All-gather a 1-D tensor of the same size on every rank; returns ``[N, len(buf)]`` (rank order).
+
+    Used for non-summable compressed payloads (packed to equal byte size on every rank).
+    """
+    out = torch.empty(comm.world_size * buf.numel(), dtype=buf.dtype, device=buf.device)
+    dist.all_gather_into_tensor(out, buf.contiguous(), group=comm.group)
+    return out.view(comm.world_size, -1)

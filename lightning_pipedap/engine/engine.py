@@ -57,12 +57,16 @@ class CommEngine:
         schedule: fusion and op list; validated against ``len(params)``.
         wait_timeout_s: timeout, in seconds, of every wait (worker waiting for gradients, trainer
             waiting for an op).
+        transport_factory: optional ``f(buckets) -> CompressedTransport``; with it every bucket is
+            compressed when ready and its RS/AR op performs the whole compressed reduction (its AG,
+            if any, is then a no-op marker).
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable.
     """
 
-    def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float) -> None:
+    def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
+                 transport_factory=None) -> None:
         schedule.validate(len(params))
         self.comm = comm
         self.schedule = schedule
@@ -71,6 +75,7 @@ class CommEngine:
             FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
             for b, idxs in enumerate(schedule.buckets)
         ]
+        self.transport = transport_factory(self.buckets) if transport_factory is not None else None
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)
         self._remaining = [0] * len(self.buckets)
@@ -224,6 +229,8 @@ class CommEngine:
             self._thread.join(timeout=self.wait_timeout_s)
         else:
             self._thread.join(timeout=1.0)
+        if self.transport is not None:
+            self.transport.close()
 
     # ------------------------------------------------------------------ internals
     def _check(self) -> None:
@@ -239,6 +246,8 @@ class CommEngine:
         self._check()
 
     def _mark_ready(self, b: int) -> None:
+        if self.transport is not None:
+            self.transport.submit(self.buckets[b])
         if self._cuda:
             self._ready_ev[b].record()
         self._ready[b].set()
@@ -277,6 +286,16 @@ class CommEngine:
                         self._stream.wait_event(self._ready_ev[b])
                 record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
                 t0 = time.perf_counter()
+                if self.transport is not None:
+                    if op.kind is not OpKind.ALL_GATHER:
+                        self.transport.reduce(self.buckets[b])
+                        if record:
+                            self._timings.append(OpTiming(Op(OpKind.ALL_REDUCE, b), t0, time.perf_counter()))
+                        self._reduced[b].set()
+                        self._done[b].set()
+                    if pos == self._last_reduce_pos:
+                        self._all_reduced.set()
+                    continue
                 if op.kind is OpKind.REDUCE_SCATTER:
                     C.reduce_scatter_(buf, self.comm)
                 elif op.kind is OpKind.ALL_GATHER:
