@@ -37,7 +37,7 @@ twice (before and after the strategies) and the bound uses the faster run.
 
 ``--quick`` runs only the headline cell (mlp, 1gbit, 2 ranks; ``ddp`` and ``pipedap-optimal``, 5 warm-up
 and 5 measured steps, one compute-only run) and prints ``speedup_vs_ddp=<x> ratio_to_bound=<y>`` last.
-It replaces ``python -m lightning_pipedap.bench.training`` (kept unchanged for the README's command).
+It replaced the earlier ``bench.training`` script.
 
 Needs root for the network namespaces; without it the command says why and exits with status 2.
 """
