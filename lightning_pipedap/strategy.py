@@ -760,6 +760,11 @@ class PipeDAPStrategy(DDPStrategy):
         return super().optimizer_state(optimizer)
 
     # ------------------------------------------------------------------ timeline
+    def compression_stats(self) -> dict[int, Any]:
+        """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not compressing)."""
+        transport = self._engine.transport if self._engine is not None else None
+        return dict(transport.stats) if transport is not None else {}
+
     @property
     def timeline_enabled(self) -> bool:
         """Record op timings (engine ops, waits on them, bucket updates) for :meth:`take_timeline`."""

@@ -439,3 +439,26 @@ def test_two_ranks_sum_energy_and_samples(tmp_path):
     assert [t for t in traces if t.endswith(".json")] == [
         "step0000001_rank0.trace.json", "step0000001_rank1.trace.json",
         "step0000003_rank0.trace.json", "step0000003_rank1.trace.json"]
+
+
+def test_compression_monitor_logs_ratio_and_hidden_share():
+    from types import SimpleNamespace
+
+    from lightning_pipedap.engine.compressed import CompressionStats
+    from lightning_pipedap.measure.callbacks import CompressionMonitor
+
+    logged = []
+    logger = SimpleNamespace(log_metrics=lambda m, step: logged.append((step, m)))
+    stats = {0: CompressionStats(compress_s=0.010, wait_s=0.002, payload_bytes=100, dense_bytes=400),
+             1: CompressionStats(compress_s=0.030, wait_s=0.030, payload_bytes=300, dense_bytes=1200)}
+    trainer = SimpleNamespace(is_global_zero=True, global_step=20, loggers=[logger],
+                              strategy=SimpleNamespace(compression_stats=lambda: stats))
+    CompressionMonitor(every_n_steps=10).on_train_batch_end(trainer, None, None, None, 0)
+    (step, m), = logged
+    assert step == 20
+    assert m["compress/b0/ratio"] == 4.0 and m["compress/ratio"] == 4.0
+    assert m["compress/b0/hidden_ms"] == pytest.approx(8.0) and m["compress/b1/hidden_ms"] == 0.0
+    assert m["compress/hidden_pct"] == pytest.approx(100 * 0.008 / 0.040)
+    trainer.global_step = 21  # not a logging step
+    CompressionMonitor(every_n_steps=10).on_train_batch_end(trainer, None, None, None, 0)
+    assert len(logged) == 1

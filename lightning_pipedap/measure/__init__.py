@@ -7,12 +7,13 @@
   :class:`CommTimeline`.
 """
 
-from lightning_pipedap.measure.callbacks import CommTimeline, EnergyMonitor, SpeedupMonitor
+from lightning_pipedap.measure.callbacks import CommTimeline, CompressionMonitor, EnergyMonitor, SpeedupMonitor
 from lightning_pipedap.measure.energy import EnergyUnavailable, open_energy_reader
 from lightning_pipedap.measure.timeline import OpRecord, exposed_communication_ms, overlap_ratio
 
 __all__ = [
     "CommTimeline",
+    "CompressionMonitor",
     "EnergyMonitor",
     "EnergyUnavailable",
     "OpRecord",
