@@ -194,8 +194,20 @@ class PipeDAPStrategy(DDPStrategy):
     ) -> None:
         bad = sorted(k for k in kwargs if k != "bucket_cap_mb")
         if bad:
-            reasons = "; ".join(f"{k}: {_REJECTED_DDP_KWARGS.get(k) or 'unknown argument'}" for k in bad)
-            raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons})")
+            import difflib  # noqa: PLC0415
+            import inspect  # noqa: PLC0415
+
+            valid = [n for n in inspect.signature(PipeDAPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+
+            def why(k: str) -> str:
+                if _REJECTED_DDP_KWARGS.get(k):
+                    return _REJECTED_DDP_KWARGS[k]
+                close = difflib.get_close_matches(k, valid, n=1)
+                return f"unknown argument{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+
+            reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
+            raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons}); "
+                            f"valid arguments: {', '.join(valid)}")
         names = valid_schedule_names()
         if schedule not in names:
             raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(names)}")
@@ -416,7 +428,8 @@ class PipeDAPStrategy(DDPStrategy):
                     self._root_buckets.append(b)
                 elif owner is not None:
                     self._triggers.setdefault(id(owner), []).append(b)
-        rank_zero_info(f"pipedap: {schedule.describe()[:300]}")
+        what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
+        rank_zero_info(f"pipedap: {what} {schedule.describe()[:300]}")
 
     def _compression_factory(self) -> Callable[[list], Any]:
         from lightning_pipedap.compress import CompressionPipeline  # noqa: PLC0415
@@ -497,10 +510,16 @@ class PipeDAPStrategy(DDPStrategy):
             else:
                 largest = max(p.numel() * p.element_size() for p in self._params)
                 self._cost_model = measure_cost_model(
-                    self._comm, self.root_device, max_bytes=min(64 << 20, max(largest, 1 << 20)),
+                    self._comm, self.root_device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
                     use_cache=self.cost_model_cache,
                 )
         cm = self._cost_model
+        poor = [k for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)) if ab.r2 is not None and ab.r2 < 0.5]
+        if poor:
+            rank_zero_warn(
+                f"pipedap: the α-β fit of {poor} is poor (R² < 0.5; typical on an uncontended loopback where "
+                "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False to re-measure."
+            )
         rank_zero_info(
             "pipedap: α-β model "
             + ", ".join(f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 1e9 / 8:.3f} ns/bit R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}"
@@ -535,6 +554,9 @@ class PipeDAPStrategy(DDPStrategy):
         """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
         self._iter_starts.append(time.perf_counter())
         n = len(self._iter_starts)
+        if n >= 6 and (n - 1) % 5 == 0:  # keep measured_iteration_s current (median of the last window)
+            recent = self._iter_starts[-min(n, self.replan_every + 1):]
+            self.measured_iteration_s = statistics.median(b - a for a, b in zip(recent[:-1], recent[1:]))
         if self.predicted_iteration_s is None or n <= self.replan_every or self.replans_done >= self.max_replans:
             return
         if (n - 1) % self.replan_every:

@@ -1,7 +1,7 @@
 """Entry point: ``pipedap-train`` or ``python -m lightning_pipedap.app.train`` (Hydra app).
 
 With no arguments it trains the digits CNN on scikit-learn's digits with ``strategy=pipedap``
-(schedule ``dear``) on 2 CPU processes and prints a short summary. Everything is created from the
+(schedule ``optimal``) on 2 CPU processes and prints a short summary. Everything is created from the
 config in ``conf/`` (repository root) with ``hydra.utils.instantiate``; see ``conf/train.yaml``.
 
 Examples::
@@ -110,6 +110,7 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "overrides": list(hc.overrides.task) if hc is not None else [],
         "strategy": name,
         "schedule": schedule,
+        "compression": (cfg.strategy.get("compression") if name == "pipedap" else None),
         "model": str(cfg.model.get("net", {}).get("_target_", cfg.model._target_)).rsplit(".", 1)[-1],
         "processes": int(trainer.world_size),
         "accelerator": str(cfg.trainer.get("accelerator", "")),
@@ -141,7 +142,9 @@ def _fmt(v: Any, spec: str, unit: str = "") -> str:
 
 def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
-    sched = f" (schedule {res['schedule']})" if res.get("schedule") else ""
+    sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
+    if sched:
+        sched += f", compression {res['compression']})" if res.get("compression") else ")"
     if res.get("speedup_vs_reference") is not None:
         speed = f"{res['speedup_vs_reference']:.3f}x vs the reference run"
     else:

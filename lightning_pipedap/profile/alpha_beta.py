@@ -104,7 +104,8 @@ def measure_cost_model(
     samples = C.broadcast_object({k.value: v for k, v in samples.items()}, src=0)
     model = fit_cost_model(samples, meta={"backend": comm.backend, "world_size": comm.world_size,
                                           "source": "measured", "sizes": len(samples["RS"])})
-    if path is not None and comm.rank == 0:
+    good = all(ab.r2 is None or ab.r2 >= 0.5 for ab in (model.rs, model.ag, model.ar))
+    if path is not None and comm.rank == 0 and good:  # never cache a poor fit
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.to_dict(), indent=1))
     return model
