@@ -23,7 +23,8 @@ class _Synthetic(pl.LightningDataModule):
         self.val_set: Optional[TensorDataset] = None
 
     def _make(self, n: int, gen: torch.Generator) -> TensorDataset:
-        raise NotImplementedError
+        """Build ``n`` samples with ``gen`` (subclasses define it)."""
+        raise TypeError(f"{type(self).__name__} is an abstract base: subclasses define _make(n, generator)")
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_set is None:
