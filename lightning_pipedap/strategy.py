@@ -22,6 +22,7 @@ writes the averaged gradients into ``.grad``, and the real optimizer step runs a
 
 from __future__ import annotations
 
+import collections
 import logging
 import statistics
 import time
@@ -301,7 +302,8 @@ class PipeDAPStrategy(DDPStrategy):
         self._t_backward_done: Optional[float] = None
         self._t_step_end: Optional[float] = None
         self._cost_model: Optional[CostModel] = None
-        self._iter_starts: list[float] = []
+        self._iter_starts: collections.deque[float] = collections.deque(maxlen=self.replan_every + 1)
+        self._run_steps = 0
         self._aborted = False
         self._buffers_sync_next = True
         self._orig_clip: Optional[Callable] = None
@@ -547,24 +549,25 @@ class PipeDAPStrategy(DDPStrategy):
         keys = [(self._params[i].dtype, self._params[i].device) for i in self._order]
         self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners, final=True)
         self.predicted_iteration_s = schedule.predicted_iteration_s
-        self._iter_starts = []
+        self._iter_starts.clear()
+        self._run_steps = 0
         self._phase = "run"
 
     def _check_drift(self) -> None:
         """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
-        self._iter_starts.append(time.perf_counter())
-        n = len(self._iter_starts)
-        if n >= 6 and (n - 1) % 5 == 0:  # keep measured_iteration_s current (median of the last window)
-            recent = self._iter_starts[-min(n, self.replan_every + 1):]
-            self.measured_iteration_s = statistics.median(b - a for a, b in zip(recent[:-1], recent[1:]))
+        self._iter_starts.append(time.perf_counter())  # bounded deque: the last replan_every + 1 starts
+        self._run_steps += 1
+        n = self._run_steps
+        if n < 6 or (n - 1) % 5:
+            return
+        starts = list(self._iter_starts)
+        measured = statistics.median(b - a for a, b in zip(starts[:-1], starts[1:]))
+        self.measured_iteration_s = measured  # median of the last window, refreshed every 5 steps
         if self.predicted_iteration_s is None or n <= self.replan_every or self.replans_done >= self.max_replans:
             return
         if (n - 1) % self.replan_every:
             return
-        gaps = [b - a for a, b in zip(self._iter_starts[-self.replan_every - 1 : -1], self._iter_starts[-self.replan_every :])]
-        measured = statistics.median(gaps)
         drift = C.broadcast_object(abs(measured / self.predicted_iteration_s - 1.0), src=0)
-        self.measured_iteration_s = measured
         if drift > self.replan_margin:
             rank_zero_info(
                 f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "
