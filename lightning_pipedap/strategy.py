@@ -558,14 +558,14 @@ class PipeDAPStrategy(DDPStrategy):
         self._iter_starts.append(time.perf_counter())  # bounded deque: the last replan_every + 1 starts
         self._run_steps += 1
         n = self._run_steps
-        if n < 6 or (n - 1) % 5:
+        check = (self.predicted_iteration_s is not None and n > self.replan_every and not (n - 1) % self.replan_every
+                 and self.replans_done < self.max_replans)
+        if not check and (n < 6 or (n - 1) % 5):
             return
         starts = list(self._iter_starts)
         measured = statistics.median(b - a for a, b in zip(starts[:-1], starts[1:]))
         self.measured_iteration_s = measured  # median of the last window, refreshed every 5 steps
-        if self.predicted_iteration_s is None or n <= self.replan_every or self.replans_done >= self.max_replans:
-            return
-        if (n - 1) % self.replan_every:
+        if not check:
             return
         drift = C.broadcast_object(abs(measured / self.predicted_iteration_s - 1.0), src=0)
         if drift > self.replan_margin:
