@@ -150,7 +150,8 @@ class PipeDAPStrategy(DDPStrategy):
         cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
         replan_margin: re-profile and re-plan when the measured median iteration time differs from
             the prediction by more than this fraction (checked every ``replan_every`` steps, at most
-            ``max_replans`` times).
+            ``max_replans`` times). When the engine's measured communication busy time exceeds the
+            α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
@@ -176,7 +177,7 @@ class PipeDAPStrategy(DDPStrategy):
         profile_steps: int = 3,
         cost_model: Optional[Union[str, CostModel]] = None,
         cost_model_cache: bool = True,
-        replan_margin: float = 0.5,
+        replan_margin: float = 0.15,
         replan_every: int = 50,
         max_replans: int = 1,
         compression: Optional[str] = None,
@@ -303,6 +304,8 @@ class PipeDAPStrategy(DDPStrategy):
         self._t_step_end: Optional[float] = None
         self._cost_model: Optional[CostModel] = None
         self._iter_starts: collections.deque[float] = collections.deque(maxlen=self.replan_every + 1)
+        self._busy: collections.deque[float] = collections.deque(maxlen=self.replan_every)
+        self._planned_busy_s: Optional[float] = None
         self._run_steps = 0
         self._aborted = False
         self._buffers_sync_next = True
@@ -550,12 +553,19 @@ class PipeDAPStrategy(DDPStrategy):
         self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners, final=True)
         self.predicted_iteration_s = schedule.predicted_iteration_s
         self._iter_starts.clear()
+        self._busy.clear()
         self._run_steps = 0
+        cm = self._cost_model  # predicted communication busy time of the installed schedule (s)
+        self._planned_busy_s = sum(
+            cm.cost(op.kind, self._engine.buckets[op.bucket].nbytes) for op in self._engine.schedule.ops
+        )
         self._phase = "run"
 
     def _check_drift(self) -> None:
         """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
         self._iter_starts.append(time.perf_counter())  # bounded deque: the last replan_every + 1 starts
+        if self._engine.last_round_busy_s is not None:
+            self._busy.append(self._engine.last_round_busy_s)
         self._run_steps += 1
         n = self._run_steps
         check = (self.predicted_iteration_s is not None and n > self.replan_every and not (n - 1) % self.replan_every
@@ -567,7 +577,13 @@ class PipeDAPStrategy(DDPStrategy):
         self.measured_iteration_s = measured  # median of the last window, refreshed every 5 steps
         if not check:
             return
-        drift = C.broadcast_object(abs(measured / self.predicted_iteration_s - 1.0), src=0)
+        busy_ratio = (statistics.median(self._busy) / self._planned_busy_s) if self._busy and self._planned_busy_s else 1.0
+        drift, busy_ratio = C.broadcast_object((abs(measured / self.predicted_iteration_s - 1.0), busy_ratio), src=0)
+        if drift > self.replan_margin and self._cost_model is not None and busy_ratio > 1.05 and not self.compression:
+            # communication is slower during training than in the idle micro-benchmark (compute, gloo
+            # threads and the ring's additions share the cores): calibrate the α-β model before re-planning
+            rank_zero_info(f"pipedap: communication busy {busy_ratio:.2f}x the α-β prediction; scaling α and β")
+            self._cost_model = self._cost_model.scaled(alpha_factor=busy_ratio, beta_factor=busy_ratio)
         if drift > self.replan_margin:
             rank_zero_info(
                 f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "

@@ -78,7 +78,7 @@ class PipeDAPStrategyConf:
     profile_steps: int = 3
     cost_model: Optional[str] = None
     cost_model_cache: bool = True
-    replan_margin: float = 0.5
+    replan_margin: float = 0.15
     replan_every: int = 50
     max_replans: int = 1
     compression: Optional[str] = None

@@ -93,6 +93,8 @@ class CommEngine:
         self.iteration = 0
         self.timeline_enabled = False
         self._timings: list[OpTiming] = []
+        #: seconds the worker spent inside ops during the last finished round (communication busy time)
+        self.last_round_busy_s: float | None = None
         self._last_reduce_pos = max(
             (i for i, op in enumerate(schedule.ops) if op.kind is not OpKind.ALL_GATHER), default=-1
         )
@@ -273,6 +275,7 @@ class CommEngine:
 
     def _run_round(self) -> None:
         ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
+        busy = 0.0
         with ctx:
             for pos, op in enumerate(self.schedule.ops):
                 b = op.bucket
@@ -289,6 +292,7 @@ class CommEngine:
                 if self.transport is not None:
                     if op.kind is not OpKind.ALL_GATHER:
                         self.transport.reduce(self.buckets[b])
+                        busy += time.perf_counter() - t0
                         if record:
                             self._timings.append(OpTiming(Op(OpKind.ALL_REDUCE, b), t0, time.perf_counter()))
                         self._reduced[b].set()
@@ -302,8 +306,10 @@ class CommEngine:
                     C.all_gather_(buf, self.comm)
                 else:
                     C.all_reduce_(buf, self.comm)
+                t1 = time.perf_counter()
+                busy += t1 - t0
                 if record:
-                    self._timings.append(OpTiming(op, t0, time.perf_counter()))
+                    self._timings.append(OpTiming(op, t0, t1))
                 if op.kind is OpKind.ALL_GATHER:
                     if self._cuda:
                         self._done_ev[b].record(self._stream)
@@ -320,6 +326,7 @@ class CommEngine:
                     self._all_reduced.set()
             if self._last_reduce_pos < 0:
                 self._all_reduced.set()
+        self.last_round_busy_s = busy
 
 
 class _nullcontext:
