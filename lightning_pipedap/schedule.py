@@ -24,8 +24,8 @@ Nothing here imports ``torch``; schedules are built and checked in pure Python.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 
 class OpKind(str, enum.Enum):

@@ -27,7 +27,7 @@ import logging
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 import lightning_pipedap.engine.collectives as C
-from lightning_pipedap.engine.engine import CommEngine, EngineError
+from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import (
     PER_PARAMETER_OPTIMIZERS,
     BucketOptimizer,
@@ -69,7 +69,6 @@ _REJECTED_DDP_KWARGS = {
     "find_unused_parameters": "not needed: pipedap detects parameters without gradients by itself",
     "static_graph": "not needed: pipedap traces the forward order itself",
     "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
-    "bucket_cap_mb": None,  # accepted as our own argument; listed so the message below stays accurate
 }
 
 
@@ -194,7 +193,7 @@ class PipeDAPStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
-        bad = sorted(k for k in kwargs if k != "bucket_cap_mb")
+        bad = sorted(kwargs)
         if bad:
             import difflib  # noqa: PLC0415
             import inspect  # noqa: PLC0415
@@ -314,8 +313,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._records: list[OpRecord] = []
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        state = dict(state)
+        state = dict(super().__getstate__())  # Lightning's Strategy drops its optimizer wrappers
         for k in ("_engine", "_comm", "_hook_handles", "_updater", "_pending", "_trace", "_orig_clip"):
             state[k] = None if k != "_hook_handles" else []
         return state

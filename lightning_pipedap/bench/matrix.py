@@ -111,27 +111,31 @@ def parse_choice_list(text: str, valid: Sequence[str], what: str, item: str) -> 
     return list(dict.fromkeys(items))
 
 
+def _parse_numbers(text: str, convert, ok, what: str, example: str) -> list:
+    """Comma list -> unique numbers in order; ``ValueError`` naming the bad entry (``what``, ``example``)."""
+    out = []
+    for t in (t.strip() for t in str(text).split(",")):
+        if not t:
+            continue
+        try:
+            v = convert(t)
+        except ValueError:
+            v = None
+        if v is None or not ok(v):
+            raise ValueError(f"{what} (e.g. {example}), got {t!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"empty list: {what} (e.g. {example})")
+    return list(dict.fromkeys(out))
+
+
 def parse_ranks(text: str) -> list[int]:
     """``"2,4"`` -> ``[2, 4]``; every entry must be an integer >= 2 (one rank per testbed host).
 
     Raises:
         ValueError: naming the bad entry.
     """
-    out = []
-    for t in str(text).split(","):
-        t = t.strip()
-        if not t:
-            continue
-        try:
-            n = int(t)
-        except ValueError:
-            raise ValueError(f"ranks must be integers >= 2 (e.g. 2,4), got {t!r}") from None
-        if n < 2:
-            raise ValueError(f"ranks must be integers >= 2 (e.g. 2,4), got {n}")
-        out.append(n)
-    if not out:
-        raise ValueError("empty list of ranks; give e.g. 2,4")
-    return list(dict.fromkeys(out))
+    return _parse_numbers(text, int, lambda n: n >= 2, "ranks must be integers >= 2", "2,4")
 
 
 def parse_bucket_list(text: str) -> list[float]:
@@ -140,21 +144,8 @@ def parse_bucket_list(text: str) -> list[float]:
     Raises:
         ValueError: a non-number or non-positive entry, or an empty list.
     """
-    out = []
-    for t in str(text).split(","):
-        t = t.strip()
-        if not t:
-            continue
-        try:
-            v = float(t)
-        except ValueError:
-            raise ValueError(f"--ddp-bucket-mb takes positive numbers in MiB (e.g. 1,4,10), got {t!r}") from None
-        if not v > 0 or math.isinf(v):
-            raise ValueError(f"--ddp-bucket-mb takes positive numbers in MiB (e.g. 1,4,10), got {t!r}")
-        out.append(v)
-    if not out:
-        raise ValueError("--ddp-bucket-mb is empty; give e.g. 1,4,10")
-    return out
+    return _parse_numbers(text, float, lambda v: v > 0 and not math.isinf(v),
+                          "--ddp-bucket-mb takes positive numbers in MiB", "1,4,10")
 
 
 def build_parser() -> argparse.ArgumentParser:

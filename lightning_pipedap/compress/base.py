@@ -220,11 +220,7 @@ class Compressor(ABC):
         Raises:
             ValueError: if ``payloads`` is empty or the payloads disagree on ``numel``.
         """
-        if not payloads:
-            raise ValueError("aggregate() needs at least one payload")
-        sizes = {p.numel for p in payloads}
-        if len(sizes) != 1:
-            raise ValueError(f"payloads of different buckets (numel {sorted(sizes)}) cannot be aggregated")
+        self._check_payloads(payloads)
         out = self.decompress(payloads[0]).clone()
         for p in payloads[1:]:
             out.add_(self.decompress(p))
@@ -233,6 +229,15 @@ class Compressor(ABC):
         return out
 
     # ------------------------------------------------------------------ packing for all-gather
+    @staticmethod
+    def _check_payloads(payloads: Sequence[Payload]) -> None:
+        """Raise ``ValueError`` if ``payloads`` is empty or mixes buckets (different ``numel``)."""
+        if not payloads:
+            raise ValueError("aggregate() needs at least one payload")
+        sizes = {p.numel for p in payloads}
+        if len(sizes) != 1:
+            raise ValueError(f"payloads of different buckets (numel {sorted(sizes)}) cannot be aggregated")
+
     def packed_nbytes(self, numel: int) -> int:
         """Size in bytes of :meth:`pack`'s output for a bucket of ``numel`` (the same on every rank)."""
         spec = {k: s for k, s in self.payload_spec(numel).items() if not s.local}

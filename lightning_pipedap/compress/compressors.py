@@ -134,6 +134,11 @@ class BF16Compressor(_CastCompressor):
 class _SparseMixin:
     """Decompress/aggregate for payloads ``indices`` (int32) + ``values`` (fp32)."""
 
+    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+        """``k = ratio·n`` int32 indices and fp32 values."""
+        k = count_for_ratio(numel, self.ratio)
+        return {"indices": TensorSpec(k, torch.int32), "values": TensorSpec(k, torch.float32)}
+
     def decompress(self, payload: Payload, state: BucketState | None = None) -> torch.Tensor:
         values = payload.tensors.get("values")
         out = torch.zeros(payload.numel, dtype=torch.float32,
@@ -143,11 +148,7 @@ class _SparseMixin:
         return out
 
     def aggregate(self, payloads: Sequence[Payload], average: bool = True) -> torch.Tensor:
-        if not payloads:
-            raise ValueError("aggregate() needs at least one payload")
-        sizes = {p.numel for p in payloads}
-        if len(sizes) != 1:
-            raise ValueError(f"payloads of different buckets (numel {sorted(sizes)}) cannot be aggregated")
+        self._check_payloads(payloads)
         out = self.decompress(payloads[0]).clone()
         for p in payloads[1:]:
             if "values" in p.tensors:
@@ -176,10 +177,6 @@ class TopKCompressor(_SparseMixin, Compressor):
     def __init__(self, ratio: float = 0.01, error_feedback: bool = True) -> None:
         self.ratio = _check_ratio("ratio", ratio)
         self.error_feedback = _check_bool("error_feedback", error_feedback)
-
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
-        k = count_for_ratio(numel, self.ratio)
-        return {"indices": TensorSpec(k, torch.int32), "values": TensorSpec(k, torch.float32)}
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
         self._check_grad(grad, state)
@@ -226,10 +223,6 @@ class DGCCompressor(_SparseMixin, Compressor):
         self.seed = _check_int("seed", seed, 0)
         self.rank = _check_int("rank", rank, 0)
         self.error_feedback = _check_bool("error_feedback", error_feedback)
-
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
-        k = count_for_ratio(numel, self.ratio)
-        return {"indices": TensorSpec(k, torch.int32), "values": TensorSpec(k, torch.float32)}
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
         self._check_grad(grad, state)

@@ -14,7 +14,7 @@ optimizer skips them), with no ``find_unused_parameters`` flag and no extra coll
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
 

@@ -10,8 +10,7 @@ ran, so LR schedulers that step in between do not leak into update t.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 import torch
