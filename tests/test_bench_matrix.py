@@ -171,13 +171,13 @@ def test_build_net_rejects_unknown_names_and_has_the_documented_sizes():
     with pytest.raises(ValueError, match="valid: bench, tiny"):
         M.build_net("mlp", "large")
     net, units, make_batch = M.build_net("mlp", "bench")
-    assert sum(p.numel() for p in net.parameters()) == 512 * 2048 + 2048 + 4 * (2048 * 2048 + 2048) + 2048 * 10 + 10
-    assert M.first_layer_numel(net) == 512 * 2048 + 2048
-    assert len(units) == 6
+    assert sum(p.numel() for p in net.parameters()) == 16 * (1024 * 1024 + 1024) + 1024 * 10 + 10
+    assert M.first_layer_numel(net) == 1024 * 1024 + 1024
+    assert len(units) == 17
     import torch
 
     x, y = make_batch(3, torch.Generator().manual_seed(0))
-    assert x.shape == (3, 512) and y.shape == (3,)
+    assert x.shape == (3, 1024) and y.shape == (3,)
     _, _, gpt_batch = M.build_net("gpt", "tiny")
     x, y = gpt_batch(2, torch.Generator().manual_seed(0))
     assert x.shape == (2, 8) and torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one
