@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -86,7 +87,7 @@ def test_combine_takes_rank0_times_slowest_compute_and_summed_energy():
 
 # ----------------------------------------------------------------------------- rendering
 def test_tables_show_the_computed_numbers():
-    c = _cell(skipped={"pipedap-compress": "no compression= argument"})
+    c = _cell(skipped={"fsdp2": "out of memory"})
     cells_md = M.format_cells_table([c])
     assert "| mlp | 1gbit | 2 | 17.9 | 256 | 500 | 600 | 550 | 40.0 | 550 | 550 |" in cells_md
     md = M.format_variants_table([c])
@@ -95,9 +96,114 @@ def test_tables_show_the_computed_numbers():
     row = next(line for line in lines if "pipedap-optimal" in line)
     cols = [x.strip() for x in row.strip("|").split("|")]
     assert cols[:10] == ["mlp 1gbit 2r", "pipedap-optimal", "600", "1.50", "1.09", "1.09", "12.5", "580", "50", "550"]
-    assert "| mlp 1gbit 2r | pipedap-compress | not run |" in md and "no compression= argument" in md
+    assert "| mlp 1gbit 2r | fsdp2 | not run |" in md and "out of memory" in md
+    assert M.format_compression_table([c]) == ""  # no compressed variant: no compression table
+    assert "Compression (over the measured steps" not in M.render_markdown([c], {})
     text = M.format_text_report(c)
     assert "lower bound 550 ms" in text and "pipedap-optimal" in text
+
+
+def _stats(compress_s, wait_s, payload, dense):
+    from lightning_pipedap.engine.compressed import CompressionStats
+
+    return CompressionStats(compress_s=compress_s, wait_s=wait_s, payload_bytes=payload, dense_bytes=dense)
+
+
+def test_hidden_share_is_compress_minus_wait_over_compress():
+    # (0.010 - 0.002) + (0.030 - 0.000) + (0.020 - 0.008) = 0.050 hidden of 0.060
+    rounds = [_stats(0.010, 0.002, 100, 400), _stats(0.030, 0.0, 100, 400), _stats(0.020, 0.008, 50, 400)]
+    assert M.hidden_share(rounds) == pytest.approx(0.05 / 0.06)
+    assert M.hidden_share([_stats(0.01, 0.01, 1, 4)]) == 0.0
+    assert M.hidden_share([_stats(0.01, 0.03, 1, 4)]) == 0.0  # the worker waited longer than the helper worked
+    assert M.hidden_share([_stats(0.0, 0.0, 4, 4)]) is None
+    with pytest.raises(ValueError, match="wait_s must be a finite number >= 0, got -0.1"):
+        M.hidden_share([_stats(0.01, -0.1, 1, 4)])
+
+
+def test_summarize_compression_averages_per_bucket_and_sums_buckets():
+    rounds = [(0, _stats(0.010, 0.002, 100, 400)), (1, _stats(0.030, 0.0, 100, 400)),
+              (0, _stats(0.020, 0.008, 50, 400)), (1, _stats(0.030, 0.01, 100, 400)),
+              (1, _stats(0.030, 0.0, 100, 400))]  # bucket 1 caught in one round more than bucket 0
+    s = M.summarize_compression(rounds)
+    assert s.compress_s == pytest.approx(0.015 + 0.030)  # mean of bucket 0 + mean of bucket 1
+    assert s.hidden_share == pytest.approx((0.12 - 0.02) / 0.12)
+    assert s.ratio == pytest.approx(2000 / 450)
+    assert s.rounds == 5
+    inline = M.summarize_compression(rounds, pipelined=False)
+    assert inline.hidden_share is None and inline.compress_s == s.compress_s
+    assert M.summarize_compression([]) is None
+    assert M.summarize_compression([(0, _stats(0.0, 0.0, 0, 400))]).ratio is None
+    with pytest.raises(ValueError, match="payload_bytes"):
+        M.summarize_compression([(0, _stats(0.01, 0.0, float("nan"), 400))])
+
+
+def test_step_timer_counts_each_compression_round_once_for_the_step_that_made_it():
+    from types import SimpleNamespace
+
+    live: dict = {}
+    a0, a1, b1, a2 = (_stats(0.001 * k, 0.0, 2, 4) for k in range(1, 5))
+
+    def flush():  # the last step's deferred round lands in the flush
+        live[0] = a2
+
+    trainer = SimpleNamespace(strategy=SimpleNamespace(compression_stats=lambda: dict(live), flush=flush))
+    timer = M._make_timer(10.0)
+    timer.on_train_batch_start(trainer, None, None, 0)
+    timer.on_before_backward(trainer, None, None)  # step 0: nothing compressed yet
+    live[0] = a0  # step 0's round
+    timer.on_train_batch_start(trainer, None, None, 1)
+    timer.on_before_backward(trainer, None, None)
+    timer.on_train_batch_start(trainer, None, None, 2)  # no sample at batch start
+    live[0], live[1] = a1, b1  # step 1's rounds
+    timer.on_before_backward(trainer, None, None)
+    timer.on_before_backward(trainer, None, None)  # same objects again: not new rounds
+    timer.on_train_end(trainer, None)
+    assert [(k, b, st) for k, b, st in timer.rounds] == [(0, 0, a0), (1, 0, a1), (1, 1, b1), (2, 0, a2)]
+    assert len(timer.starts) == 4 and timer.starts == sorted(timer.starts)
+
+
+def _compressed_cell() -> M.CellResult:
+    return _cell(variants=[
+        M.VariantResult("ddp", 0.9, 20),
+        M.VariantResult("ddp+fp16hook", 0.75, 20, compression="fp16_compress_hook"),
+        M.VariantResult("pipedap-dear", 0.7, 20),
+        M.VariantResult("pipedap-optimal", 0.6, 20),
+        M.VariantResult("pipedap-optimal+topk", 0.4, 20, compression="topk ratio=0.01, helper process",
+                        compress_s=0.0453, hidden_share=0.8234, compression_ratio=49.87, compressed_rounds=80),
+        M.VariantResult("pipedap-optimal+topk:inline", 0.5, 20, compression="topk ratio=0.01, inline",
+                        compress_s=0.041, hidden_share=None, compression_ratio=50.0, compressed_rounds=80),
+    ])
+
+
+def test_compression_table_rows_and_columns():
+    md = M.format_compression_table([_compressed_cell()])
+    lines = md.splitlines()
+    assert lines[0].startswith("| cell | strategy | compression | iter ms (median) | speedup vs ddp | vs uncompressed ")
+    rows = {r[1]: r for r in ([x.strip() for x in line.strip("|").split("|")] for line in lines[2:])}
+    # pipedap-dear has no compressed variant: not a reference row here
+    assert list(rows) == ["ddp", "ddp+fp16hook", "pipedap-optimal", "pipedap-optimal+topk", "pipedap-optimal+topk:inline"]
+    assert rows["ddp"][2:] == ["none", "900", "1.00", "–", "–", "–", "–"]
+    assert rows["ddp+fp16hook"][2:] == ["fp16_compress_hook", "750", "1.20", "1.20", "–", "–", "–"]
+    assert rows["pipedap-optimal+topk"][2:] == ["topk ratio=0.01, helper process", "400", "2.25", "1.50", "45.3", "82%", "49.9"]
+    assert rows["pipedap-optimal+topk:inline"][5:] == ["1.20", "41.0", "–", "50.0"]
+    md_all = M.render_markdown([_compressed_cell()], {"steps": 20, "warmup": 6})
+    assert "*hidden* = share of the compression time" in md_all and md in md_all
+    text = M.format_text_report(_compressed_cell())
+    assert "[topk ratio=0.01, helper process: compression 45.3 ms/iter, hidden 82%, ratio 49.9]" in text
+    assert "[fp16_compress_hook]" in text
+
+
+def test_compression_fields_survive_json_and_old_results_load():
+    from dataclasses import asdict
+
+    c = _compressed_cell()
+    assert M.CellResult.from_dict(json.loads(json.dumps(asdict(c)))) == c
+    old = asdict(_cell())
+    for v in old["variants"]:  # a results file written before the compression columns existed
+        for k in ("compression", "compress_s", "hidden_share", "compression_ratio", "compressed_rounds"):
+            del v[k]
+    back = M.CellResult.from_dict(old)
+    assert back.variants[1].compress_s is None and back.variants[1].compression == ""
 
 
 def test_uncapped_label_and_missing_values_are_dashes():
@@ -135,7 +241,38 @@ def test_parse_lists_and_defaults():
     assert a.models == ["mlp", "gpt"] and a.links == list(M.LINKS) and a.ranks == [2, 4]
     assert a.strategies == ["ddp", "pipedap-dear"]
     assert a.ddp_bucket_mb == [1.0, 4.0, 10.0]
-    assert set(M.valid_strategies()) >= {"ddp", "ddp_tuned", "fsdp2", "pipedap-optimal", "pipedap-allreduce"}
+    assert set(M.valid_strategies()) >= {"ddp", "ddp_tuned", "fsdp2", "pipedap-optimal", "pipedap-allreduce",
+                                        "ddp+fp16hook", "ddp+powersgdhook", "pipedap-optimal+topk:inline"}
+    assert a.compressors == ["fp16", "powersgd", "topk"]
+
+
+def test_strategy_names_are_taken_apart():
+    sp = M.parse_strategy("pipedap-optimal+powersgd")
+    assert (sp.family, sp.schedule, sp.compressor, sp.mode) == ("pipedap", "optimal", "powersgd", "process")
+    assert sp.compression == "powersgd rank=4 start_step=2, helper process"
+    sp = M.parse_strategy("pipedap-dear+topk:inline")
+    assert (sp.schedule, sp.compressor, sp.mode, sp.compression) == ("dear", "topk", "inline", "topk ratio=0.01, inline")
+    sp = M.parse_strategy("pipedap-wfbp")
+    assert (sp.family, sp.schedule, sp.compressor, sp.mode, sp.compression) == ("pipedap", "wfbp", None, None, "")
+    assert M.parse_strategy("ddp+powersgdhook").family == "ddp_hook"
+    assert M.parse_strategy("ddp+fp16hook").compression == "fp16_compress_hook"
+    assert M.parse_strategy("ddp_tuned").family == "ddp_tuned"
+    assert M.extra_warmup_steps("pipedap-optimal+powersgd:inline") == 2
+    assert M.extra_warmup_steps("pipedap-optimal+fp16") == 0 and M.extra_warmup_steps("ddp+powersgdhook") == 0
+    assert (M.uncompressed_name("pipedap-dear+fp16:inline"), M.uncompressed_name("ddp+fp16hook"),
+            M.uncompressed_name("pipedap-dear"), M.uncompressed_name("ddp")) == ("pipedap-dear", "ddp", None, None)
+
+
+def test_all_strategies_add_hooks_and_pipelined_compressors():
+    a = M.parse_args(["--strategies", "all"])
+    assert a.strategies[:5] == ["ddp", "ddp_tuned", "fsdp2", "ddp+fp16hook", "ddp+powersgdhook"]
+    assert a.strategies[-3:] == ["pipedap-optimal+fp16", "pipedap-optimal+powersgd", "pipedap-optimal+topk"]
+    assert not any(s.endswith(":inline") for s in a.strategies)
+    assert "pipedap-optimal" in a.strategies and "pipedap-dear" in a.strategies
+    b = M.parse_args(["--strategies", "all", "--compressors", "qsgd"])
+    assert [s for s in b.strategies if "+" in s and not s.startswith("ddp")] == ["pipedap-optimal+qsgd"]
+    c = M.parse_args(["--strategies", "ddp,pipedap-optimal+fp16,pipedap-optimal+fp16:inline,ddp"])
+    assert c.strategies == ["ddp", "pipedap-optimal+fp16", "pipedap-optimal+fp16:inline"]
 
 
 def test_quick_selects_the_headline_cell():
@@ -148,7 +285,15 @@ def test_quick_selects_the_headline_cell():
     [
         (["--models", "mlp,bert"], "unknown model 'bert'; valid: mlp, resnet, gpt"),
         (["--links", "100mbit"], "unknown link '100mbit'; valid: 1gbit, 10gbit, none"),
-        (["--strategies", "pipedap-fast"], "unknown strategy 'pipedap-fast'; valid: ddp, ddp_tuned, fsdp2, pipedap-"),
+        (["--strategies", "pipedap-fast"], "unknown strategy 'pipedap-fast': unknown schedule 'fast'; valid: ddp, "
+                                           "ddp_tuned, fsdp2, ddp+fp16hook, ddp+powersgdhook, pipedap-<schedule>"),
+        (["--strategies", "ddp+bf16hook"], "unknown strategy 'ddp+bf16hook'; valid: ddp, ddp_tuned"),
+        (["--strategies", "pipedap-optimal+zip"], "unknown compressor 'zip' in strategy 'pipedap-optimal+zip'; "
+                                                  "valid: none, fp16, bf16, powersgd, randomk, topk, dgc, qsgd, efsignsgd"),
+        (["--strategies", "pipedap-optimal+fp16:process"], "unknown compression mode ':process' in strategy "
+                                                           "'pipedap-optimal+fp16:process'; valid: ':inline'"),
+        (["--compressors", "fp16,zip"], "unknown compressor 'zip'; valid: none, fp16, bf16, powersgd"),
+        (["--compressors", ","], "empty list of compressors"),
         (["--ranks", "1"], "ranks must be integers >= 2"),
         (["--ranks", "two"], "got 'two'"),
         (["--ddp-bucket-mb", "4,-1"], "got '-1'"),
@@ -163,6 +308,14 @@ def test_bad_arguments_exit_with_a_message_naming_the_choices(argv, message, cap
         M.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_ddp_hook_strategy_is_a_ddp_strategy_and_names_are_checked():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    assert isinstance(M._ddp_with_comm_hook("ddp+fp16hook"), DDPStrategy)
+    with pytest.raises(ValueError, match=re.escape("unknown DDP hook variant 'ddp+bf16hook'; valid: ddp+fp16hook, ddp+powersgdhook")):
+        M._ddp_with_comm_hook("ddp+bf16hook")
 
 
 def test_build_net_rejects_unknown_names_and_has_the_documented_sizes():
@@ -192,7 +345,7 @@ def test_tiny_cell_on_the_testbed(tmp_path):
         pytest.skip(why)
     out_json = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "lightning_pipedap.bench.matrix", "--size", "tiny", "--links", "none", "--ranks", "2",
-           "--strategies", "ddp,pipedap-dear", "--steps", "2", "--warmup", "5", "--json", str(out_json),
+           "--strategies", "ddp,ddp+powersgdhook,pipedap-dear+fp16", "--steps", "2", "--warmup", "5", "--json", str(out_json),
            "--markdown", str(tmp_path / "B.md"), "--chart", str(tmp_path / "c.png")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -200,10 +353,28 @@ def test_tiny_cell_on_the_testbed(tmp_path):
     (cell,) = data["cells"]
     assert (cell["model"], cell["link"], cell["ranks"], cell["batch"]) == ("mlp", "none", 2, 4)
     assert cell["params_M"] == pytest.approx((16 * 32 + 32 + 32 * 32 + 32 + 32 * 10 + 10) / 1e6)
-    assert [v["name"] for v in cell["variants"]] == ["ddp", "pipedap-dear"]
+    assert [v["name"] for v in cell["variants"]] == ["ddp", "ddp+powersgdhook", "pipedap-dear+fp16"]
     for v in cell["variants"]:
         assert v["steps"] == 2 and v["iter_s"] > 0 and math.isfinite(v["iter_s"])
     assert cell["compute_s"] > 0 and cell["allreduce_s"] > 0 and cell["rs_ag_s"] > 0
+    ddp, hook, comp = cell["variants"]
+    assert ddp["compress_s"] is None and hook["compression"] == "powerSGD_hook rank=4 start_iter=2"
+    assert comp["compression"] == "fp16, helper process"
+    assert comp["compression_ratio"] == 2.0  # fp32 gradient / fp16 payload, every round
+    # one bucket (dear's 25 MiB fusion of a 2.4 k-parameter model) x 2 measured steps, each round counted once
+    assert comp["compressed_rounds"] == 2 and comp["compress_s"] > 0 and 0.0 <= comp["hidden_share"] <= 1.0
     md = (tmp_path / "B.md").read_text()
-    assert md.count(M.MD_BEGIN) == 1 and "| mlp uncapped 2r | pipedap-dear |" in md
+    assert md.count(M.MD_BEGIN) == 1 and "| mlp uncapped 2r | pipedap-dear+fp16 |" in md
+    assert "| mlp uncapped 2r | pipedap-dear+fp16 | fp16, helper process |" in md  # the compression table row
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_nice_suffix_selects_train_thread_nice_and_rejects_bad_values():
+    sp = M.parse_strategy("pipedap-optimal@nice10")
+    assert (sp.family, sp.schedule, sp.compressor, sp.nice) == ("pipedap", "optimal", None, 10)
+    sp = M.parse_strategy("pipedap-dear+fp16:inline@nice5")
+    assert (sp.schedule, sp.compressor, sp.mode, sp.nice) == ("dear", "fp16", "inline", 5)
+    assert M.parse_strategy("pipedap-optimal").nice == 0
+    for bad in ("pipedap-optimal@nice0", "pipedap-optimal@nice20", "pipedap-optimal@fast", "pipedap-optimal@nice"):
+        with pytest.raises(ValueError, match=r"valid: @nice<N> with N in 1\.\.19"):
+            M.parse_strategy(bad)

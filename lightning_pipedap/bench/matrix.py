@@ -1,4 +1,5 @@
-"""Benchmark matrix: DDP, tuned-bucket DDP, FSDP2 and pipedap's planners on a bandwidth-capped testbed.
+"""Benchmark matrix: DDP (plain, tuned buckets, fp16 / PowerSGD comm hooks), FSDP2, pipedap's planners and
+pipedap with gradient compression (pipelined or inline) on a bandwidth-capped testbed.
 
 ::
 
@@ -18,9 +19,23 @@ through Lightning (``Trainer.fit``) with the same lean LightningModule (loss onl
 * ``fsdp2``: Lightning's ``ModelParallelStrategy`` (data-parallel mesh = all ranks, no tensor
   parallelism) with ``torch.distributed.fsdp.fully_shard(..., reshard_after_forward=False)`` applied in
   ``configure_model`` to every layer (Linear / residual block / transformer block) and then to the network.
+* ``ddp+fp16hook``, ``ddp+powersgdhook``: DDP with PyTorch's communication hooks
+  ``default_hooks.fp16_compress_hook`` (gradients cast to fp16 for the all-reduce: the uncompressed
+  16-bit all-reduce baseline) and ``powerSGD_hook`` (``matrix_approximation_rank=4``,
+  ``start_powerSGD_iter=2``, error feedback and warm start on, like ``pipedap-...+powersgd``).
+  Lightning's ``DDPStrategy`` registers comm hooks only on CUDA, so a small subclass registers the hook
+  on the ``DistributedDataParallel`` module right after ``configure_ddp``. ``bf16_compress_hook`` is not
+  offered: DDP refuses to register it without NCCL (``TypeError: BF16 all reduce communication hook
+  required CUDA 11+ and NCCL 2.10+``, checked on gloo with torch 2.13).
 * ``pipedap-<schedule>``: :class:`~lightning_pipedap.strategy.PipeDAPStrategy` with each schedule in
   :func:`~lightning_pipedap.strategy.valid_schedule_names` (fixed ``dear``/``allreduce``, planned
   ``optimal``, ``pipedap``, ``wfbp``, ``dear_tuned``, ``no_overlap``).
+* ``pipedap-<schedule>+<compressor>`` and ``pipedap-<schedule>+<compressor>:inline``: the same with
+  ``compression=<compressor>`` (any name in :func:`~lightning_pipedap.compress.valid_compressor_names`;
+  keyword arguments from :data:`COMPRESSOR_KWARGS`: PowerSGD rank 4, top-k 1%), compressed in the per-rank
+  helper process (``compression_mode="process"``, pipelined with backward) or, with ``:inline``, in the
+  trainer (``compression_mode="inline"``). ``--strategies all`` runs ``pipedap-optimal+<c>`` (pipelined)
+  for every ``c`` in ``--compressors`` (default ``fp16,powersgd,topk``); inline variants run when named.
 
 Per variant: median *iteration time* (start-to-start of training batches, ``on_train_batch_start``, after
 ``--warmup`` steps, over ``--steps`` steps), energy per iteration (an *estimate*: ``--watts`` x CPU-seconds
@@ -39,13 +54,23 @@ twice (before and after the strategies) and the bound uses the faster run.
 and 5 measured steps, one compute-only run) and prints ``speedup_vs_ddp=<x> ratio_to_bound=<y>`` last.
 It replaced the earlier ``bench.training`` script.
 
+Per compressed pipedap variant, ``strategy.compression_stats()`` (per bucket, the last round) is sampled
+before every backward and at the end of training, so each round is counted once for the step that made it,
+and the rounds of the measured steps are summarised (:func:`summarize_compression`):
+*compression time* per iteration (helper or inline time compressing, in extra rounds and decompressing,
+summed over buckets), the share of it *hidden* by the pipeline, ``sum(compress - wait) / sum(compress)``
+with ``wait`` the time the communication worker blocked on the helper (pipelined only: inline compression
+runs in the trainer and hides nothing), and the *compression ratio* dense bytes / payload bytes. They
+appear in a second table, ``compression``, next to the DDP hook baselines. Compression starts with the
+final schedule (warm-up and profiling steps are dense), and PowerSGD sends its first 2 compressed-engine
+steps dense, so its variants warm up 2 steps longer (:func:`extra_warmup_steps`).
+
 Needs root for the network namespaces; without it the command says why and exits with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
@@ -62,7 +87,26 @@ MODELS = ("mlp", "resnet", "gpt")
 LINKS = ("1gbit", "10gbit", "none")
 SIZES = ("bench", "tiny")
 BASE_STRATEGIES = ("ddp", "ddp_tuned", "fsdp2")
+#: DDP with a PyTorch communication hook -> the hook's description (registered on CPU by the matrix)
+DDP_HOOKS = {
+    "ddp+fp16hook": "fp16_compress_hook",
+    "ddp+powersgdhook": "powerSGD_hook rank=4 start_iter=2",
+}
+#: PowerSGD settings shared by ``ddp+powersgdhook`` and ``pipedap-...+powersgd``
+POWERSGD_RANK = 4
+POWERSGD_START = 2
 PIPEDAP_PREFIX = "pipedap-"
+COMPRESS_SEP = "+"
+INLINE_SUFFIX = ":inline"
+#: ``pipedap-...@nice<N>``: ``PipeDAPStrategy(train_thread_nice=N)`` (communication threads first)
+NICE_SUFFIX = "@nice"
+#: compressors that ``--strategies all`` pairs with the default schedule (``--compressors`` default)
+DEFAULT_COMPRESSORS = ("fp16", "powersgd", "topk")
+#: keyword arguments of ``PipeDAPStrategy(compression_kwargs=...)`` per compressor (others: defaults)
+COMPRESSOR_KWARGS: dict[str, dict[str, Any]] = {
+    "powersgd": {"rank": POWERSGD_RANK, "start_step": POWERSGD_START},
+    "topk": {"ratio": 0.01},
+}
 #: the variant every speedup is relative to
 REFERENCE = "ddp"
 #: default pipedap schedule (PipeDAPStrategy's default)
@@ -80,16 +124,142 @@ def pipedap_schedules() -> tuple[str, ...]:
     return tuple(valid_schedule_names())
 
 
-def valid_strategies() -> tuple[str, ...]:
-    """Every strategy name the matrix accepts: ``ddp``, ``ddp_tuned``, ``fsdp2``, ``pipedap-<schedule>``."""
-    return BASE_STRATEGIES + tuple(PIPEDAP_PREFIX + s for s in pipedap_schedules())
+def compressor_names() -> tuple[str, ...]:
+    """Compressor names ``PipeDAPStrategy(compression=...)`` accepts (the compress package's own list)."""
+    from lightning_pipedap.compress import valid_compressor_names
+
+    return tuple(valid_compressor_names())
 
 
-def compression_supported() -> bool:
-    """Whether ``PipeDAPStrategy`` takes a ``compression=`` argument (the compression column needs it)."""
-    from lightning_pipedap.strategy import PipeDAPStrategy
+@dataclass(frozen=True)
+class StrategySpec:
+    """A matrix strategy name taken apart.
 
-    return "compression" in inspect.signature(PipeDAPStrategy.__init__).parameters
+    Attributes:
+        name: the full name, e.g. ``"pipedap-optimal+powersgd:inline"``.
+        family: ``"ddp"``, ``"ddp_tuned"``, ``"fsdp2"``, ``"ddp_hook"`` or ``"pipedap"``.
+        schedule: pipedap schedule (``"optimal"``, ...); ``None`` for the others.
+        compressor: pipedap compressor name, or ``None`` (uncompressed / not pipedap).
+        mode: ``"process"`` (helper process, pipelined) or ``"inline"`` for compressed pipedap, else ``None``.
+        nice: pipedap's ``train_thread_nice`` (``@nice<N>`` suffix), 0 = off.
+    """
+
+    name: str
+    family: str
+    schedule: Optional[str] = None
+    compressor: Optional[str] = None
+    mode: Optional[str] = None
+    nice: int = 0
+
+    @property
+    def compression(self) -> str:
+        """Human description of the compression (``""`` when none), e.g. ``"powersgd rank=4 start_step=2, helper process"``."""
+        if self.family == "ddp_hook":
+            return DDP_HOOKS[self.name]
+        if self.compressor is None:
+            return ""
+        kw = " ".join(f"{k}={v}" for k, v in COMPRESSOR_KWARGS.get(self.compressor, {}).items())
+        where = "helper process" if self.mode == "process" else "inline"
+        return f"{self.compressor}{' ' + kw if kw else ''}, {where}"
+
+
+def _strategy_forms() -> str:
+    return (f"{', '.join(BASE_STRATEGIES + tuple(DDP_HOOKS))}, {PIPEDAP_PREFIX}<schedule> "
+            f"(schedules: {', '.join(pipedap_schedules())}), {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>"
+            f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
+            f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19)")
+
+
+def parse_strategy(name: str) -> StrategySpec:
+    """Take a strategy name apart: ``ddp``, ``ddp_tuned``, ``fsdp2``, ``ddp+fp16hook``, ``ddp+powersgdhook``,
+    ``pipedap-<schedule>``, ``pipedap-<schedule>+<compressor>`` (helper process) or
+    ``pipedap-<schedule>+<compressor>:inline``.
+
+    Raises:
+        ValueError: an unknown name, schedule, compressor or mode suffix; the message names the bad part
+            and the valid choices.
+    """
+    if name in BASE_STRATEGIES:
+        return StrategySpec(name, name)
+    if name in DDP_HOOKS:
+        return StrategySpec(name, "ddp_hook")
+    if not name.startswith(PIPEDAP_PREFIX):
+        raise ValueError(f"unknown strategy {name!r}; valid: {_strategy_forms()} (or 'all')")
+    rest, at, nice_text = name[len(PIPEDAP_PREFIX):].partition("@")
+    nice = 0
+    if at:
+        digits = nice_text[len(NICE_SUFFIX) - 1:] if nice_text.startswith(NICE_SUFFIX[1:]) else ""
+        if not digits.isdigit() or not 1 <= int(digits) <= 19:
+            raise ValueError(f"bad suffix {'@' + nice_text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19")
+        nice = int(digits)
+    spec = _parse_pipedap(name, rest)
+    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice)
+
+
+def _parse_pipedap(name: str, rest: str) -> StrategySpec:
+    schedule, sep, comp = rest.partition(COMPRESS_SEP)
+    if schedule not in pipedap_schedules():
+        raise ValueError(f"unknown strategy {name!r}: unknown schedule {schedule!r}; valid: {_strategy_forms()} (or 'all')")
+    if not sep:
+        return StrategySpec(name, "pipedap", schedule)
+    comp, colon, mode = comp.partition(":")
+    if comp not in compressor_names():
+        raise ValueError(f"unknown compressor {comp!r} in strategy {name!r}; valid: {', '.join(compressor_names())}")
+    if colon and mode != INLINE_SUFFIX[1:]:
+        raise ValueError(f"unknown compression mode {':' + mode!r} in strategy {name!r}; valid: {INLINE_SUFFIX!r} "
+                         f"(no suffix = pipelined in the helper process)")
+    return StrategySpec(name, "pipedap", schedule, comp, "inline" if colon else "process")
+
+
+def extra_warmup_steps(name: str) -> int:
+    """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
+    whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
+    in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
+    every measured step is compressed; 0 otherwise.
+
+    Raises:
+        ValueError: a bad name (see :func:`parse_strategy`).
+    """
+    return POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
+
+
+def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
+    """What ``--strategies all`` runs: ``ddp``, ``ddp_tuned``, ``fsdp2``, the DDP hook baselines, every
+    ``pipedap-<schedule>``, and ``pipedap-optimal+<c>`` (pipelined) for each ``c`` in ``compressors``."""
+    return (BASE_STRATEGIES + tuple(DDP_HOOKS) + tuple(PIPEDAP_PREFIX + s for s in pipedap_schedules())
+            + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}" for c in compressors))
+
+
+def valid_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
+    """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline`` (for ``--list``; any
+    other ``pipedap-<schedule>+<compressor>[:inline]`` is accepted too, see :func:`parse_strategy`)."""
+    return all_strategies(compressors) + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
+
+
+def parse_strategies(text: str, compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> list[str]:
+    """Comma list of strategy names (``"all"``: :func:`all_strategies` for ``compressors``), each checked by
+    :func:`parse_strategy`; duplicates dropped, order kept.
+
+    Raises:
+        ValueError: an empty list or a bad name (message from :func:`parse_strategy`).
+    """
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if items == ["all"]:
+        return list(all_strategies(compressors))
+    if not items:
+        raise ValueError(f"empty list of strategies; valid: {_strategy_forms()} (or 'all')")
+    for t in items:
+        parse_strategy(t)
+    return list(dict.fromkeys(items))
+
+
+def parse_compressors(text: str) -> list[str]:
+    """``--compressors``: comma list of compressor names (``"all"``: every one) for ``--strategies all``.
+
+    Raises:
+        ValueError: an empty list or an unknown name; the message lists the valid compressors.
+    """
+    return parse_choice_list(text, compressor_names(), "compressors", "compressor")
 
 
 def parse_choice_list(text: str, valid: Sequence[str], what: str, item: str) -> list[str]:
@@ -158,7 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--models", default="mlp", help=f"comma list of {', '.join(MODELS)} or 'all'")
     ap.add_argument("--links", default="1gbit,none", help=f"comma list of {', '.join(LINKS)} or 'all' ('none' = uncapped)")
     ap.add_argument("--ranks", default="2", help="comma list of rank counts (>= 2), e.g. 2,4")
-    ap.add_argument("--strategies", default="all", help="comma list (see --list) or 'all'")
+    ap.add_argument("--strategies", default="all",
+                    help="comma list (see --list) or 'all'; pipedap-<schedule>+<compressor>[:inline] adds compression")
+    ap.add_argument("--compressors", default=",".join(DEFAULT_COMPRESSORS),
+                    help="compressors that '--strategies all' pairs with pipedap-optimal (pipelined), or 'all'")
     ap.add_argument("--list", action="store_true", help="print the valid models, links and strategies and exit")
     ap.add_argument("--size", default="bench", help=f"model size preset: {', '.join(SIZES)} (tiny: smoke tests)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per variant (>= 2)")
@@ -199,7 +372,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.models = parse_choice_list(args.models, MODELS, "models", "model")
         args.links = parse_choice_list(args.links, LINKS, "links", "link")
         args.ranks = parse_ranks(args.ranks)
-        args.strategies = parse_choice_list(args.strategies, valid_strategies(), "strategies", "strategy")
+        args.compressors = parse_compressors(args.compressors)
+        args.strategies = parse_strategies(args.strategies, args.compressors)
         args.ddp_bucket_mb = parse_bucket_list(args.ddp_bucket_mb)
         if args.size not in SIZES:
             raise ValueError(f"unknown size {args.size!r}; valid: {', '.join(SIZES)}")
@@ -236,6 +410,11 @@ class VariantResult:
         comm_busy_s: time per iteration the communication worker was busy (RS/AG/AR), s.
         note: free text (e.g. the bucket cap chosen for ``ddp_tuned``).
         plan: pipedap's log of the installed schedule(s) and α-β fit (rank 0), for the record.
+        compression: what the variant compresses with (:attr:`StrategySpec.compression`; ``""``: nothing).
+        compress_s: compressed pipedap: compression time per iteration, s (rank 0, :func:`summarize_compression`).
+        hidden_share: compressed pipedap, pipelined: share of ``compress_s`` hidden by the pipeline (0..1).
+        compression_ratio: compressed pipedap: dense bytes / payload bytes over the measured rounds.
+        compressed_rounds: bucket rounds the three compression numbers come from.
     """
 
     name: str
@@ -247,6 +426,11 @@ class VariantResult:
     comm_busy_s: Optional[float] = None
     note: str = ""
     plan: str = ""
+    compression: str = ""
+    compress_s: Optional[float] = None
+    hidden_share: Optional[float] = None
+    compression_ratio: Optional[float] = None
+    compressed_rounds: Optional[int] = None
 
 
 @dataclass
@@ -385,6 +569,82 @@ def median_step_s(starts: Sequence[float], warmup: int) -> tuple[float, int]:
     return statistics.median(gaps), len(gaps)
 
 
+@dataclass
+class CompressionSummary:
+    """Compression telemetry of one variant over its measured steps (:func:`summarize_compression`).
+
+    Attributes:
+        compress_s: compression time per iteration, s: per bucket the mean over its rounds of the time spent
+            compressing (first pass, extra rounds, decompression), summed over buckets.
+        hidden_share: :func:`hidden_share` of all rounds (``None`` inline or when nothing was compressed).
+        ratio: sum of dense bytes / sum of payload bytes over all rounds (``None`` when nothing was sent).
+        rounds: number of (bucket, step) rounds summarised.
+    """
+
+    compress_s: float
+    hidden_share: Optional[float]
+    ratio: Optional[float]
+    rounds: int
+
+
+def _stat(st: Any, field_name: str) -> float:
+    v = getattr(st, field_name)
+    if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"compression stats: {field_name} must be a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+def hidden_share(stats: Sequence[Any]) -> Optional[float]:
+    """Share of compression time hidden by the pipeline: ``sum(compress_s - wait_s) / sum(compress_s)``.
+
+    ``stats`` are per-round :class:`~lightning_pipedap.engine.compressed.CompressionStats` (any objects with
+    ``compress_s`` and ``wait_s`` in s): ``compress_s`` is the helper's time on the round, ``wait_s`` the time
+    the communication worker blocked for its results, so ``compress_s - wait_s`` ran while the trainer went
+    on (PipeCompress, Wu et al., ICC 2022). Clamped at 0: a worker that waits longer than the helper worked
+    (queued behind other buckets, hand-off latency) hid nothing.
+
+    Returns:
+        a share in ``[0, 1]``, or ``None`` when ``sum(compress_s)`` is 0 (nothing compressed).
+
+    Raises:
+        ValueError: a negative or non-finite time (naming the field).
+    """
+    comp = sum(_stat(st, "compress_s") for st in stats)
+    if comp <= 0:
+        return None
+    return max(0.0, comp - sum(_stat(st, "wait_s") for st in stats)) / comp
+
+
+def summarize_compression(rounds: Sequence[tuple[int, Any]], pipelined: bool = True) -> Optional[CompressionSummary]:
+    """Summarise per-bucket compression rounds taken over the measured steps.
+
+    Args:
+        rounds: ``(bucket index, stats)`` per round; ``stats`` has ``compress_s``, ``wait_s`` (s),
+            ``payload_bytes`` and ``dense_bytes`` (bytes), like
+            :class:`~lightning_pipedap.engine.compressed.CompressionStats`.
+        pipelined: compression ran in the helper process; ``False`` (inline) reports no hidden share.
+
+    Returns:
+        :class:`CompressionSummary`, or ``None`` without rounds. Compression time per iteration is the
+        per-bucket mean summed over buckets, so a bucket caught in one step more or fewer than the others
+        (a round that lands just before or after the window) does not skew it.
+
+    Raises:
+        ValueError: a negative or non-finite time or byte count (naming the field).
+    """
+    if not rounds:
+        return None
+    per_bucket: dict[int, list[float]] = {}
+    for b, st in rounds:
+        per_bucket.setdefault(int(b), []).append(_stat(st, "compress_s"))
+    stats = [st for _, st in rounds]
+    payload = sum(_stat(st, "payload_bytes") for st in stats)
+    dense = sum(_stat(st, "dense_bytes") for st in stats)
+    return CompressionSummary(compress_s=sum(statistics.fmean(v) for v in per_bucket.values()),
+                              hidden_share=hidden_share(stats) if pipelined else None,
+                              ratio=dense / payload if payload > 0 else None, rounds=len(rounds))
+
+
 def _ms(x: Optional[float], digits: int = 0) -> str:
     return "–" if x is None else f"{x * 1e3:.{digits}f}"
 
@@ -428,19 +688,74 @@ def format_variants_table(cells: Sequence[CellResult]) -> str:
     return "\n".join(rows)
 
 
+def uncompressed_name(name: str) -> Optional[str]:
+    """The uncompressed counterpart of a compressed variant: ``ddp`` for the DDP hooks,
+    ``pipedap-<schedule>`` for ``pipedap-<schedule>+<compressor>[:inline]``; ``None`` for the others."""
+    if name in DDP_HOOKS:
+        return REFERENCE
+    if name.startswith(PIPEDAP_PREFIX) and COMPRESS_SEP in name:
+        return name.split(COMPRESS_SEP, 1)[0]
+    return None
+
+
+def _pct(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x * 100:.0f}%"
+
+
+def _ratio(x: Optional[float]) -> str:
+    return "–" if x is None else f"{x:.1f}"
+
+
+HIDDEN_NOTE = ("*hidden* = share of the compression time (compressing, extra rounds, decompressing) during which "
+               "the communication worker did not wait for the helper, sum(compress − wait) / sum(compress) over "
+               "the measured steps; inline compression runs in the trainer, so nothing is hidden (–). Compression "
+               "time is per iteration, summed over buckets; ratio = dense bytes / payload bytes. The DDP hooks "
+               "report no telemetry (–).")
+
+
+def format_compression_table(cells: Sequence[CellResult]) -> str:
+    """Markdown table of the compressed variants (DDP hooks and ``pipedap-...+<compressor>``) with their
+    uncompressed counterparts (``ddp``, ``pipedap-<schedule>``) as reference rows: iteration time, speedup
+    vs ``ddp`` and vs the counterpart, compression ms per iteration, share hidden, compression ratio.
+    ``""`` when no cell has a compressed variant."""
+    rows = ["| cell | strategy | compression | iter ms (median) | speedup vs ddp | vs uncompressed "
+            "| compression ms/iter | hidden | ratio |",
+            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        bases = {uncompressed_name(v.name) for v in c.variants} - {None}
+        if not bases:
+            continue
+        for v in c.variants:
+            base = uncompressed_name(v.name)
+            if base is None and v.name not in bases:
+                continue
+            ref = c.variant(base) if base else None
+            vs = _x(speedup(ref.iter_s, v.iter_s)) if ref else "–"
+            rows.append(f"| {cell_label(c)} | {v.name} | {v.compression or 'none'} | {_ms(v.iter_s)} "
+                        f"| {_x(c.speedup(v.name))} | {vs} | {_ms(v.compress_s, 1)} | {_pct(v.hidden_share)} "
+                        f"| {_ratio(v.compression_ratio)} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def format_text_report(c: CellResult) -> str:
     """Plain-text summary of one cell for the terminal."""
     lines = [f"{cell_label(c)}: {c.params_M:.1f} M params, batch {c.batch}/rank; compute-only {_ms(c.compute_s)} ms, "
              f"all-reduce {_ms(c.allreduce_s)} ms, RS+AG {_ms(c.rs_ag_s)} ms, lower bound {_ms(c.bound_s)} ms, "
              f"dependency bound {_ms(c.dep_bound_s)} ms (first layer comm {_ms(c.first_layer_comm_s, 1)} ms)",
-             f"  {'strategy':22s} {'iter ms':>8s} {'vs ddp':>7s} {'/bound':>7s} {'pred ms':>8s} {'wait ms':>8s} "
+             f"  {'strategy':30s} {'iter ms':>8s} {'vs ddp':>7s} {'/bound':>7s} {'pred ms':>8s} {'wait ms':>8s} "
              f"{'busy ms':>8s} {'J/iter':>7s}"]
     for v in c.variants:
         e = "–" if v.energy_J is None else f"{v.energy_J:.1f}"
-        lines.append(f"  {v.name:22s} {_ms(v.iter_s):>8s} {_x(c.speedup(v.name)):>7s} {_x(c.ratio(v.name)):>7s} "
-                     f"{_ms(v.predicted_s):>8s} {_ms(v.wait_s):>8s} {_ms(v.comm_busy_s):>8s} {e:>7s} {v.note}")
+        comp = ""
+        if v.compress_s is not None:
+            comp = (f" [{v.compression}: compression {_ms(v.compress_s, 1)} ms/iter, hidden {_pct(v.hidden_share)}, "
+                    f"ratio {_ratio(v.compression_ratio)}]")
+        elif v.compression:
+            comp = f" [{v.compression}]"
+        lines.append(f"  {v.name:30s} {_ms(v.iter_s):>8s} {_x(c.speedup(v.name)):>7s} {_x(c.ratio(v.name)):>7s} "
+                     f"{_ms(v.predicted_s):>8s} {_ms(v.wait_s):>8s} {_ms(v.comm_busy_s):>8s} {e:>7s} {v.note}{comp}")
     for name, why in c.skipped.items():
-        lines.append(f"  {name:22s} not run: {why}")
+        lines.append(f"  {name:30s} not run: {why}")
     return "\n".join(lines)
 
 
@@ -483,8 +798,9 @@ def machine_description() -> str:
 
 
 def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
-    """The generated part of BENCHMARKS.md: machine, command, settings and both tables."""
-    return "\n".join([
+    """The generated part of BENCHMARKS.md: machine, command, settings, the cells and variants tables, and
+    the compression table when a cell has compressed variants."""
+    lines = [
         f"Machine: {meta.get('machine', '?')}.  ",
         f"Run: `{meta.get('command', '?')}` ({meta.get('date', '?')}, {meta.get('wall_s', 0):.0f} s).  ",
         f"Settings: {meta.get('steps')} measured steps after {meta.get('warmup')} warm-up steps per strategy, "
@@ -497,7 +813,11 @@ def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
         "",
         format_variants_table(cells),
         "",
-    ])
+    ]
+    comp_table = format_compression_table(cells)
+    if comp_table:
+        lines += [f"Compression (over the measured steps, rank 0): {HIDDEN_NOTE}", "", comp_table, ""]
+    return "\n".join(lines)
 
 
 def write_chart(cells: Sequence[CellResult], path: str) -> None:
@@ -685,23 +1005,51 @@ def _make_timer(watts: float):
     from lightning_pipedap.measure.energy import EstimateReader
 
     class StepTimer(pl.Callback):
-        """Start time (perf_counter, s) and estimated energy (J) at every training-batch start and at the end."""
+        """Start time (perf_counter, s) and estimated energy (J) at every training-batch start and at the end;
+        with a compressing pipedap strategy also every per-bucket compression round, as
+        ``(step, bucket, CompressionStats)``.
+
+        Rounds are sampled before each backward and at the end: every round of step ``t`` has finished
+        before the backward of step ``t + 1`` (its update is applied in that step's forward) and none of
+        step ``t + 1`` has started, so each sample sees exactly the previous step's rounds.
+        """
 
         def __init__(self) -> None:
             self.starts: list[float] = []
             self.joules: list[float] = []
             self.reader = EstimateReader(watts, basis="cpu")
             self.records: list = []
+            self.rounds: list[tuple[int, int, Any]] = []
+            self._last: dict[int, Any] = {}
 
         def _stamp(self) -> None:
             self.starts.append(time.perf_counter())
             self.joules.append(self.reader.read_J())
+
+        def _sample(self, trainer, step: int) -> None:
+            stats = getattr(trainer.strategy, "compression_stats", None)
+            if stats is None:
+                return
+            # the transport replaces a bucket's CompressionStats object every round: a new object is a new
+            # round (the old one stays referenced in _last, so its id cannot be reused)
+            for b, st in stats().items():
+                if self._last.get(b) is not st:
+                    self._last[b] = st
+                    self.rounds.append((step, b, st))
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            self._sample(trainer, len(self.starts) - 2)  # rounds finished now belong to the previous step
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self._stamp()
 
         def on_train_end(self, trainer, pl_module):
             self._stamp()
+            if getattr(trainer.strategy, "compression_stats", None) is not None:
+                # finish the last step's deferred rounds (the strategy's own on_train_end, right after the
+                # callbacks', would do the same) so that they are counted; the timing stamp is taken already
+                trainer.strategy.flush()
+                self._sample(trainer, len(self.starts) - 2)
             take = getattr(trainer.strategy, "take_timeline", None)
             if take is not None:  # before teardown, which drops the engine and its records
                 self.records = take()
@@ -730,6 +1078,33 @@ def _timeline_summary(records: list, t0: float, t1: float, n: int) -> tuple[floa
     return wait / n, busy / n
 
 
+def _ddp_with_comm_hook(name: str) -> Any:
+    """``DDPStrategy`` that registers the DDP communication hook of ``name`` (a :data:`DDP_HOOKS` key) on the
+    ``DistributedDataParallel`` module right after ``configure_ddp``, on every device: Lightning's own
+    ``ddp_comm_hook=`` argument is applied only on CUDA.
+
+    Raises:
+        ValueError: ``name`` is not a DDP hook variant (naming the valid ones).
+    """
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name not in DDP_HOOKS:
+        raise ValueError(f"unknown DDP hook variant {name!r}; valid: {', '.join(DDP_HOOKS)}")
+
+    class CommHookDDPStrategy(DDPStrategy):
+        def configure_ddp(self) -> None:
+            super().configure_ddp()
+            if name == "ddp+fp16hook":
+                self.model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            else:
+                state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=POWERSGD_RANK,
+                                                    start_powerSGD_iter=POWERSGD_START)
+                self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+    return CommHookDDPStrategy()
+
+
 def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[float] = None,
                  steps: Optional[int] = None) -> dict:
     from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
@@ -737,22 +1112,27 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
     from lightning_pipedap import PipeDAPStrategy
 
     steps = steps or spec["steps"]
-    warmup = spec["warmup"]
+    warmup = spec["warmup"] + extra_warmup_steps(name)
     kw = dict(devices=1, num_nodes=world)
-    if name == "ddp":
+    sp = parse_strategy(name)
+    if sp.family == "ddp":
         strategy: Any = "ddp"
-    elif name == "ddp_tuned":
+    elif sp.family == "ddp_tuned":
         strategy = DDPStrategy(bucket_cap_mb=bucket_mb)
-    elif name == "fsdp2":
+    elif sp.family == "fsdp2":
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
+    elif sp.family == "ddp_hook":
+        strategy = _ddp_with_comm_hook(name)
     else:
-        strategy = PipeDAPStrategy(schedule=name[len(PIPEDAP_PREFIX):], replan_every=10**6)
+        comp = {} if sp.compressor is None else dict(compression=sp.compressor, compression_mode=sp.mode,
+                                                      compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
+        strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, **comp)
         strategy.timeline_enabled = bool(spec["timeline"])
     timer, _ = _fit(spec, strategy, ds, warmup + steps, kw)
     plan = _PLAN_LOG.take() if _PLAN_LOG is not None else []
     med, n = median_step_s(timer.starts, warmup)
     energy = (timer.joules[-1] - timer.joules[warmup]) / n
-    out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy}
+    out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression}
     if isinstance(strategy, PipeDAPStrategy):
         out["predicted_s"] = strategy.predicted_iteration_s
         out["plan"] = " | ".join(plan)
@@ -761,6 +1141,15 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
             out["wait_s"], out["comm_busy_s"] = _timeline_summary(records, timer.starts[warmup], timer.starts[-1], n)
             if spec.get("timeline_dir") and int(os.environ.get("RANK", "0")) == 0:
                 _dump_timeline(records, timer.starts, warmup, spec, name, plan)
+        if sp.compressor is not None:
+            # the rounds of the measured steps
+            summary = summarize_compression([(b, st) for k, b, st in timer.rounds if k >= warmup],
+                                            pipelined=sp.mode == "process")
+            if summary is None:
+                raise RuntimeError(f"{name}: no compression round finished in the {n} measured steps "
+                                   f"(compression_stats() stayed empty); raise --steps")
+            out.update(compress_s=summary.compress_s, hidden_share=summary.hidden_share,
+                       compression_ratio=summary.ratio, compressed_rounds=summary.rounds)
     return out
 
 
@@ -862,7 +1251,7 @@ def worker(spec: dict) -> dict:
     rank = int(os.environ["RANK"])
     spec = dict(spec, world=world)
     _, _, make_batch = build_net(spec["model"], spec["size"])
-    total = spec["warmup"] + max(spec["steps"], spec["sweep_steps"])
+    total = spec["warmup"] + max(map(extra_warmup_steps, spec["strategies"])) + max(spec["steps"], spec["sweep_steps"])
     n = spec["batch"] * (total + 1) * world
     g = torch.Generator().manual_seed(1234)
     ds = TensorDataset(*make_batch(n, g))
@@ -955,11 +1344,7 @@ def run_cell(model: str, link: str, ranks: int, args: argparse.Namespace) -> Cel
     raw = [json.loads(line[len("RESULT "):]) for o in outs for line in o.splitlines() if line.startswith("RESULT ")]
     if len(raw) != ranks:
         raise RuntimeError(f"{len(raw)} of {ranks} ranks reported a result; rank 0 output tail:\n{outs[0][-3000:]}")
-    cell = combine(model, link, raw, batch)
-    if not args.quick and not compression_supported():
-        cell.skipped[PIPEDAP_PREFIX + "compress"] = ("PipeDAPStrategy has no compression= argument yet "
-                                                     "(compression is being integrated separately)")
-    return cell
+    return combine(model, link, raw, batch)
 
 
 def _render_outputs(cells: list[CellResult], meta: dict, args: argparse.Namespace) -> None:
@@ -983,9 +1368,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.list:
         print("models:", ", ".join(MODELS))
         print("links:", ", ".join(LINKS))
-        print("strategies:", ", ".join(valid_strategies()))
-        print("compression column:", "available" if compression_supported() else
-              "not available (PipeDAPStrategy has no compression= argument)")
+        print("strategies:", ", ".join(valid_strategies(args.compressors)))
+        print(f"  (also any {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>[{INLINE_SUFFIX}]; "
+              f"'all' = the above without {INLINE_SUFFIX})")
+        print("compressors:", ", ".join(compressor_names()),
+              f"(kwargs: {'; '.join(f'{k} {v}' for k, v in COMPRESSOR_KWARGS.items())})")
         return 0
     if args.from_json:
         with open(args.from_json) as f:
@@ -1004,8 +1391,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_start = time.monotonic()
     cmd = "python -m lightning_pipedap.bench.matrix " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = dict(machine=machine_description(), command=cmd.strip(), date=time.strftime("%Y-%m-%d %H:%M"),
-                steps=args.steps, warmup=args.warmup, threads=args.threads, watts=args.watts,
-                compression="not run: PipeDAPStrategy has no compression= argument" if not compression_supported() else "")
+                steps=args.steps, warmup=args.warmup, threads=args.threads, watts=args.watts)
     cells: list[CellResult] = []
     for model in args.models:
         for ranks in args.ranks:
