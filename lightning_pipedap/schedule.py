@@ -16,7 +16,11 @@ Execution semantics (what the engine guarantees, DeAR ICDCS 2023 §III, PipeDAP 
 * ``RS(b)`` and ``AR(b)`` first wait until every gradient of bucket ``b`` is complete;
 * ``AG(b)`` needs ``RS(b)`` earlier in the list;
 * bucket ``b``'s update is applied (forward pre-hook of the next iteration) once its ``AG`` or ``AR``
-  has finished.
+  has finished;
+* a bucket flagged in ``Schedule.compressed`` (with a compression transport configured) is
+  compressed by the helper process as soon as its gradients are complete (inline mode: by the
+  worker at its slot), and its ``RS`` or ``AR`` slot communicates the payload and completes the
+  bucket (its ``AG``, if listed, does nothing).
 
 Nothing here imports ``torch``; schedules are built and checked in pure Python.
 """
@@ -63,6 +67,9 @@ class Schedule:
         name: the planner that produced it (``"allreduce"``, ``"dear"``, ...), for logs.
         predicted_iteration_s: the planner's predicted steady-state iteration time in seconds,
             or ``None`` when the planner made no prediction.
+        compressed: ``compressed[b]`` is True when bucket ``b`` goes through gradient compression
+            (one flag per bucket), or ``None``: no bucket is compressed. A compressed bucket is
+            reduced in the slot of its ``RS``/``AR`` op; planners give it a single ``AR``.
 
     Raises:
         ValueError: from :meth:`validate` when the op list is not executable.
@@ -72,13 +79,23 @@ class Schedule:
     ops: tuple[Op, ...]
     name: str = "custom"
     predicted_iteration_s: float | None = None
+    compressed: tuple[bool, ...] | None = None
+
+    def is_compressed(self, b: int) -> bool:
+        """Whether bucket ``b`` is compressed (False for every bucket when ``compressed`` is None)."""
+        return self.compressed is not None and bool(self.compressed[b])
+
+    @property
+    def num_compressed(self) -> int:
+        """Number of compressed buckets."""
+        return 0 if self.compressed is None else sum(1 for c in self.compressed if c)
 
     def validate(self, num_params: int | None = None) -> "Schedule":
         """Check that the schedule is executable; return ``self``.
 
         Checks: buckets are non-empty and partition ``range(num_params)`` (when given); every
         bucket is reduced exactly once, either by one ``AR`` or by one ``RS`` followed later
-        by one ``AG``.
+        by one ``AG``; ``compressed``, when given, holds one bool per bucket.
 
         Raises:
             ValueError: naming the first offending bucket or op.
@@ -98,6 +115,13 @@ class Schedule:
                 f"buckets must partition the {num_params} trainable parameters; "
                 f"missing {missing[:10]}, out of range {extra[:10]}"
             )
+        if self.compressed is not None:
+            if len(self.compressed) != len(self.buckets):
+                raise ValueError(f"compressed has {len(self.compressed)} flags for {len(self.buckets)} buckets; "
+                                 "give one bool per bucket (or None: nothing compressed)")
+            bad = [f for f in self.compressed if not isinstance(f, bool)]
+            if bad:
+                raise ValueError(f"compressed flags must be bools, got {bad[0]!r}")
         state: dict[int, str] = {}
         for op in self.ops:
             if not 0 <= op.bucket < len(self.buckets):
@@ -117,8 +141,14 @@ class Schedule:
         return self
 
     def describe(self) -> str:
-        """One line: name, bucket count and the op list, e.g. ``dear: 3 buckets: RS2 RS1 RS0 AG0 AG1 AG2``."""
-        return f"{self.name}: {len(self.buckets)} buckets: " + " ".join(str(o) for o in self.ops)
+        """One line: name, bucket count and the op list, e.g. ``dear: 3 buckets: RS2 RS1 RS0 AG0 AG1 AG2``.
+
+        Ops on compressed buckets carry a ``C`` prefix and the count follows the bucket count, e.g.
+        ``optimal: 3 buckets (2 compressed): CAR2 CAR1 AR0``.
+        """
+        n = self.num_compressed
+        head = f"{self.name}: {len(self.buckets)} buckets" + (f" ({n} compressed)" if n else "")
+        return head + ": " + " ".join(("C" if self.is_compressed(o.bucket) else "") + str(o) for o in self.ops)
 
 
 def allreduce_ops(num_buckets: int) -> tuple[Op, ...]:
@@ -172,9 +202,13 @@ BUILTIN_SCHEDULES = ("allreduce", "dear")
 
 
 def builtin_schedule(
-    name: str, sizes_bytes: Sequence[int], cap_bytes: int, keys: Sequence[object] | None = None
+    name: str, sizes_bytes: Sequence[int], cap_bytes: int, keys: Sequence[object] | None = None,
+    compress_all: bool = False,
 ) -> Schedule:
     """Build one of the fixed-order schedules (``"allreduce"`` or ``"dear"``) with greedy fusion.
+
+    ``compress_all``: flag every bucket compressed (the fixed schedules compress every bucket
+    when compression is configured); otherwise ``compressed`` is None.
 
     Raises:
         ValueError: for an unknown ``name`` (the message lists the valid names).
@@ -186,7 +220,8 @@ def builtin_schedule(
         ops = dear_ops(len(buckets))
     else:
         raise ValueError(f"unknown fixed schedule {name!r}; valid: 'allreduce', 'dear'")
-    return Schedule(buckets=buckets, ops=ops, name=name).validate(len(sizes_bytes))
+    compressed = (True,) * len(buckets) if compress_all else None
+    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed).validate(len(sizes_bytes))
 
 
 def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Sequence[object] | None = None) -> Schedule:
@@ -202,7 +237,8 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
         keys: optional per-parameter key (for example ``(dtype, device)``).
 
     Returns:
-        The expanded, validated schedule (same name and prediction).
+        The expanded, validated schedule (same name and prediction); every part of a compressed
+        bucket is compressed.
     """
     parts: list[list[tuple[int, ...]]] = []
     for bucket in schedule.buckets:
@@ -225,5 +261,8 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
         # parts of a bucket: reductions in backward order (last part ready first), gathers in forward order
         for nb in (new_index[op.bucket] if op.kind is OpKind.ALL_GATHER else reversed(new_index[op.bucket]))
     )
+    compressed = None
+    if schedule.compressed is not None:
+        compressed = tuple(bool(schedule.compressed[b]) for b, groups in enumerate(parts) for _ in groups)
     n = sum(len(l) for l in layers)
-    return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s).validate(n)
+    return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s, compressed).validate(n)

@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.engine.threads import lower_current_thread_priority
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import (
     PER_PARAMETER_OPTIMIZERS,
@@ -57,7 +58,7 @@ from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.plan import PLANNERS, CostModel, get_planner, load_cost_model
 from lightning_pipedap.profile.alpha_beta import measure_cost_model
 from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
-from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Schedule, builtin_schedule, expand_layers
+from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Op, OpKind, Schedule, builtin_schedule, expand_layers
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ _REJECTED_DDP_KWARGS = {
     "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
 }
 
+
+#: checkpoint key of the installed final schedule (see ``PipeDAPStrategy.save_checkpoint``)
+PLAN_KEY = "pipedap_plan"
+PLAN_VERSION = 1
 
 _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
@@ -151,6 +156,16 @@ class PipeDAPStrategy(DDPStrategy):
             the prediction by more than this fraction (checked every ``replan_every`` steps, at most
             ``max_replans`` times). When the engine's measured communication busy time exceeds the
             α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
+        calibrate_cost_model: before the first plan, compare the engine's measured communication busy
+            time during the profiling steps (communication running beside compute, as in training)
+            with the α-β prediction for the same operations, and when it is > 5% slower scale α and β
+            by that ratio (the micro-benchmark runs on idle cores; gloo's threads and the ring's
+            additions slow down when they share the cores with compute). Not applied to a
+            ``cost_model`` passed in by the user.
+        train_thread_nice: CPU training on Linux: nice-value increment (0..19) for the training thread
+            once the communication threads exist, so the communication worker, gloo's I/O threads and
+            the kernel's TCP work get the cores first when compute keeps every core busy (0 = off).
+            Without ``CAP_SYS_NICE`` the thread keeps the lower priority after training.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
@@ -177,6 +192,8 @@ class PipeDAPStrategy(DDPStrategy):
         cost_model: Optional[Union[str, CostModel]] = None,
         cost_model_cache: bool = True,
         replan_margin: float = 0.15,
+        calibrate_cost_model: bool = True,
+        train_thread_nice: int = 0,
         replan_every: int = 50,
         max_replans: int = 1,
         compression: Optional[str] = None,
@@ -254,6 +271,13 @@ class PipeDAPStrategy(DDPStrategy):
         self.cost_model = cost_model
         self.cost_model_cache = bool(cost_model_cache)
         self.replan_margin = float(replan_margin)
+        self.calibrate_cost_model = bool(calibrate_cost_model)
+        if not isinstance(train_thread_nice, int) or isinstance(train_thread_nice, bool) or not 0 <= train_thread_nice <= 19:
+            raise ValueError(f"train_thread_nice must be an integer in 0..19 (0 = off), got {train_thread_nice!r}")
+        self.train_thread_nice = train_thread_nice
+        self._restore_priority: Optional[Callable[[], bool]] = None
+        #: measured / predicted communication busy time of the profiling steps (1.0 = not calibrated)
+        self.calibration_ratio = 1.0
         self.replan_every = replan_every
         self.max_replans = max_replans
         self.compression = compression
@@ -311,6 +335,9 @@ class PipeDAPStrategy(DDPStrategy):
         self._orig_clip: Optional[Callable] = None
         self._timeline_enabled = False
         self._records: list[OpRecord] = []
+        self._compression_state: Optional[dict[str, Any]] = None  # per-parameter state for the next compressing engine
+        self._compression_cost: Optional[Any] = None  # measured CompressionCost (rank 0), once per fit
+        self._resume: Optional[dict[str, Any]] = None  # a checkpoint's plan (PLAN_KEY), used by configure_ddp
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())  # Lightning's Strategy drops its optimizer wrappers
@@ -400,12 +427,15 @@ class PipeDAPStrategy(DDPStrategy):
         # warm-up: registration order, one all-reduce per bucket (WFBP), sync mode
         order = list(range(len(params)))
         self._install(order, self._builtin(order, "allreduce"), owners=None)
+        if self.train_thread_nice and self.root_device.type == "cpu" and self._restore_priority is None:
+            self._restore_priority = lower_current_thread_priority(self.train_thread_nice)
+        self._resume_plan()  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
 
-    def _builtin(self, order: list[int], name: str) -> Schedule:
+    def _builtin(self, order: list[int], name: str, compress_all: bool = False) -> Schedule:
         params = [self._params[i] for i in order]
         sizes = [p.numel() * p.element_size() for p in params]
         keys = [(p.dtype, p.device) for p in params]
-        return builtin_schedule(name, sizes, int(self.bucket_cap_mb * 2**20), keys)
+        return builtin_schedule(name, sizes, int(self.bucket_cap_mb * 2**20), keys, compress_all=compress_all)
 
     def _install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]],
                  final: bool = False) -> None:
@@ -416,12 +446,14 @@ class PipeDAPStrategy(DDPStrategy):
         """
         if self._engine is not None:
             self._engine.wait_idle()
+            self._keep_compression_state()
             self._engine.close()
         params = [self._params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
         factory = self._compression_factory() if final and self.compression else None
         self._engine = CommEngine(self._comm, params, schedule, self.wait_timeout_s, transport_factory=factory)
         self._engine.timeline_enabled = self._timeline_enabled
+        self._restore_compression_state()
         self._updater = None
         self._triggers, self._root_buckets = {}, []
         if owners is not None:
@@ -447,6 +479,7 @@ class PipeDAPStrategy(DDPStrategy):
 
         def factory(buckets: list) -> Any:
             pipe = CompressionPipeline([b.numel for b in buckets], self.compression, kwargs,
+                                       layouts=self._compression_layouts(buckets),
                                        threads=self.compression_threads, timeout_s=self.wait_timeout_s,
                                        mode=self.compression_mode)
             return CompressedTransport(pipe, self._comm)
@@ -482,12 +515,16 @@ class PipeDAPStrategy(DDPStrategy):
         if self._phase == "trace" and self._sync_steps >= self.warmup_steps:
             self._order_from_trace()
             if self.schedule_name in BUILTIN_SCHEDULES:
-                self._install(self._order, self._builtin(self._order, self.schedule_name), self._owners, final=True)
+                # the fixed schedules compress every bucket when compression is configured
+                self._install(self._order, self._builtin(self._order, self.schedule_name, bool(self.compression)),
+                              self._owners, final=True)
                 self._phase = "run"
             else:
                 self._start_profiling()
         elif self._phase == "profile" and self._recorder is not None:
             rec, self._recorder = self._recorder, None
+            if self._engine.last_round_busy_s is not None:
+                self._profile_busy.append(self._engine.last_round_busy_s)
             if rec.complete:
                 self._profiled.append(rec.times())
                 if self._t_backward_done is not None:
@@ -528,25 +565,31 @@ class PipeDAPStrategy(DDPStrategy):
             + ", ".join(f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 1e9 / 8:.3f} ns/bit R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}"
                         for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)))
         )
-        self._profiled, self._t_updates = [], []
+        self._profiled, self._t_updates, self._profile_busy = [], [], []
+        self._measured_cost_model = self.cost_model is None
         self._phase = "profile"
 
     def _finish_profiling(self) -> None:
         """Rank 0 plans from the median profile; every rank installs the broadcast schedule."""
         plan = None
         if self.global_rank == 0:
+            self._calibrate()
             lm = self.lightning_module
             names = {id(m): n or "<root>" for n, m in lm.named_modules()}
             params = [self._params[i] for i in self._order]
             layer_names = [names.get(id(self._owners[l[0]]), "<unused>") for l in self._layers]
             layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self._layers]
             profile = merge_steps(type(lm).__name__, layer_names, layer_bytes, self._profiled, self._t_updates)
-            schedule = get_planner(_PLANNED[self.schedule_name])(profile, self._cost_model, self.world_size)
+            planner = get_planner(_PLANNED[self.schedule_name])
+            schedule = planner(profile, self._cost_model, self.world_size)
+            if self.compression:
+                schedule = self._plan_compression(planner, profile, schedule,
+                                                  [[tuple(params[i].shape) for i in l] for l in self._layers])
             no_overlap = profile.t_compute + profile.t_update + sum(
                 self._cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in schedule.buckets
             )
-            plan = (schedule, no_overlap, profile.to_dict())
-        schedule, self.no_overlap_time_s, self.profile = C.broadcast_object(plan, src=0)
+            plan = (schedule, no_overlap, profile.to_dict(), self._cost_model)
+        schedule, self.no_overlap_time_s, self.profile, self._cost_model = C.broadcast_object(plan, src=0)
         keys = [(self._params[i].dtype, self._params[i].device) for i in self._order]
         self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners, final=True)
         self.predicted_iteration_s = schedule.predicted_iteration_s
@@ -558,6 +601,56 @@ class PipeDAPStrategy(DDPStrategy):
             cm.cost(op.kind, self._engine.buckets[op.bucket].nbytes) for op in self._engine.schedule.ops
         )
         self._phase = "run"
+
+    def _plan_compression(self, planner: Callable[..., Schedule], profile: Any, dense: Schedule,
+                          layer_shapes: list[list[tuple[int, ...]]]) -> Schedule:
+        """Rank 0: plan again with the measured compression cost; log what is compressed and what it buys.
+
+        The compressor is timed once per run (:func:`~lightning_pipedap.profile.compression_cost.
+        measure_compression_cost`, about a second at most) with the helper's thread count. ``optimal``
+        compresses only the buckets where it pays; the other planners compress every bucket.
+        """
+        from lightning_pipedap.profile.compression_cost import measure_compression_cost  # noqa: PLC0415
+
+        cost = self._compression_cost
+        if cost is None:
+            process = self.compression_mode == "process"
+            cost = measure_compression_cost(self.compression, self.compression_kwargs, layer_shapes,
+                                            world_size=self.world_size, where="helper" if process else "inline",
+                                            threads=self.compression_threads if process else None)
+            self._compression_cost = cost
+            rank_zero_info(
+                f"pipedap: compression cost of {cost.method}: {cost.alpha_c_s * 1e6:.0f} µs + "
+                f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/byte ({cost.post_share:.0%} after the collective, "
+                f"R²={cost.meta.get('r2')}), payload via {cost.collective} x{cost.rounds}"
+            )
+        schedule = planner(profile, self._cost_model, self.world_size, compression=cost)
+        p_c, p_d = schedule.predicted_iteration_s, dense.predicted_iteration_s
+        rank_zero_info(
+            f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed ({self.compression}); "
+            f"predicted iteration {p_c * 1e3:.1f} ms vs {p_d * 1e3:.1f} ms without compression"
+        )
+        return schedule
+
+    def _calibrate(self) -> None:
+        """Scale the measured α-β model by the profiling steps' measured / predicted busy time (rank 0).
+
+        Only for a model measured by the strategy (not one the user passed), only once per model, and
+        only when communication was > 5% slower during training than the idle micro-benchmark predicts.
+        """
+        if not (self.calibrate_cost_model and self._measured_cost_model and self._profile_busy
+                and self.calibration_ratio == 1.0 and self._cost_model is not None):
+            return
+        cm = self._cost_model
+        predicted = sum(cm.cost(op.kind, self._engine.buckets[op.bucket].nbytes) for op in self._engine.schedule.ops)
+        if predicted <= 0:
+            return
+        ratio = statistics.median(self._profile_busy) / predicted
+        if ratio > 1.05:
+            self.calibration_ratio = ratio
+            self._cost_model = cm.scaled(alpha_factor=ratio, beta_factor=ratio)
+            rank_zero_info(f"pipedap: communication during the profiling steps took {ratio:.2f}x the α-β "
+                           "prediction (compute shares the cores); planning with α and β scaled by it")
 
     def _check_drift(self) -> None:
         """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
@@ -798,6 +891,143 @@ class PipeDAPStrategy(DDPStrategy):
         self.flush()
         return super().optimizer_state(optimizer)
 
+    # ------------------------------------------------------------------ checkpoints: plan and compression state
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Add the final schedule and every rank's compression state, then let rank 0 write.
+
+        Lightning calls this on every rank (``Trainer.save_checkpoint``), so the compression state
+        of all ranks is gathered here to rank 0 with one ``all_gather_object``: a user who calls
+        ``strategy.save_checkpoint`` on rank 0 only, while compressing, blocks until the process
+        group's timeout. Keys: :data:`PLAN_KEY` (schedule, parameter order, owners; identical on all
+        ranks) and ``compress.state.CHECKPOINT_KEY`` (``{"version", "compressor", "kwargs",
+        "world_size", "per_rank"}``; per rank, per parameter name: error-feedback residual slice,
+        PowerSGD ``q``, step counter). The compression state costs one fp32 copy of the model per
+        rank for methods with error feedback.
+        """
+        self._add_resume_state(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load as Lightning does, and keep this rank's compression state and the plan for set-up.
+
+        Lightning loads the checkpoint before ``setup`` (``configure_ddp``), so the plan is installed
+        there directly and the compression state is applied when compression starts. A checkpoint
+        of another compressor or world size gives a warning naming both values, and compression
+        starts with fresh state.
+        """
+        from lightning_pipedap.compress.state import CHECKPOINT_KEY, state_for_rank  # noqa: PLC0415
+
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._resume = checkpoint.get(PLAN_KEY)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        state, reason = state_for_rank(entry, self.compression, self.world_size, self.global_rank)
+        if reason:
+            rank_zero_warn(f"pipedap: {reason}; compression starts with fresh error-feedback state")
+        elif state is not None and entry.get("kwargs") != self.compression_kwargs:
+            rank_zero_info(f"pipedap: the checkpoint's compression_kwargs {entry.get('kwargs')} differ from this "
+                           f"run's {self.compression_kwargs}; restoring the state anyway (factors of another shape "
+                           "start afresh)")
+        self._compression_state = state
+        return checkpoint
+
+    def _add_resume_state(self, checkpoint: dict[str, Any]) -> None:
+        """Put :data:`PLAN_KEY` and the gathered compression state into ``checkpoint`` (all ranks call it)."""
+        if self._engine is None or self._aborted:
+            return
+        self.flush()
+        if self._engine.collecting:  # inside a step (a user call from training_step): the state is in flux
+            return
+        self._engine.wait_idle()
+        if self.compression:
+            from lightning_pipedap.compress.state import CHECKPOINT_KEY, checkpoint_entry  # noqa: PLC0415
+
+            transport = self._engine.transport
+            mine = transport.pipeline.state_dict() if transport is not None else self._compression_state
+            per_rank = C.all_gather_object(mine)
+            if any(s is not None for s in per_rank):
+                checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, self.compression, self.compression_kwargs,
+                                                              self.world_size)
+        if self._phase == "run":
+            checkpoint[PLAN_KEY] = self._plan_state()
+
+    def _param_names(self) -> dict[int, str]:
+        """``id(parameter) -> name`` in the LightningModule (``"net.0.weight"``)."""
+        return {id(p): n for n, p in self.lightning_module.named_parameters()}
+
+    def _compression_layouts(self, buckets: list) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """Per bucket, ``(parameter name, shape)`` in buffer order: what the compression state is keyed by."""
+        names = self._param_names()
+        return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
+                for b in buckets]
+
+    def _keep_compression_state(self) -> None:
+        """Before the engine is replaced (re-plan): export the running compression state, by parameter name."""
+        transport = self._engine.transport if self._engine is not None else None
+        if transport is not None and not self._aborted:
+            self._compression_state = transport.pipeline.state_dict()
+
+    def _restore_compression_state(self) -> None:
+        """After a compressing engine is installed: import the kept or checkpointed state into it."""
+        transport = self._engine.transport if self._engine is not None else None
+        if transport is None or self._compression_state is None:
+            return
+        state, self._compression_state = self._compression_state, None
+        fresh = transport.pipeline.load_state_dict(state)
+        if fresh:
+            rank_zero_info(f"pipedap: no saved compression state for {len(fresh)} parameters "
+                           f"({', '.join(fresh[:5])}{', ...' if len(fresh) > 5 else ''}); they start from zero")
+
+    def _signature(self) -> list[list[Any]]:
+        """``[name, shape]`` of every trainable parameter, in ``self._params`` order."""
+        names = self._param_names()
+        return [[names.get(id(p), f"<parameter {i}>"), list(p.shape)] for i, p in enumerate(self._params)]
+
+    def _plan_state(self) -> dict[str, Any]:
+        """The installed final schedule as plain data (``torch.load(weights_only=True)`` reads it back)."""
+        modules = {id(m): n for n, m in self.lightning_module.named_modules()}
+        sched = self._engine.schedule
+        return {
+            "version": PLAN_VERSION, "world_size": self.world_size, "schedule": self.schedule_name,
+            "bucket_cap_mb": self.bucket_cap_mb, "params": self._signature(), "order": list(self._order),
+            "owners": [None if o is None else modules.get(id(o)) for o in self._owners],
+            "buckets": [list(b) for b in sched.buckets], "ops": [[op.kind.value, op.bucket] for op in sched.ops],
+            "compressed": None if sched.compressed is None else list(sched.compressed),
+            "name": sched.name, "predicted_iteration_s": sched.predicted_iteration_s,
+            "no_overlap_time_s": self.no_overlap_time_s,
+            "cost_model": None if self._cost_model is None else self._cost_model.to_dict(),
+        }
+
+    def _resume_plan(self) -> None:
+        """Install a checkpoint's final schedule directly when it fits this run (same world size,
+        parameters, schedule and fusion cap): no trace or profiling steps, so a resumed run with
+        compression compresses from its first step, as the uninterrupted run did."""
+        plan, self._resume = self._resume, None
+        if plan is None:
+            return
+        mine = {"version": PLAN_VERSION, "world_size": self.world_size, "schedule": self.schedule_name,
+                "bucket_cap_mb": self.bucket_cap_mb, "params": self._signature()}
+        differ = [k for k, v in mine.items() if plan.get(k) != v]
+        if differ:
+            rank_zero_info(f"pipedap: the checkpoint's schedule does not fit this run ({', '.join(differ)} differ); "
+                           "tracing and planning again")
+            return
+        modules = dict(self.lightning_module.named_modules())
+        self._order = list(plan["order"])
+        self._owners = [None if n is None else modules.get(n) for n in plan["owners"]]
+        schedule = Schedule(tuple(tuple(b) for b in plan["buckets"]), tuple(Op(OpKind(k), b) for k, b in plan["ops"]),
+                            plan["name"], plan["predicted_iteration_s"],
+                            None if plan.get("compressed") is None else tuple(bool(c) for c in plan["compressed"]))
+        if plan["cost_model"] is not None:
+            self._cost_model = CostModel.from_dict(plan["cost_model"])
+        self._install(self._order, schedule, self._owners, final=True)
+        self.predicted_iteration_s = schedule.predicted_iteration_s
+        self.no_overlap_time_s = plan["no_overlap_time_s"]
+        if self._cost_model is not None:
+            self._planned_busy_s = sum(self._cost_model.cost(op.kind, self._engine.buckets[op.bucket].nbytes)
+                                       for op in schedule.ops)
+        self._phase = "run"
+        rank_zero_info("pipedap: resumed with the checkpoint's schedule (no trace or profiling steps)")
+
     # ------------------------------------------------------------------ timeline
     def compression_stats(self) -> dict[int, Any]:
         """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not compressing)."""
@@ -845,6 +1075,9 @@ class PipeDAPStrategy(DDPStrategy):
         if self._orig_clip is not None:
             self.precision_plugin.clip_gradients = self._orig_clip
         comm, aborted = self._comm, self._aborted
+        if self._restore_priority is not None:
+            self._restore_priority()
+            self._restore_priority = None
         self._reset_runtime()
         if comm is not None and not aborted:
             C.destroy_comm_group(comm)

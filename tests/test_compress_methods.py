@@ -268,51 +268,103 @@ def test_memory_compensate_and_updates():
 # ------------------------------------------------------------------------------------ PowerSGD
 
 
-def test_powersgd_matrix_view_and_start_step():
-    assert PowerSGDCompressor.matrix_shape(12) == (4, 3)
-    assert PowerSGDCompressor.matrix_shape(16) == (4, 4)
-    assert PowerSGDCompressor.matrix_shape(17) == (5, 4)
-    assert PowerSGDCompressor.matrix_shape(1) == (1, 1)
+def square(name: str, rows: int, cols: int) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Layout of one bucket holding one ``rows x cols`` parameter."""
+    return [[(name, (rows, cols))]]
+
+
+def test_powersgd_matrix_view_per_parameter_and_start_step():
+    assert PowerSGDCompressor.matrix_shape((4, 3)) == (4, 3)
+    assert PowerSGDCompressor.matrix_shape((8, 2, 3, 3)) == (8, 18)  # conv weight: out x in*kh*kw
+    assert PowerSGDCompressor.matrix_shape((5,)) is None and PowerSGDCompressor.matrix_shape(()) is None
+    c = get_compressor("powersgd", rank=2)  # default min_compression_rate 2
+    assert c.compresses((8, 18)) and not c.compresses((5,))
+    # (4 + 4) * 1 * 2 = 16 is not < 16: too small to pay off at rate 2; at rate 1 it does
+    assert not get_compressor("powersgd", rank=1).compresses((4, 4))
+    assert get_compressor("powersgd", rank=1, min_compression_rate=1.0).compresses((4, 4))
+    # bucket [conv 8x2x3x3 | bias 8 | tiny 2x3 | linear 6x20]: the bias and the tiny matrix are sent dense
+    # ((2 + 3) * 2 * 2 = 20 >= 6; the linear one pays: (6 + 20) * 2 * 2 = 104 < 120)
+    shapes = [(8, 2, 3, 3), (8,), (2, 3), (6, 20)]
+    lay = c.layout(shapes)
+    assert [(m.slot, m.offset, m.rows, m.cols, m.r) for m in lay.matrices] == [(0, 0, 8, 18, 2), (3, 158, 6, 20, 2)]
+    assert lay.dense == ((144, 14),)  # neighbouring dense spans merged: bias 144..151, tiny 152..157
+    assert (lay.p_numel, lay.q_numel, lay.dense_numel) == (28, 76, 14)
+    assert {k: (s.numel, s.local) for k, s in c.payload_spec(278, shapes).items()} \
+        == {"data": (278, False), "phat": (28, True), "dense": (14, True)}
+    assert set(c.payload_spec(278)) == {"data"}  # a bucket without shapes is one 1-D tensor: never compressed
+
     c = get_compressor("powersgd", rank=1, start_step=3, min_compression_rate=1.0)
-    st = c.init_state(0, 16)
+    st = c.init_state(0, 16, [(4, 4)])
     g = torch.arange(16, dtype=torch.float32)
     for step in range(3):  # steps 0, 1, 2 < start_step: the uncompressed gradient, one round
         p = c.compress(g, st)
         assert (p.stage, p.final, p.meta) == (0, True, {"step": step}) and p.data is g
     p = c.compress(g, st)
     assert (p.stage, p.final, p.data.numel()) == (1, False, 4)
-    # too small to pay off at the default rate 2: (4 + 4) * 1 * 2 >= 16 -> always dense
-    assert not get_compressor("powersgd", rank=1).compresses(16)
+    # a bucket of 1-D tensors only is always sent dense, in one round
+    st = c.init_state(0, 16, [(10,), (6,)])
+    for _ in range(4):
+        p = c.compress(g, st)
+        assert p.stage == 0 and p.data is g
+    with pytest.raises(ValueError, match=r"parameter shapes \[\(4, 4\)\] hold 16 elements, the bucket has 17"):
+        c.init_state(0, 17, [(4, 4)])
 
 
 def test_powersgd_rank1_matrix_reconstructed_exactly():
     u, v = t(1.0, 2.0, 0.0, -1.0), t(1.0, 0.0, 1.0, 1.0)
     m = torch.outer(u, v)
-    rt = CompressionRuntime([16], "powersgd", {"rank": 1, "min_compression_rate": 1.0})
+    rt = CompressionRuntime([16], "powersgd", {"rank": 1, "min_compression_rate": 1.0}, square("w", 4, 4))
     for _ in range(2):
         one_step(rt, 0, m.reshape(-1))
     p, out = one_step(rt, 0, m.reshape(-1))
-    assert p.stage == 2 and p.data.numel() == 4 and p.local["phat"].numel() == 4
+    assert p.stage == 2 and p.data.numel() == 4 and p.local["phat"].numel() == 4 and "dense" not in p.local
     assert out.tolist() == pytest.approx(m.reshape(-1).tolist(), abs=1e-5)
     assert rt.states[0].residual.abs().max().item() < 1e-5
+
+
+def test_powersgd_one_matrix_per_parameter_exact_for_rank1_parameters_and_dense_bias():
+    """Two rank-1 parameters and a bias in one bucket: rank 1 per parameter reconstructs all of it
+    exactly (one near-square matrix over the whole bucket would not be rank 1), and the bias is sent
+    as is, in round 1."""
+    w1 = torch.outer(t(1.0, -2.0, 0.5, 3.0), t(2.0, 0.0, 1.0, 1.0, -1.0))  # 4 x 5, rank 1
+    w2 = torch.outer(t(0.0, 1.0, 1.0, 2.0, -1.0, 1.0), t(1.0, 3.0, -1.0, 0.5, 2.0, 0.0))  # 6 x 6, rank 1
+    bias = t(0.25, -0.5, 4.0)
+    g = torch.cat([w1.reshape(-1), bias, w2.reshape(-1)])  # 20 + 3 + 36 = 59
+    lay = [[("w1", (4, 5)), ("bias", (3,)), ("w2", (6, 6))]]
+    rt = CompressionRuntime([59], "powersgd", {"rank": 1, "min_compression_rate": 1.0}, lay)
+    for _ in range(2):
+        one_step(rt, 0, g)
+    p1 = rt.compress(0, g)
+    # round 1: P of w1 (4), P of w2 (6), then the bias as is
+    assert p1.stage == 1 and p1.data.numel() == 4 + 6 + 3 and p1.data[10:].tolist() == bias.tolist()
+    p2 = rt.next_round(0, p1)
+    assert p2.data.numel() == 5 + 6 and p2.local["dense"].tolist() == bias.tolist()
+    out = rt.decompress(0, p2)
+    assert out.tolist() == pytest.approx(g.tolist(), abs=1e-5)
+    assert rt.states[0].residual[20:23].tolist() == [0.0, 0.0, 0.0]  # the dense span leaves no error
+    assert rt.states[0].residual.abs().max().item() < 1e-5
+    assert [sorted(d) for d in rt.states[0].param_tensors] == [["q"], [], ["q"]]
 
 
 def test_powersgd_two_rank_sum_simulated():
     """Two fake ranks: sum the P payloads, orthogonalise on each, sum the Q payloads, decompress."""
     a, b = t(1.0, 0.0, 2.0, 0.0, 1.0, 0.0, 0.0, 1.0), t(1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0)
     c, d = t(0.0, 1.0, 0.0, -1.0, 0.0, 2.0, 0.0, 0.0), t(2.0, 0.0, 0.0, 1.0, 0.0, 0.0, 3.0, 0.0)
-    grads = [torch.outer(a, b).reshape(-1), torch.outer(c, d).reshape(-1)]  # n = 64, each rank 1
+    bias = [t(1.0, 2.0), t(0.5, -4.0)]
+    grads = [torch.cat([torch.outer(a, b).reshape(-1), bias[0]]), torch.cat([torch.outer(c, d).reshape(-1), bias[1]])]
     kwargs = {"rank": 2, "min_compression_rate": 1.0, "seed": 5}
-    ranks = [CompressionRuntime([64], "powersgd", kwargs) for _ in range(2)]
+    lay = [[("w", (8, 8)), ("bias", (2,))]]
+    ranks = [CompressionRuntime([66], "powersgd", kwargs, lay) for _ in range(2)]
     for step in range(3):
         ps = [rt.compress(0, g) for rt, g in zip(ranks, grads)]
         if step < 2:
             assert all(p.final and p.stage == 0 for p in ps)
             continue
-        # both ranks drew the same Q: P_0 + P_1 = (M_0 + M_1) Q
+        # both ranks drew the same Q: P_0 + P_1 = (M_0 + M_1) Q; the bias is summed in the same round
         summed_p = ps[0].with_data(ps[0].data + ps[1].data)
         qs = [rt.next_round(0, summed_p) for rt in ranks]
         assert torch.equal(qs[0].local["phat"], qs[1].local["phat"])
+        assert qs[0].local["dense"].tolist() == [1.5, -2.0]
         summed_q = qs[0].with_data(qs[0].data + qs[1].data)
         outs = [rt.decompress(0, replace_q(q, summed_q.data)) for rt, q in zip(ranks, qs)]
         # the sum has rank 2 = r, so the approximation is exact and identical on both ranks
@@ -322,7 +374,7 @@ def test_powersgd_two_rank_sum_simulated():
         # each rank's own error: M_w lies in span(P̂), so the residual is ~0
         assert all(rt.states[0].residual.abs().max().item() < 1e-4 for rt in ranks)
         # warm start stores the summed Q
-        assert torch.equal(ranks[0].states[0].tensors["q"], summed_q.data.reshape(8, 2))
+        assert torch.equal(ranks[0].states[0].param_tensors[0]["q"], summed_q.data.reshape(8, 2))
 
 
 def replace_q(own: Payload, summed: torch.Tensor) -> Payload:
@@ -332,7 +384,7 @@ def replace_q(own: Payload, summed: torch.Tensor) -> Payload:
 def test_powersgd_error_feedback_invariant_and_warm_start():
     torch.manual_seed(2)
     g = torch.randn(100)
-    rt = CompressionRuntime([100], "powersgd", {"rank": 1})
+    rt = CompressionRuntime([100], "powersgd", {"rank": 1}, square("w", 10, 10))
     for _ in range(2):
         one_step(rt, 0, g)
     st = rt.states[0]
@@ -341,14 +393,14 @@ def test_powersgd_error_feedback_invariant_and_warm_start():
     own = (p2.local["phat"].reshape(10, 1) @ p2.data.reshape(10, 1).t()).reshape(-1)
     assert torch.allclose(own + st.residual, g, atol=1e-5)  # residual = corrected - own decompressed
     rt.decompress(0, p2)
-    q_saved = st.tensors["q"].clone()
+    q_saved = st.param_tensors[0]["q"].clone()
     corrected = g + st.residual
     p3 = rt.compress(0, g)  # warm start: P = M Q_prev
     assert torch.allclose(p3.data, (corrected.reshape(10, 10) @ q_saved).reshape(-1), atol=1e-5)
 
 
 def test_powersgd_zero_gradient_no_nan():
-    rt = CompressionRuntime([100], "powersgd", {"rank": 3, "min_compression_rate": 1.0})
+    rt = CompressionRuntime([100], "powersgd", {"rank": 3, "min_compression_rate": 1.0}, square("w", 10, 10))
     for step in range(4):
         p, out = one_step(rt, 0, torch.zeros(100))
         assert not torch.isnan(out).any() and not out.any()
@@ -368,7 +420,8 @@ def test_orthogonalize_zero_and_dependent_columns():
 
 
 def test_powersgd_rounds_misuse_errors():
-    rt = CompressionRuntime([64], "powersgd", {"rank": 1, "min_compression_rate": 1.0, "start_step": 2})
+    rt = CompressionRuntime([64], "powersgd", {"rank": 1, "min_compression_rate": 1.0, "start_step": 2},
+                            square("w", 8, 8))
     p, _ = one_step(rt, 0, torch.ones(64))
     with pytest.raises(ValueError, match="is final; decompress it instead"):
         rt.next_round(0, p)
@@ -378,6 +431,8 @@ def test_powersgd_rounds_misuse_errors():
         rt.decompress(0, p1)
     with pytest.raises(ValueError, match="powersgd payloads are summed"):
         rt.aggregate(0, [p1])
+    with pytest.raises(ValueError, match="decompressing factors needs the bucket's state"):
+        rt.compressor.decompress(rt.next_round(0, p1))
 
 
 # ------------------------------------------------------------------------------------ checkpoints
@@ -385,18 +440,23 @@ def test_powersgd_rounds_misuse_errors():
 
 def test_runtime_state_dict_roundtrip_continues_identically():
     torch.manual_seed(4)
-    grads = [torch.randn(64) for _ in range(6)]
+    grads = [torch.randn(74) for _ in range(6)]
     kw = {"rank": 2, "min_compression_rate": 1.0}
-    a = CompressionRuntime([64, 10], "powersgd", kw)
+    lay = [[("w", (8, 8)), ("b", (10,))]]
+    a = CompressionRuntime([74], "powersgd", kw, lay)
     for g in grads[:3]:
         one_step(a, 0, g)
     sd = a.state_dict()
-    assert sd["buckets"][0]["step"] == 3 and set(sd["buckets"][0]["tensors"]) == {"q"}
-    b = CompressionRuntime([64, 10], "powersgd", kw)
-    b.load_state_dict(sd)
+    assert sd["version"] == 1 and sd["compressor"] == "powersgd" and sd["kwargs"] == kw
+    assert sd["params"]["w"]["step"] == 3 and set(sd["params"]["w"]["tensors"]) == {"q"}
+    assert sd["params"]["w"]["shape"] == [8, 8] and sd["params"]["b"]["tensors"] == {}
+    assert torch.equal(torch.cat([sd["params"]["w"]["residual"], sd["params"]["b"]["residual"]]), a.states[0].residual)
+    b = CompressionRuntime([74], "powersgd", kw, lay)
+    assert b.load_state_dict(sd) == []
     for g in grads[3:]:
         assert torch.equal(one_step(a, 0, g)[1], one_step(b, 0, g)[1])
-    with pytest.raises(ValueError, match=r"checkpoint buckets \[64, 10\] differ from this run's buckets \[64\]"):
-        CompressionRuntime([64], "powersgd", kw).load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"parameter 'w': saved compression state has shape \(8, 8\), this run's "
+                                         r"parameter has shape \(4, 16\)"):
+        CompressionRuntime([74], "powersgd", kw, [[("w", (4, 16)), ("b", (10,))]]).load_state_dict(sd)
     with pytest.raises(ValueError, match="holds compression state of 'powersgd', this run uses 'topk'"):
-        CompressionRuntime([64, 10], "topk").load_state_dict(sd)
+        CompressionRuntime([74], "topk", {}, lay).load_state_dict(sd)

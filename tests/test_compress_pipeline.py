@@ -29,6 +29,8 @@ pytestmark = pytest.mark.timeout(240)
 
 REPO = Path(__file__).resolve().parents[1]
 NUMELS = [100, 37]
+# bucket 0: one 10 x 10 matrix; bucket 1: a 6 x 6 matrix and a 1-element bias (sent dense by PowerSGD)
+LAYOUTS = [[("w0", (10, 10))], [("w1", (6, 6)), ("b1", (1,))]]
 
 
 def run_step(pipe: CompressionPipeline, bucket: int, grad: torch.Tensor):
@@ -72,12 +74,14 @@ def test_process_matches_inline_and_checkpoint_roundtrip(name, kwargs, one_threa
     torch.manual_seed(0)
     grads = [[torch.randn(n) for n in NUMELS] for _ in range(5)]
     shm_before, fds = set(os.listdir("/dev/shm")), fd_count()
-    with CompressionPipeline(NUMELS, name, kwargs, threads=1) as proc, \
-            CompressionPipeline(NUMELS, name, kwargs, mode="inline") as inline:
+    with CompressionPipeline(NUMELS, name, kwargs, threads=1, layouts=LAYOUTS) as proc, \
+            CompressionPipeline(NUMELS, name, kwargs, mode="inline", layouts=LAYOUTS) as inline:
         assert proc.helper_pid is not None and proc.helper_pid != os.getpid() and inline.helper_pid is None
         assert fd_count() > fds
         if name == "topk":  # k = 10 and 4: 2 slots x (grad + int32 indices + fp32 values) per bucket
             assert proc.shared_nbytes == 2 * ((400 + 40 + 40) + (148 + 16 + 16))
+        if name == "powersgd":  # 2 slots x (grad + data [n] + phat [rows * r] (+ dense [1])) per bucket
+            assert proc.shared_nbytes == 2 * ((400 + 400 + 80) + (148 + 148 + 48 + 4))
         for step in range(3):
             for b in range(len(NUMELS)):
                 tp, mp_, dp = run_step(proc, b, grads[step][b])
@@ -87,22 +91,27 @@ def test_process_matches_inline_and_checkpoint_roundtrip(name, kwargs, one_threa
                 assert torch.equal(dp, di)
         sd = proc.state_dict()  # fetched from the helper
         sdi = inline.state_dict()
-        assert [s["step"] for s in sd["buckets"]] == [3, 3]
-        for a, b in zip(sd["buckets"], sdi["buckets"]):
+        assert sorted(sd["params"]) == ["b1", "w0", "w1"]
+        assert [sd["params"][k]["step"] for k in ("w0", "w1", "b1")] == [3, 3, 3]
+        if name == "powersgd":  # compressed at step 2 only (start_step 2)
+            assert sd["params"]["w1"]["tensors"]["q"].shape == (6, 2) and sd["params"]["b1"]["tensors"] == {}
+            assert sd["params"]["b1"]["residual"].tolist() == [0.0]  # sent exactly
+        for k in sd["params"]:
+            a, b = sd["params"][k], sdi["params"][k]
             assert (a["residual"] is None) == (b["residual"] is None)
             if a["residual"] is not None:
                 assert torch.equal(a["residual"], b["residual"])
             assert a["tensors"].keys() == b["tensors"].keys()
             assert all(torch.equal(a["tensors"][k], b["tensors"][k]) for k in a["tensors"])
         # restore the helper's state into a fresh inline pipeline: both continue identically
-        with CompressionPipeline(NUMELS, name, kwargs, mode="inline") as resumed:
+        with CompressionPipeline(NUMELS, name, kwargs, mode="inline", layouts=LAYOUTS) as resumed:
             resumed.load_state_dict(sd)
             for step in (3, 4):
                 for b in range(len(NUMELS)):
                     assert torch.equal(run_step(proc, b, grads[step][b])[2], run_step(resumed, b, grads[step][b])[2])
         if name == "powersgd":  # and back into the helper
-            proc.load_state_dict(sdi)
-            assert [s["step"] for s in proc.state_dict()["buckets"]] == [3, 3]
+            assert proc.load_state_dict(sdi) == []
+            assert [proc.state_dict()["params"][k]["step"] for k in ("w0", "w1", "b1")] == [3, 3, 3]
     # close() stopped the helper politely and released the shared slots (fds) and pipes
     assert proc.exitcode == 0
     assert fd_count() == fds
@@ -173,8 +182,9 @@ def test_threads_collect_different_tickets_concurrently(fp16_pipe):
 
 def test_helper_errors_are_reported_with_traceback(fp16_pipe):
     sd = fp16_pipe.state_dict()
-    sd["buckets"][1]["numel"] = 38
-    with pytest.raises(RuntimeError, match=r"(?s)failed in load_state_dict.*differ from this run's buckets"):
+    sd["params"]["<bucket 1>"]["shape"] = [38]
+    with pytest.raises(RuntimeError, match=r"(?s)failed in load_state_dict.*parameter '<bucket 1>': saved compression "
+                                           r"state has shape \(38,\), this run's parameter has shape \(37,\)"):
         fp16_pipe.load_state_dict(sd)
     with pytest.raises(ValueError, match="holds compression state of 'topk', this run uses 'fp16'"):
         fp16_pipe.load_state_dict({**sd, "compressor": "topk"})
@@ -282,6 +292,10 @@ def test_constructor_validation():
         CompressionPipeline([4, 0], "fp16")
     with pytest.raises(ValueError, match="timeout_s must be a number of seconds > 0"):
         CompressionPipeline([4], "fp16", timeout_s=0)
+    with pytest.raises(ValueError, match=r"bucket 0: layout \['w\[2, 3\]'\] holds 6 elements, the bucket has 4"):
+        CompressionPipeline([4], "fp16", layouts=[[("w", (2, 3))]])
+    with pytest.raises(ValueError, match="layouts describe 1 buckets, but there are 2 buckets"):
+        CompressionPipeline([4, 4], "fp16", layouts=[[("w", (2, 2))]])
 
 
 def test_inline_mode_same_slot_rules_and_errors():

@@ -4,6 +4,7 @@
 * :mod:`.compressors`: the methods and :func:`get_compressor`.
 * :mod:`.memory`: error-feedback residual updates.
 * :mod:`.runtime`: :class:`CompressionRuntime` (compressor + per-bucket states).
+* :mod:`.state`: the state per parameter name, for checkpoints and re-plans (independent of buckets).
 * :mod:`.pipeline`: :class:`CompressionPipeline` (helper process with shared-memory slots, or inline).
 """
 

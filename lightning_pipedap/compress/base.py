@@ -26,9 +26,10 @@ that case.
 from __future__ import annotations
 
 import math
+import zlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar, Sequence
+from typing import ClassVar, Sequence
 
 import torch
 
@@ -114,51 +115,59 @@ class Payload:
 
 @dataclass
 class BucketState:
-    """Per-bucket compression state (error-feedback residual, method tensors, step counter).
+    """Per-bucket compression state (error-feedback residual, per-parameter method tensors, step counter).
 
     Attributes:
         bucket: bucket index (used to derive per-bucket random seeds).
         numel: ``n``, gradient elements of the bucket.
+        shapes: shape of each parameter packed into the bucket, in buffer order (their element
+            counts sum to ``n``); default: one 1-D tensor ``(n,)``. Parameter ``i`` occupies
+            ``[offsets[i], offsets[i] + numel_i)`` of the flat gradient.
+        names: name of each parameter (e.g. ``"net.0.weight"``), same order; default
+            ``"<bucket b>#i"``. Seeds of per-parameter random choices (PowerSGD's initial Q) are
+            derived from names, so they do not depend on how parameters are fused into buckets.
         step: number of :meth:`Compressor.compress` calls so far for this bucket (identical on all
             ranks as long as every rank compresses every bucket every step).
         residual: error-feedback residual ``[n]`` fp32, or None before the first update.
-        tensors: method tensors saved in checkpoints (PowerSGD: warm-start ``q``).
-        scratch: transient tensors between the rounds of one step (PowerSGD: the corrected matrix);
+        param_tensors: one dict per parameter of method tensors that persist across steps and are
+            saved in checkpoints (PowerSGD: the warm-start ``q`` ``[cols, r]`` of each compressed matrix).
+        scratch: transient tensors between the rounds of one step (PowerSGD: the corrected gradient);
             not saved.
+
+    Raises:
+        ValueError: if ``shapes`` does not add up to ``numel`` elements.
     """
 
     bucket: int
     numel: int
+    shapes: tuple[tuple[int, ...], ...] | None = None
+    names: tuple[str, ...] | None = None
     step: int = 0
     residual: torch.Tensor | None = None
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    param_tensors: list[dict[str, torch.Tensor]] = field(default_factory=list)
     scratch: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Checkpointable copy: ``{"bucket", "numel", "step", "residual", "tensors"}`` (CPU tensors)."""
-        return {
-            "bucket": self.bucket,
-            "numel": self.numel,
-            "step": self.step,
-            "residual": None if self.residual is None else self.residual.detach().cpu().clone(),
-            "tensors": {k: v.detach().cpu().clone() for k, v in self.tensors.items()},
-        }
+    def __post_init__(self) -> None:
+        self.shapes = ((self.numel,),) if self.shapes is None else tuple(tuple(int(d) for d in s) for s in self.shapes)
+        total = sum(math.prod(s) for s in self.shapes)
+        if total != self.numel:
+            raise ValueError(f"bucket {self.bucket}: parameter shapes {list(self.shapes)} hold {total} elements, "
+                             f"the bucket has {self.numel}")
+        if self.names is None:
+            self.names = tuple(f"<bucket {self.bucket}>#{i}" for i in range(len(self.shapes)))
+        if len(self.names) != len(self.shapes):
+            raise ValueError(f"bucket {self.bucket}: {len(self.names)} parameter names for {len(self.shapes)} shapes")
+        if not self.param_tensors:
+            self.param_tensors = [{} for _ in self.shapes]
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (tensors moved to the current residual's device if any).
-
-        Raises:
-            ValueError: if ``sd`` belongs to another bucket or another bucket size.
-        """
-        if sd["bucket"] != self.bucket or sd["numel"] != self.numel:
-            raise ValueError(
-                f"state for bucket {sd['bucket']} with {sd['numel']} elements cannot load into bucket "
-                f"{self.bucket} with {self.numel} elements"
-            )
-        self.step = int(sd["step"])
-        self.residual = None if sd["residual"] is None else sd["residual"].clone()
-        self.tensors = {k: v.clone() for k, v in sd["tensors"].items()}
-        self.scratch = {}
+    @property
+    def offsets(self) -> list[int]:
+        """Element offset of each parameter in the flat gradient ``[n]``."""
+        out, off = [], 0
+        for s in self.shapes:
+            out.append(off)
+            off += math.prod(s)
+        return out
 
 
 class Compressor(ABC):
@@ -176,19 +185,30 @@ class Compressor(ABC):
 
     error_feedback: bool = False
 
-    def init_state(self, bucket: int, numel: int) -> BucketState:
-        """Fresh state for bucket ``bucket`` of ``numel`` elements.
+    def init_state(self, bucket: int, numel: int, shapes: Sequence[Sequence[int]] | None = None,
+                   names: Sequence[str] | None = None) -> BucketState:
+        """Fresh state for bucket ``bucket`` of ``numel`` elements holding parameters of ``shapes``.
+
+        Args:
+            bucket: bucket index, >= 0.
+            numel: gradient elements of the bucket, >= 1.
+            shapes: parameter shapes in buffer order (summing to ``numel`` elements); None: one
+                1-D tensor. Only PowerSGD uses them (one matrix per parameter).
+            names: parameter names, same order (see :class:`BucketState`).
 
         Raises:
-            ValueError: if ``numel < 1`` or ``bucket < 0``.
+            ValueError: if ``numel < 1``, ``bucket < 0``, ``shapes`` do not add up to ``numel`` or
+                ``names`` and ``shapes`` differ in length.
         """
         if numel < 1 or bucket < 0:
             raise ValueError(f"bucket index must be >= 0 and numel >= 1, got bucket={bucket}, numel={numel}")
-        return BucketState(bucket=bucket, numel=numel)
+        return BucketState(bucket=bucket, numel=numel, shapes=None if shapes is None else tuple(map(tuple, shapes)),
+                           names=None if names is None else tuple(names))
 
     @abstractmethod
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
-        """Largest payload tensors over all rounds, by name (communicated and local), for ``numel``."""
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
+        """Largest payload tensors over all rounds, by name (communicated and local), for a bucket of
+        ``numel`` elements holding parameters of ``shapes`` (None: one 1-D tensor)."""
 
     @abstractmethod
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
@@ -209,7 +229,8 @@ class Compressor(ABC):
     def decompress(self, payload: Payload, state: BucketState | None = None) -> torch.Tensor:
         """Dense gradient ``[n]`` fp32 from a final payload (one rank's, or the sum of summable ones).
 
-        ``state`` is only used by methods that learn from the result (PowerSGD warm start).
+        ``state`` is only used by methods that learn from the result or need the bucket's parameter
+        shapes (PowerSGD: warm start, one matrix per parameter).
         """
 
     def aggregate(self, payloads: Sequence[Payload], average: bool = True) -> torch.Tensor:
@@ -318,6 +339,11 @@ def _round_up(x: int, m: int) -> int:
 def count_for_ratio(numel: int, ratio: float) -> int:
     """Number of kept elements ``k = max(1, ceil(ratio · n))`` for sparsifiers (ratio in (0, 1])."""
     return max(1, min(numel, math.ceil(ratio * numel)))
+
+
+def name_seed(name: str) -> int:
+    """A stable 32-bit integer for a parameter name (CRC-32 of its UTF-8 bytes; the same in every process)."""
+    return zlib.crc32(name.encode("utf-8"))
 
 
 def mix_seed(*parts: int) -> int:

@@ -9,7 +9,7 @@ name           summable   payload (communicated)                                
 ``fp16``       yes        ``data`` [n] fp16                                            no
 ``bf16``       yes        ``data`` [n] bf16                                            no
 ``randomk``    yes        ``data`` [k] fp32 values at indices drawn from a shared seed default on
-``powersgd``   yes        round 1 ``data`` = P [rows·r], round 2 ``data`` = Q [cols·r]  default on
+``powersgd``   yes        P factors + dense rest, then Q factors (2 rounds)            default on
 ``topk``       no         ``indices`` [k] int32, ``values`` [k] fp32                   default on
 ``dgc``        no         ``indices`` [<=k] int32, ``values`` [<=k] fp32               default on
 ``qsgd``       no         ``levels`` [n] int8, ``norm`` [1] fp32                       default off
@@ -17,8 +17,8 @@ name           summable   payload (communicated)                                
 =============  =========  ===========================================================  ===============
 
 Random choices that must agree on all ranks (random-k indices, PowerSGD's initial Q) are derived
-from ``(seed, bucket, step)`` with :func:`~.base.mix_seed`, so every rank must pass the same
-``seed``. Random choices that should be independent per rank (QSGD stochastic rounding, DGC
+from ``(seed, bucket, step)`` (PowerSGD: ``(seed, parameter name, step)``, independent of the
+fusion into buckets) with :func:`~.base.mix_seed`, so every rank must pass the same ``seed``. Random choices that should be independent per rank (QSGD stochastic rounding, DGC
 sampling) also mix in the ``rank`` argument.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -37,6 +38,7 @@ from lightning_pipedap.compress.base import (
     TensorSpec,
     count_for_ratio,
     mix_seed,
+    name_seed,
 )
 from lightning_pipedap.compress.memory import compensate, update_dense, update_sparse
 
@@ -77,7 +79,7 @@ class NoCompression(Compressor):
     name = "none"
     summable = True
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
         return {"data": TensorSpec(numel, torch.float32)}
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
@@ -93,7 +95,7 @@ class _CastCompressor(Compressor):
     summable = True
     dtype: torch.dtype
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
         return {"data": TensorSpec(numel, self.dtype)}
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
@@ -134,7 +136,7 @@ class BF16Compressor(_CastCompressor):
 class _SparseMixin:
     """Decompress/aggregate for payloads ``indices`` (int32) + ``values`` (fp32)."""
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
         """``k = ratio·n`` int32 indices and fp32 values."""
         k = count_for_ratio(numel, self.ratio)
         return {"indices": TensorSpec(k, torch.int32), "values": TensorSpec(k, torch.float32)}
@@ -275,7 +277,7 @@ class RandomKCompressor(Compressor):
         self.seed = _check_int("seed", seed, 0)
         self.error_feedback = _check_bool("error_feedback", error_feedback)
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
         return {"data": TensorSpec(count_for_ratio(numel, self.ratio), torch.float32)}
 
     def indices(self, numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -330,7 +332,7 @@ class QSGDCompressor(Compressor):
         self.rank = _check_int("rank", rank, 0)
         self.error_feedback = _check_bool("error_feedback", error_feedback)
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
         return {"levels": TensorSpec(numel, torch.int8), "norm": TensorSpec(1, torch.float32)}
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
@@ -372,7 +374,7 @@ class EFSignSGDCompressor(Compressor):
     error_feedback = True
     _WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
         return {"bits": TensorSpec(-(-numel // 8), torch.uint8), "scale": TensorSpec(1, torch.float32)}
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
@@ -401,40 +403,81 @@ class EFSignSGDCompressor(Compressor):
 # ---------------------------------------------------------------------------------- low rank
 
 
+@dataclass(frozen=True)
+class _Matrix:
+    """One compressed parameter of a bucket: parameter ``slot`` at element ``offset``, viewed as
+    ``rows × cols`` (``rows = shape[0]``, ``cols = numel / rows``), approximated with rank ``r``."""
+
+    slot: int
+    offset: int
+    rows: int
+    cols: int
+    r: int
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How PowerSGD splits one bucket: compressed matrices, and dense ``(offset, numel)`` spans sent as fp32."""
+
+    matrices: tuple[_Matrix, ...]
+    dense: tuple[tuple[int, int], ...]
+
+    @property
+    def p_numel(self) -> int:
+        """Elements of all P factors (``Σ rows·r``)."""
+        return sum(m.rows * m.r for m in self.matrices)
+
+    @property
+    def q_numel(self) -> int:
+        """Elements of all Q factors (``Σ cols·r``)."""
+        return sum(m.cols * m.r for m in self.matrices)
+
+    @property
+    def dense_numel(self) -> int:
+        """Elements sent uncompressed (1-D tensors and matrices too small to pay off)."""
+        return sum(k for _, k in self.dense)
+
+
 class PowerSGDCompressor(Compressor):
-    """PowerSGD: rank-r approximation by one step of power iteration, two summable rounds.
+    """PowerSGD: rank-r approximation of each parameter's gradient matrix by one power-iteration step.
 
     Source: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for
     Distributed Optimization", NeurIPS 2019, Algorithm 1 (with error feedback, Algorithm 2, and
-    warm start, Sec. 3): ``P = M Q`` → all-reduce P → ``P̂ = orthogonalise(P)`` → ``Q = Mᵀ P̂`` →
-    all-reduce Q → ``M ≈ P̂ Qᵀ``.
+    warm start, Sec. 3): per matrix ``M``, ``P = M Q`` → all-reduce P → ``P̂ = orthogonalise(P)`` →
+    ``Q = Mᵀ P̂`` → all-reduce Q → ``M ≈ P̂ Qᵀ``.
 
-    **Matrix view.** The compressor sees one flat bucket of ``n`` elements, not its parameters, so
-    it reshapes the bucket into a near-square matrix ``rows × cols`` with ``rows = ceil(sqrt(n))``,
-    ``cols = ceil(n / rows)``, padding with zeros (as ``batched_powerSGD_hook`` in PyTorch does).
-    This is the cheapest and simplest view but mixes parameters in one matrix; PyTorch documents
-    lower accuracy than per-parameter matrices for ranks above 1. A bucket is sent uncompressed
-    when ``(rows + cols) · r · min_compression_rate >= n`` (as ``PowerSGDState``) and for the first
-    ``start_step`` steps (``start_step >= 2``, as PyTorch requires when error feedback or warm start
-    is on, because buckets can be rebuilt after the first step).
+    **Matrix view** (as PyTorch's ``powerSGD_hook``): every parameter of the bucket with at least
+    2 dimensions is its own matrix ``shape[0] × (numel / shape[0])`` (a conv weight
+    ``[out, in, kh, kw]`` becomes ``out × in·kh·kw``), compressed with rank
+    ``r = min(rank, rows, cols)`` when that pays off: ``(rows + cols) · r · min_compression_rate <
+    rows · cols``. 1-D tensors (biases, norms) and matrices too small to pay off are sent
+    uncompressed, as fp32, summed in the same round as the P factors. The bucket's parameter shapes
+    come from :class:`~.base.BucketState` ``.shapes`` (a bucket without shapes is one 1-D tensor and
+    is never compressed). The whole bucket is sent uncompressed for the first ``start_step`` steps
+    (``start_step >= 2``, as PyTorch requires when error feedback or warm start is on, because
+    buckets can be rebuilt after the first step) and when no parameter is compressed.
 
-    **Rounds.** ``compress`` returns round 1 (``stage=1``, ``data`` = P ``[rows·r]``, not final);
-    the engine sums ``data`` over ranks and calls :meth:`next_round`, which orthogonalises, updates
-    the error-feedback residual ``M - P̂ Q_ownᵀ`` and returns round 2 (``stage=2``, ``data`` = Q
-    ``[cols·r]``, final, with ``local["phat"]``); the engine sums ``data`` again and calls
-    :meth:`decompress` *with the state*, which stores the summed Q for the warm start. Uncompressed
-    steps give one final round (``stage=0``, ``data`` = the gradient).
+    **Rounds.** ``compress`` returns round 1 (``stage=1``, ``data`` = all P factors
+    ``[Σ rows·r]`` followed by the uncompressed values, not final); the engine sums ``data`` over
+    ranks and calls :meth:`next_round`, which orthogonalises each P, updates the error-feedback
+    residual ``M - P̂ Q_ownᵀ`` (zero on the uncompressed spans, sent exactly) and returns round 2
+    (``stage=2``, ``data`` = all Q factors ``[Σ cols·r]``, final, with ``local["phat"]`` and
+    ``local["dense"]``, the summed uncompressed values); the engine sums ``data`` again and calls
+    :meth:`decompress` *with the state*, which stores each summed Q for the warm start.
+    Uncompressed steps give one final round (``stage=0``, ``data`` = the gradient).
 
     **Orthogonalisation.** Modified Gram-Schmidt with each column divided by ``max(norm, eps)``:
     a zero column stays zero (no NaN), unlike an unguarded division (pytorch/pytorch#49374).
 
     Args:
-        rank: ``r >= 1`` (clipped to ``min(rows, cols)``).
+        rank: ``r >= 1`` (clipped to ``min(rows, cols)`` per matrix).
         start_step: first compressed step, ``>= 2``.
         warm_start: reuse the previous step's summed Q (else a fresh random Q every step).
         error_feedback: keep the residual ``[n]``.
-        seed: base seed for the initial Q, identical on all ranks.
-        min_compression_rate: compress only when it saves at least this factor, ``>= 1``.
+        seed: base seed for the initial Q (mixed with the parameter's name and the step), identical
+            on all ranks.
+        min_compression_rate: compress a matrix only when it saves at least this factor, ``>= 1``
+            (PyTorch's ``PowerSGDState`` default, 2).
         eps: column-norm floor of the orthogonalisation, ``> 0``.
     """
 
@@ -459,28 +502,54 @@ class PowerSGDCompressor(Compressor):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"eps must be a number > 0, got {eps!r}")
         self.eps = float(eps)
+        self._layouts: dict[tuple[tuple[int, ...], ...], _Layout] = {}
 
     @staticmethod
-    def matrix_shape(numel: int) -> tuple[int, int]:
-        """``(rows, cols)`` of the near-square matrix view of a bucket: ``rows = ceil(sqrt(n))``."""
-        rows = math.isqrt(numel - 1) + 1 if numel > 1 else 1
-        return rows, -(-numel // rows)
+    def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
+        """``(rows, cols) = (shape[0], numel / shape[0])`` of a parameter, or None for 0-D/1-D tensors."""
+        if len(shape) < 2:
+            return None
+        rows = int(shape[0])
+        return rows, (math.prod(shape) // rows if rows else 0)
 
-    def effective_rank(self, numel: int) -> int:
-        """``min(rank, rows, cols)`` for a bucket of ``numel``."""
-        rows, cols = self.matrix_shape(numel)
-        return min(self.rank, rows, cols)
+    def compresses(self, shape: Sequence[int]) -> bool:
+        """Whether a parameter of ``shape`` is compressed: ``(rows + cols) · r · rate < rows · cols``."""
+        rc = self.matrix_shape(shape)
+        if rc is None:
+            return False
+        rows, cols = rc
+        return (rows + cols) * min(self.rank, rows, cols) * self.min_compression_rate < rows * cols
 
-    def compresses(self, numel: int) -> bool:
-        """Whether buckets of ``numel`` are compressed at all (else always sent dense)."""
-        rows, cols = self.matrix_shape(numel)
-        return (rows + cols) * self.effective_rank(numel) * self.min_compression_rate < numel
+    def layout(self, shapes: Sequence[Sequence[int]]) -> _Layout:
+        """Compressed matrices and uncompressed spans of a bucket holding parameters of ``shapes`` (cached)."""
+        key = tuple(tuple(int(d) for d in s) for s in shapes)
+        cached = self._layouts.get(key)
+        if cached is not None:
+            return cached
+        mats, dense, off = [], [], 0
+        for slot, shape in enumerate(key):
+            k = math.prod(shape)
+            if self.compresses(shape):
+                rows, cols = self.matrix_shape(shape)
+                mats.append(_Matrix(slot, off, rows, cols, min(self.rank, rows, cols)))
+            elif k:
+                if dense and dense[-1][0] + dense[-1][1] == off:  # merge neighbouring spans
+                    dense[-1] = (dense[-1][0], dense[-1][1] + k)
+                else:
+                    dense.append((off, k))
+            off += k
+        out = self._layouts[key] = _Layout(tuple(mats), tuple(dense))
+        return out
 
-    def payload_spec(self, numel: int) -> dict[str, TensorSpec]:
+    def payload_spec(self, numel: int, shapes: Sequence[Sequence[int]] | None = None) -> dict[str, TensorSpec]:
+        """``data`` ``[n]`` (the largest round: the uncompressed steps); local ``phat`` ``[Σ rows·r]`` and
+        ``dense`` ``[uncompressed elements]`` when some parameter is compressed."""
         spec = {"data": TensorSpec(numel, torch.float32)}
-        if self.compresses(numel):
-            rows, _ = self.matrix_shape(numel)
-            spec["phat"] = TensorSpec(rows * self.effective_rank(numel), torch.float32, local=True)
+        lay = self.layout(((numel,),) if shapes is None else shapes)
+        if lay.matrices:
+            spec["phat"] = TensorSpec(lay.p_numel, torch.float32, local=True)
+            if lay.dense_numel:
+                spec["dense"] = TensorSpec(lay.dense_numel, torch.float32, local=True)
         return spec
 
     def compress(self, grad: torch.Tensor, state: BucketState) -> Payload:
@@ -488,54 +557,75 @@ class PowerSGDCompressor(Compressor):
         step = state.step
         state.step += 1
         n = state.numel
-        if step < self.start_step or not self.compresses(n):
+        lay = self.layout(state.shapes)
+        if step < self.start_step or not lay.matrices:
             return Payload(self.name, n, {"data": grad}, {"step": step}, stage=0, final=True)
-        rows, cols = self.matrix_shape(n)
-        r = self.effective_rank(n)
         corrected = compensate(grad, state, self.error_feedback)
-        if rows * cols == n:
-            m = corrected.view(rows, cols)
-        else:
-            m = torch.zeros(rows * cols, dtype=torch.float32, device=grad.device)
-            m[:n] = corrected
-            m = m.view(rows, cols)
-        q = state.tensors.get("q") if self.warm_start else None
-        if q is None or q.shape != (cols, r):
-            g = _generator(mix_seed(self.seed, state.bucket, step), torch.device("cpu"))
-            q = torch.randn(cols, r, generator=g).to(grad.device)
-        state.scratch["m"] = m
-        p = m @ q
-        return Payload(self.name, n, {"data": p.reshape(-1)}, {"step": step}, stage=1, final=False)
+        parts = []
+        for m in lay.matrices:
+            q = state.param_tensors[m.slot].get("q") if self.warm_start else None
+            if q is None or tuple(q.shape) != (m.cols, m.r):
+                g = _generator(mix_seed(self.seed, name_seed(state.names[m.slot]), step), torch.device("cpu"))
+                q = torch.randn(m.cols, m.r, generator=g).to(grad.device)
+            parts.append((corrected[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols) @ q).reshape(-1))
+        parts += [corrected[off : off + k] for off, k in lay.dense]
+        state.scratch["m"] = corrected
+        return Payload(self.name, n, {"data": torch.cat(parts)}, {"step": step}, stage=1, final=False)
 
     def next_round(self, reduced: Payload, state: BucketState) -> Payload:
         if reduced.stage != 1:
             raise ValueError(f"powersgd: next_round() follows round 1 (P), got a stage-{reduced.stage} payload")
-        m = state.scratch.pop("m", None)
-        if m is None:
+        corrected = state.scratch.pop("m", None)
+        if corrected is None:
             raise ValueError(f"powersgd: bucket {state.bucket} has no round-1 matrix; call compress() first")
-        n = state.numel
-        rows, cols = self.matrix_shape(n)
-        r = self.effective_rank(n)
-        phat = orthogonalize_(reduced.data.reshape(rows, r).clone(), self.eps)
-        q = m.t() @ phat
-        if self.error_feedback:
-            approx = (phat @ q.t()).reshape(-1)[:n]
-            update_dense(state, m.reshape(-1)[:n], approx)
-        return Payload(self.name, n, {"data": q.reshape(-1)}, dict(reduced.meta), stage=2, final=True,
-                       local={"phat": phat.reshape(-1)})
+        lay = self.layout(state.shapes)
+        data = reduced.data
+        phats, qs, pos = [], [], 0
+        for m in lay.matrices:
+            phat = orthogonalize_(data[pos : pos + m.rows * m.r].reshape(m.rows, m.r).clone(), self.eps)
+            pos += m.rows * m.r
+            mat = corrected[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
+            q = mat.t() @ phat
+            if self.error_feedback:  # corrected is the residual buffer: residual = M - P̂ Q_ownᵀ
+                mat.sub_(phat @ q.t())
+            phats.append(phat.reshape(-1))
+            qs.append(q.reshape(-1))
+        local = {"phat": torch.cat(phats)}
+        if lay.dense:
+            local["dense"] = data[pos : pos + lay.dense_numel].clone()
+            if self.error_feedback:  # sent exactly: nothing left over
+                for off, k in lay.dense:
+                    corrected[off : off + k].zero_()
+        return Payload(self.name, state.numel, {"data": torch.cat(qs)}, dict(reduced.meta), stage=2, final=True,
+                       local=local)
 
     def decompress(self, payload: Payload, state: BucketState | None = None) -> torch.Tensor:
+        """Dense ``[n]`` from a final payload; stage 2 needs the bucket's ``state`` (its parameter shapes).
+
+        Raises:
+            ValueError: for a non-final stage, or a stage-2 payload without ``state``.
+        """
         if payload.stage == 0:
             return payload.data
         if payload.stage != 2:
             raise ValueError(f"powersgd: only final payloads (stage 0 or 2) decompress, got stage {payload.stage}")
-        n = payload.numel
-        rows, cols = self.matrix_shape(n)
-        r = self.effective_rank(n)
-        q = payload.data.reshape(cols, r)
-        out = (payload.local["phat"].reshape(rows, r) @ q.t()).reshape(-1)[:n]
-        if state is not None and self.warm_start:
-            state.tensors["q"] = q.clone()
+        if state is None:
+            raise ValueError("powersgd: decompressing factors needs the bucket's state (its parameter shapes)")
+        lay = self.layout(state.shapes)
+        q_all, phat_all = payload.data, payload.local["phat"]
+        out = torch.empty(payload.numel, dtype=torch.float32, device=q_all.device)
+        qpos = ppos = 0
+        for m in lay.matrices:
+            q = q_all[qpos : qpos + m.cols * m.r].view(m.cols, m.r)
+            phat = phat_all[ppos : ppos + m.rows * m.r].view(m.rows, m.r)
+            qpos, ppos = qpos + m.cols * m.r, ppos + m.rows * m.r
+            torch.mm(phat, q.t(), out=out[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols))
+            if self.warm_start:
+                state.param_tensors[m.slot]["q"] = q.clone()
+        pos = 0
+        for off, k in lay.dense:
+            out[off : off + k].copy_(payload.local["dense"][pos : pos + k])
+            pos += k
         return out
 
     def aggregate(self, payloads: Sequence[Payload], average: bool = True) -> torch.Tensor:

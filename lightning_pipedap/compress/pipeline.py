@@ -6,7 +6,9 @@ process, pipelined, with a purpose-built inter-process hand-off. Here:
 * **Helper process.** Started with an explicit ``spawn`` context (safe with CUDA and with
   ``torch.distributed``; start it before ``init_process_group``), ``daemon=True``. It owns a
   :class:`~.runtime.CompressionRuntime`, so error-feedback residuals and PowerSGD factors live in
-  the helper (:meth:`CompressionPipeline.state_dict` fetches them for checkpoints). It limits its
+  the helper; :meth:`CompressionPipeline.state_dict` / :meth:`~CompressionPipeline.load_state_dict`
+  export and import them per parameter name (:mod:`.state`) over the control channel, with a
+  timeout, for checkpoints and for carrying the state across a re-plan. It limits its
   intra-op threads with ``torch.set_num_threads(threads)`` and ignores SIGINT (the trainer stops it).
 * **Slots.** Per bucket, ``slots_per_bucket`` (>= 2) preallocated CPU slots in shared memory
   (``share_memory_()``; with torch's default ``file_descriptor`` sharing strategy the segments are
@@ -76,6 +78,7 @@ import torch.multiprocessing  # noqa: F401  (registers tensor reductions for the
 from lightning_pipedap.compress.base import Payload
 from lightning_pipedap.compress.compressors import get_compressor
 from lightning_pipedap.compress.runtime import CompressionRuntime
+from lightning_pipedap.compress.state import Layout, check_layouts
 
 #: exit code of the helper when its parent died
 EXIT_PARENT_DIED = 3
@@ -116,6 +119,9 @@ class CompressionPipeline:
         bucket_numels: elements ``n`` of each bucket (index = bucket number).
         compressor_name: a name from :func:`~.compressors.valid_compressor_names`.
         compressor_kwargs: that compressor's keyword arguments (validated here, in the trainer).
+        layouts: per bucket, ``(parameter name, shape)`` of its parameters in buffer order (see
+            :class:`~.runtime.CompressionRuntime`); PowerSGD needs the shapes (one matrix per
+            parameter), checkpoints the names. None: each bucket is one 1-D tensor.
         slots_per_bucket: preallocated slots per bucket, >= 2 (a bucket can be in flight twice, e.g.
             step t being decompressed while step t+1 is compressed).
         threads: ``torch.set_num_threads`` of the helper, >= 1 (budget cores with the trainer).
@@ -124,13 +130,15 @@ class CompressionPipeline:
         start_timeout_s: seconds to wait for the helper to start (it imports torch and this package).
 
     Raises:
-        ValueError: for bad arguments (unknown compressor or keyword, slots < 2, threads < 1, ...).
+        ValueError: for bad arguments (unknown compressor or keyword, slots < 2, threads < 1, layouts
+            that do not match the bucket sizes, ...).
         HelperDiedError, HelperTimeoutError: if the helper does not start.
     """
 
     def __init__(self, bucket_numels: Sequence[int], compressor_name: str,
                  compressor_kwargs: dict[str, Any] | None = None, slots_per_bucket: int = 2, threads: int = 1,
-                 timeout_s: float = 60.0, mode: str = "process", start_timeout_s: float = 120.0) -> None:
+                 timeout_s: float = 60.0, mode: str = "process", start_timeout_s: float = 120.0,
+                 layouts: Layout | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if isinstance(slots_per_bucket, bool) or not isinstance(slots_per_bucket, int) or slots_per_bucket < 2:
@@ -148,6 +156,7 @@ class CompressionPipeline:
         self.compressor_name = compressor_name
         self.compressor_kwargs = dict(compressor_kwargs or {})
         self.compressor = get_compressor(compressor_name, **self.compressor_kwargs)  # validates in the trainer
+        self.layouts = check_layouts(numels, layouts)
         self.slots_per_bucket = slots_per_bucket
         self.threads = threads
         self.timeout_s = float(timeout_s)
@@ -164,24 +173,25 @@ class CompressionPipeline:
         self._recv_lock = threading.Lock()  # one reader of the result pipe at a time
         self._slots: list[list[dict[str, Any]]] | None = None
         if mode == "inline":
-            self._runtime = CompressionRuntime(numels, compressor_name, self.compressor_kwargs)
+            self._runtime = CompressionRuntime(numels, compressor_name, self.compressor_kwargs, self.layouts)
             self._finalizer = None
             return
         self._slots = [
             [
                 {"grad": torch.empty(n, dtype=torch.float32).share_memory_(),
                  "out": {k: torch.empty(s.numel, dtype=s.dtype).share_memory_()
-                         for k, s in self.compressor.payload_spec(n).items()}}
+                         for k, s in self.compressor.payload_spec(n, [shape for _, shape in lay]).items()}}
                 for _ in range(slots_per_bucket)
             ]
-            for n in numels
+            for n, lay in zip(numels, self.layouts)
         ]
         ctx = mp.get_context("spawn")
         req_r, self._req = ctx.Pipe(duplex=False)
         self._res, res_w = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(
             target=_helper_main, name="pipedap-compress-helper", daemon=True,
-            args=(req_r, res_w, numels, compressor_name, self.compressor_kwargs, self._slots, threads, os.getpid()),
+            args=(req_r, res_w, numels, compressor_name, self.compressor_kwargs, self.layouts, self._slots, threads,
+                  os.getpid()),
         )
         self._proc.start()
         self._pid = self._proc.pid
@@ -361,12 +371,15 @@ class CompressionPipeline:
             return dict(self._flight(ticket).timings)
 
     def state_dict(self, timeout_s: float | None = None) -> dict[str, Any]:
-        """Compression state of all buckets (residuals, PowerSGD ``q``, step counters), CPU tensors.
+        """Compression state per parameter name (residual slices, PowerSGD ``q``, step counters), CPU tensors.
 
-        Call between steps (no ticket in flight). See :meth:`~.runtime.CompressionRuntime.state_dict`.
+        Call between steps (no ticket in flight). In process mode the helper serialises it and the
+        answer comes back over the result pipe (wait bounded by ``timeout_s``, default: the
+        pipeline's). Format: :func:`~.state.export_state`.
 
         Raises:
             RuntimeError: if tickets are in flight.
+            HelperDiedError, HelperTimeoutError: as for :meth:`result`.
         """
         with self._lock:
             self._check_quiet("state_dict")
@@ -375,24 +388,29 @@ class CompressionPipeline:
         blob = self._control(("state_dict",), "state_dict", timeout_s)
         return torch.load(io.BytesIO(blob), weights_only=True)
 
-    def load_state_dict(self, state: dict[str, Any], timeout_s: float | None = None) -> None:
-        """Restore :meth:`state_dict` output (e.g. on resume), before the first submit.
+    def load_state_dict(self, state: dict[str, Any], timeout_s: float | None = None) -> list[str]:
+        """Restore :meth:`state_dict` output (e.g. on resume, or after a re-plan with other buckets:
+        the state is matched by parameter name and offset), before the next submit.
+
+        Returns:
+            names of parameters without saved state (they start with a zero residual).
 
         Raises:
-            ValueError: if the state belongs to another compressor or other bucket sizes.
-            RuntimeError: if tickets are in flight.
+            ValueError: if the state belongs to another compressor (checked here, in the trainer).
+            RuntimeError: if tickets are in flight; in process mode also for any error of the
+                helper's import (a parameter whose shape changed, ...), with its traceback.
+            HelperDiedError, HelperTimeoutError: as for :meth:`result`.
         """
         with self._lock:
             self._check_quiet("load_state_dict")
             if self._runtime is not None:
-                self._runtime.load_state_dict(state)
-                return
+                return self._runtime.load_state_dict(state)
         if state.get("compressor") != self.compressor_name:  # same check as the helper, with a local error
             raise ValueError(f"checkpoint holds compression state of {state.get('compressor')!r}, "
                              f"this run uses {self.compressor_name!r}")
         buf = io.BytesIO()
         torch.save(state, buf)
-        self._control(("load_state_dict", buf.getvalue()), "load_state_dict", timeout_s)
+        return self._control(("load_state_dict", buf.getvalue()), "load_state_dict", timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the helper (``stop`` message, then terminate/kill after ``timeout_s``) and free the slots.
@@ -639,13 +657,14 @@ def _watch_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     os._exit(EXIT_PARENT_DIED)
 
 
-def _helper_main(req, res, bucket_numels, compressor_name, compressor_kwargs, slots, threads, parent_pid) -> None:
+def _helper_main(req, res, bucket_numels, compressor_name, compressor_kwargs, layouts, slots, threads,
+                 parent_pid) -> None:
     """Entry point of the helper process: serve ``compress``/``round``/``decompress`` requests."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     torch.set_num_threads(threads)
     try:
-        rt = CompressionRuntime(bucket_numels, compressor_name, compressor_kwargs)
+        rt = CompressionRuntime(bucket_numels, compressor_name, compressor_kwargs, layouts)
     except Exception:
         res.send(("error", None, traceback.format_exc()))
         return
@@ -683,8 +702,7 @@ def _helper_main(req, res, bucket_numels, compressor_name, compressor_kwargs, sl
                 torch.save(rt.state_dict(), buf)
                 value = buf.getvalue()
             elif op == "load_state_dict":
-                rt.load_state_dict(torch.load(io.BytesIO(msg[2]), weights_only=True))
-                value = None
+                value = rt.load_state_dict(torch.load(io.BytesIO(msg[2]), weights_only=True))
             else:
                 raise ValueError(f"unknown helper operation {op!r}")
             res.send(("ok", tid, value, time.perf_counter() - t0))

@@ -9,7 +9,8 @@ PowerSGD warm-start Q, step counter) and exposes the three calls of a step::
         payload = rt.next_round(b, summed)    # summed = payload with data summed over ranks
     grad_out = rt.decompress(b, summed)       # final payload summed over ranks (summable methods)
 
-Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (issue 4 item 5).
+Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (issue 4 item 5), per parameter name
+(:mod:`.state`), so the state survives a change of buckets.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from lightning_pipedap.compress.base import BucketState, Compressor, Payload
 from lightning_pipedap.compress.compressors import get_compressor
+from lightning_pipedap.compress.state import Layout, check_layouts, export_state, import_state
 
 
 class CompressionRuntime:
@@ -29,20 +31,26 @@ class CompressionRuntime:
         bucket_numels: elements of each bucket, index = bucket number.
         compressor_name: a name from :func:`~.compressors.valid_compressor_names`.
         compressor_kwargs: keyword arguments of that compressor (validated).
+        layouts: per bucket, ``(parameter name, shape)`` of each parameter in buffer order (shapes
+            summing to the bucket's elements); names key the checkpointed state, shapes give
+            PowerSGD its matrices. None: each bucket is one 1-D tensor named ``"<bucket b>"``.
 
     Raises:
-        ValueError: for an unknown compressor, bad keyword arguments or a bucket size < 1.
+        ValueError: for an unknown compressor, bad keyword arguments, a bucket size < 1 or
+            layouts that do not match the bucket sizes.
     """
 
     def __init__(self, bucket_numels: Sequence[int], compressor_name: str,
-                 compressor_kwargs: dict[str, Any] | None = None) -> None:
+                 compressor_kwargs: dict[str, Any] | None = None, layouts: Layout | None = None) -> None:
         self.compressor_name = compressor_name
         self.compressor_kwargs = dict(compressor_kwargs or {})
         self.compressor: Compressor = get_compressor(compressor_name, **self.compressor_kwargs)
         self.bucket_numels = tuple(int(n) for n in bucket_numels)
         if not self.bucket_numels:
             raise ValueError("bucket_numels is empty; the runtime needs at least one bucket")
-        self.states = [self.compressor.init_state(b, n) for b, n in enumerate(self.bucket_numels)]
+        self.layouts = check_layouts(self.bucket_numels, layouts)
+        self.states = [self.compressor.init_state(b, n, [shape for _, shape in entries], [name for name, _ in entries])
+                       for b, (n, entries) in enumerate(zip(self.bucket_numels, self.layouts))]
 
     def _state(self, bucket: int) -> BucketState:
         if not (0 <= bucket < len(self.states)):
@@ -72,21 +80,16 @@ class CompressionRuntime:
         return self.compressor.aggregate(payloads, average=average)
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"compressor": name, "kwargs": {...}, "buckets": [BucketState.state_dict(), ...]}`` (CPU tensors)."""
-        return {"compressor": self.compressor_name, "kwargs": dict(self.compressor_kwargs),
-                "buckets": [s.state_dict() for s in self.states]}
+        """Residuals, method tensors and step counters per parameter name (:func:`~.state.export_state`)."""
+        return export_state(self.states, self.layouts, self.compressor_name, self.compressor_kwargs)
 
-    def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore residuals, warm-start factors and step counters saved by :meth:`state_dict`.
+    def load_state_dict(self, sd: dict[str, Any]) -> list[str]:
+        """Restore :meth:`state_dict` output, also from a run with other buckets (by parameter name).
+
+        Returns:
+            names of parameters without saved state (they start with a zero residual).
 
         Raises:
-            ValueError: if the checkpoint was written by another compressor or other buckets.
+            ValueError: if the state belongs to another compressor or a parameter's shape differs.
         """
-        if sd.get("compressor") != self.compressor_name:
-            raise ValueError(f"checkpoint holds compression state of {sd.get('compressor')!r}, "
-                             f"this run uses {self.compressor_name!r}")
-        saved = [b["numel"] for b in sd["buckets"]]
-        if tuple(saved) != self.bucket_numels:
-            raise ValueError(f"checkpoint buckets {saved} differ from this run's buckets {list(self.bucket_numels)}")
-        for state, bsd in zip(self.states, sd["buckets"]):
-            state.load_state_dict(bsd)
+        return import_state(sd, self.states, self.layouts, self.compressor_name)

@@ -57,9 +57,14 @@ class CommEngine:
         schedule: fusion and op list; validated against ``len(params)``.
         wait_timeout_s: timeout, in seconds, of every wait (worker waiting for gradients, trainer
             waiting for an op).
-        transport_factory: optional ``f(buckets) -> CompressedTransport``; with it every bucket is
-            compressed when ready and its RS/AR op performs the whole compressed reduction (its AG,
-            if any, is then a no-op marker).
+        transport_factory: optional ``f(buckets) -> CompressedTransport``; with it the buckets
+            flagged in ``schedule.compressed`` are compressed and their RS/AR op performs the whole
+            compressed reduction (their AG, if any, is then a no-op marker); the other buckets run
+            their RS/AG/AR as usual. Not called when no bucket is flagged. The compression happens
+            where the planner's model puts it (:mod:`lightning_pipedap.plan.compression`): with a
+            helper process (``pipeline.mode == "process"``) the bucket is submitted as soon as its
+            gradients are complete; inline it is compressed by this worker at the op's slot, on the
+            communication channel, so it never stalls the backward pass.
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable.
@@ -75,7 +80,13 @@ class CommEngine:
             FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
             for b, idxs in enumerate(schedule.buckets)
         ]
-        self.transport = transport_factory(self.buckets) if transport_factory is not None else None
+        # The transport's pipeline is built over *all* buckets (simple bucket numbering, telemetry by
+        # bucket index; slots of uncompressed buckets stay unused); only flagged buckets are submitted.
+        wants = transport_factory is not None and schedule.num_compressed > 0
+        self.transport = transport_factory(self.buckets) if wants else None
+        self._compressed = [self.transport is not None and schedule.is_compressed(b) for b in range(len(self.buckets))]
+        pipeline = getattr(self.transport, "pipeline", None)
+        self._submit_at_ready = getattr(pipeline, "mode", "process") != "inline"
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)
         self._remaining = [0] * len(self.buckets)
@@ -248,7 +259,7 @@ class CommEngine:
         self._check()
 
     def _mark_ready(self, b: int) -> None:
-        if self.transport is not None:
+        if self._compressed[b] and self._submit_at_ready:
             self.transport.submit(self.buckets[b])
         if self._cuda:
             self._ready_ev[b].record()
@@ -289,8 +300,10 @@ class CommEngine:
                         self._stream.wait_event(self._ready_ev[b])
                 record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
                 t0 = time.perf_counter()
-                if self.transport is not None:
+                if self._compressed[b]:
                     if op.kind is not OpKind.ALL_GATHER:
+                        if not self._submit_at_ready:
+                            self.transport.submit(self.buckets[b])
                         self.transport.reduce(self.buckets[b])
                         busy += time.perf_counter() - t0
                         if record:

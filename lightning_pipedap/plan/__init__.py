@@ -1,5 +1,6 @@
 """Planning (pure Python, no ``torch.distributed``): profiles, alpha-beta cost model, timeline
-simulator and planners that turn a profile into a :class:`~lightning_pipedap.schedule.Schedule`.
+simulator and planners that turn a profile into a :class:`~lightning_pipedap.schedule.Schedule`, and the
+cost of gradient compression (:class:`CompressionCost`) that makes planning compression-aware.
 
 Typical use::
 
@@ -10,6 +11,7 @@ Typical use::
     print(sched.describe(), sched.predicted_iteration_s, simulate(prof, cm, sched).exposed_comm_s)
 """
 
+from lightning_pipedap.plan.compression import CompressionCost, fit_compression_cost
 from lightning_pipedap.plan.cost_model import AlphaBeta, CostModel, fit_alpha_beta, fit_cost_model, load_cost_model
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import (
@@ -18,7 +20,8 @@ from lightning_pipedap.plan.profile import (
 from lightning_pipedap.plan.simulator import Evaluator, LowerBounds, SimResult, lower_bounds, simulate, to_op_records
 
 __all__ = [
-    "AlphaBeta", "CostModel", "Evaluator", "LayerProfile", "LowerBounds", "ModelProfile", "PLANNERS", "SimResult",
-    "fit_alpha_beta", "fit_cost_model", "get_planner", "load_cost_model", "load_profile", "load_reference_profile",
-    "lower_bounds", "save_profile", "shared_profiles_dir", "simulate", "to_op_records",
+    "AlphaBeta", "CompressionCost", "CostModel", "Evaluator", "LayerProfile", "LowerBounds", "ModelProfile",
+    "PLANNERS", "SimResult", "fit_alpha_beta", "fit_compression_cost", "fit_cost_model", "get_planner",
+    "load_cost_model", "load_profile", "load_reference_profile", "lower_bounds", "save_profile",
+    "shared_profiles_dir", "simulate", "to_op_records",
 ]

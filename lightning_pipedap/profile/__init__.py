@@ -4,6 +4,8 @@
   :class:`~lightning_pipedap.plan.profile.ModelProfile` (pure Python).
 * :mod:`.alpha_beta` times RS, AG and AR on the live dedicated process group and fits
   ``T = α + β·bytes`` per primitive (through :mod:`lightning_pipedap.engine.collectives`).
+* :mod:`.compression_cost` times the configured gradient compressor in the trainer and returns the
+  :class:`~lightning_pipedap.plan.compression.CompressionCost` the planners use (imported on use).
 """
 
 from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps

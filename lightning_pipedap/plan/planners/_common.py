@@ -5,6 +5,12 @@ Fusions here are *contiguous*: a fusion is given by the sorted start layers of i
 Op lists are built as integer codes (``3 * bucket + k``, k: 0 RS, 1 AG, 2 AR; see
 :func:`lightning_pipedap.plan.simulator.op_code`) and evaluated with
 :class:`~lightning_pipedap.plan.simulator.Evaluator`.
+
+Compression: every planner takes an optional
+:class:`~lightning_pipedap.plan.compression.CompressionCost`. The fixed-idea planners (``wfbp``,
+``dear``, ``pipedap``, ``no_overlap``) then compress every bucket (their op builders run unchanged;
+a compressed bucket's RS becomes its one AR and its AG is dropped, see :func:`finish`); ``optimal``
+decides per bucket.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable, Sequence
 
+from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.profile import ModelProfile
 from lightning_pipedap.plan.simulator import Evaluator, code_op
@@ -22,13 +29,14 @@ Starts = tuple[int, ...]
 OpsBuilder = Callable[[Evaluator], list[int]]
 
 
-def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int) -> None:
+def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
+                 compression: CompressionCost | None = None) -> None:
     """Validate the arguments every planner shares.
 
     Raises:
         ValueError: if ``world_size`` is not an int >= 1, disagrees with ``cost_model.meta['world_size']``,
-            or ``channels`` is not 1 or 2.
-        TypeError: if ``profile`` or ``cost_model`` has the wrong type.
+            ``channels`` is not 1 or 2, or the compression's per-layer payloads do not fit the profile.
+        TypeError: if ``profile``, ``cost_model`` or ``compression`` has the wrong type.
     """
     if not isinstance(profile, ModelProfile):
         raise TypeError(f"profile must be a ModelProfile, got {type(profile).__name__}")
@@ -41,6 +49,38 @@ def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, 
         raise ValueError(f"cost model was built for world size {ws}, but world_size={world_size}")
     if channels not in (1, 2):
         raise ValueError(f"channels must be 1 or 2, got {channels!r}")
+    if compression is not None:
+        if not isinstance(compression, CompressionCost):
+            raise TypeError(f"compression must be a CompressionCost or None, got {type(compression).__name__}")
+        compression.check_layers(profile.num_layers)
+
+
+def evaluator(profile: ModelProfile, cost_model: CostModel, buckets: Sequence[Sequence[int]], channels: int,
+              world_size: int, compression: CompressionCost | None = None,
+              compressed: Sequence[bool] | bool = True) -> Evaluator:
+    """An :class:`Evaluator` for ``buckets``; with ``compression``, ``compressed`` is a flag per bucket
+    or one bool for all of them (default: all compressed). Without ``compression`` nothing is."""
+    if compression is None:
+        return Evaluator(profile, cost_model, buckets, channels, world_size=world_size)
+    flags = (bool(compressed),) * len(buckets) if isinstance(compressed, bool) else tuple(compressed)
+    return Evaluator(profile, cost_model, buckets, channels, compressed=flags, compression=compression,
+                     world_size=world_size)
+
+
+def normalize_compressed(ev: Evaluator, codes: Sequence[int]) -> list[int]:
+    """The op list the engine runs: a compressed bucket's RS becomes its AR (same slot) and its AG
+    is dropped. The prediction does not change (the simulator treats both forms alike)."""
+    if not any(ev.compressed):
+        return list(codes)
+    out = []
+    for c in codes:
+        b, k = divmod(c, 3)
+        if ev.compressed[b]:
+            if k == AG:
+                continue
+            c = 3 * b + AR
+        out.append(c)
+    return out
 
 
 def buckets_of(starts: Starts, num_layers: int) -> tuple[tuple[int, ...], ...]:
@@ -201,24 +241,31 @@ def dear_codes(ev: Evaluator) -> list[int]:
 
 
 def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int], predicted: float | None = None) -> Schedule:
-    """Build, validate and return the :class:`Schedule` with its predicted iteration time."""
+    """Build, validate and return the :class:`Schedule` with its predicted iteration time.
+
+    With a compression cost in ``ev`` the schedule carries its flags (one per bucket) and the op
+    list is normalised (:func:`normalize_compressed`).
+    """
     if predicted is None:
         predicted = ev.period_codes(codes)
+    codes = normalize_compressed(ev, codes)
     sched = Schedule(buckets=ev.buckets, ops=tuple(code_op(c) for c in codes), name=name,
-                     predicted_iteration_s=predicted)
+                     predicted_iteration_s=predicted,
+                     compressed=tuple(ev.compressed) if ev.compression is not None else None)
     return sched.validate(profile.num_layers)
 
 
 def best_over_fusions(profile: ModelProfile, cost_model: CostModel, channels: int, fusions: Iterable[Starts],
-                      builder: OpsBuilder) -> tuple[float, Evaluator, list[int]]:
+                      builder: OpsBuilder, *, compression: CompressionCost | None = None,
+                      world_size: int | None = None) -> tuple[float, Evaluator, list[int]]:
     """Evaluate ``builder`` on every fusion; return ``(iteration s, evaluator, codes)`` of the best.
 
-    Ties keep the earlier fusion (deterministic).
+    With ``compression`` every bucket is compressed. Ties keep the earlier fusion (deterministic).
     """
     L = profile.num_layers
     best: tuple[float, Evaluator, list[int]] | None = None
     for st in fusions:
-        ev = Evaluator(profile, cost_model, buckets_of(st, L), channels)
+        ev = evaluator(profile, cost_model, buckets_of(st, L), channels, world_size, compression)
         codes = builder(ev)
         p = ev.period_codes(codes)
         if best is None or p < best[0]:

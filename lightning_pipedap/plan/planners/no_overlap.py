@@ -8,14 +8,15 @@ being subadditive). This is the reference for speedups of the overlapping planne
 
 from __future__ import annotations
 
+from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
-from lightning_pipedap.plan.planners._common import AG, AR, RS, check_common, finish
+from lightning_pipedap.plan.planners._common import AG, AR, RS, check_common, evaluator, finish
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator
 from lightning_pipedap.schedule import Schedule
 
 
-def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, channels: int = 1) -> Schedule:
+def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, channels: int = 1,
+         compression: CompressionCost | None = None) -> Schedule:
     """One bucket, reduced after the whole backward.
 
     Args:
@@ -23,6 +24,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, chann
         cost_model: op costs.
         world_size: number of data-parallel workers (checked against ``cost_model.meta``).
         channels: 1 or 2 communication channels for the prediction.
+        compression: optional compression cost; when given the one bucket is compressed.
 
     Returns:
         The schedule, ``name="no_overlap"``, with ``predicted_iteration_s`` set.
@@ -30,7 +32,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, chann
     Raises:
         ValueError: see :func:`lightning_pipedap.plan.planners._common.check_common`.
     """
-    check_common(profile, cost_model, world_size, channels)
-    ev = Evaluator(profile, cost_model, (tuple(range(profile.num_layers)),), channels)
+    check_common(profile, cost_model, world_size, channels, compression)
+    ev = evaluator(profile, cost_model, (tuple(range(profile.num_layers)),), channels, world_size, compression)
     codes = [AR] if ev.cost[AR] <= ev.cost[RS] + ev.cost[AG] else [RS, AG]
     return finish("no_overlap", profile, ev, codes)

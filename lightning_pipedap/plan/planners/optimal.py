@@ -35,6 +35,19 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    forward tail), and (b) dominance between partial op lists with the same ops done (channel free
    times and completion times all no later). With the node budget ``max_exact_nodes`` not exhausted,
    the result is optimal over all contiguous fusions, modes and orders.
+6. **Compression** (only with a :class:`~lightning_pipedap.plan.compression.CompressionCost`):
+   which buckets to compress. Stages 1-5 plan without compression (the incumbent, so the plan never
+   predicts worse than not compressing). Then: the known planners with every bucket compressed;
+   stages 2-3 with every bucket compressed (the best fusion for compressed buckets differs: fewer,
+   larger buckets amortise compression start-ups); and greedy flips of single buckets' flags
+   (first improvement, largest buckets first, each flag vector evaluated with the structured op
+   lists of stage 2 and the previous op list adapted) from four starts: the incumbent's fusion with
+   no bucket and with every bucket compressed, the best all-compressed fusion, and the known
+   planners' compressed schedules; at most ``max_compress_evals`` flag vectors in total. The best
+   is polished (stage 4). When the model has at most ``exact_compress_max_layers`` layers, branch
+   and bound runs on every contiguous fusion (or the fixed one) for every flag vector (node budget
+   ``max_exact_nodes``; ``2·3^(L-1)`` searches for ``L`` layers), so small instances are solved
+   exactly. The compressed plan replaces the incumbent only if it predicts a shorter iteration.
 
 Budgets are counts of evaluations, not wall time, so results are deterministic. For the shared
 profiles (16 to 402 layers) with the defaults a plan takes about a second on one CPU core.
@@ -47,14 +60,15 @@ import logging
 import math
 from typing import Any, Iterator, Sequence
 
+from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import dear as _dear
 from lightning_pipedap.plan.planners import no_overlap as _no_overlap
 from lightning_pipedap.plan.planners import pipedap as _pipedap
 from lightning_pipedap.plan.planners import wfbp as _wfbp
 from lightning_pipedap.plan.planners._common import (
-    AG, AR, RS, Starts, buckets_of, check_common, dp_backward_fusion, finish,
-    merge_adjacent, resolve_fusion, starts_of,
+    AG, AR, RS, Starts, buckets_of, check_common, dp_backward_fusion, evaluator, finish,
+    merge_adjacent, normalize_compressed, resolve_fusion, starts_of,
 )
 from lightning_pipedap.plan.planners.pipedap import pipedap_codes
 from lightning_pipedap.plan.profile import ModelProfile
@@ -192,8 +206,12 @@ def _fusion_neighbors(starts: Starts, L: int, pre: Sequence[int]) -> Iterator[St
 
 
 class _FusionSearch:
-    def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int) -> None:
+    """Stages 2-3 over fusions; with ``compression`` every bucket of every fusion is compressed."""
+
+    def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
+                 compression: CompressionCost | None = None, world_size: int | None = None) -> None:
         self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
+        self.compression, self.world_size = compression, world_size
         self.cache: dict[Starts, tuple[float, list[int], Evaluator]] = {}
         self.pre = [0]
         for l in profile.layers:
@@ -202,7 +220,8 @@ class _FusionSearch:
     def evaluate(self, starts: Starts) -> tuple[float, list[int], Evaluator]:
         hit = self.cache.get(starts)
         if hit is None:
-            ev = Evaluator(self.profile, self.cost_model, buckets_of(starts, self.profile.num_layers), self.channels)
+            ev = evaluator(self.profile, self.cost_model, buckets_of(starts, self.profile.num_layers), self.channels,
+                           self.world_size, self.compression)
             p, codes = structured_best(ev, self.cut_window)
             hit = self.cache[starts] = (p, codes, ev)
         return hit
@@ -350,6 +369,7 @@ class _BnB:
         best_box = [best]
         cost, ready, chan = self.cost, self.ready, self.ev.chan
         order = list(range(B - 1, -1, -1))
+        compressed = self.ev.compressed  # a compressed bucket is reduced by one channel op: AR only
 
         def rec(left: int) -> None:
             if self.aborted:
@@ -371,6 +391,8 @@ class _BnB:
                 s = status[b]
                 if s == 1:
                     kinds = (AG,)
+                elif s == 0 and compressed[b]:
+                    kinds = (AR,)
                 elif s == 0:
                     kinds = (AR, RS) if cost[3 * b + AR] <= cost[3 * b + RS] + cost[3 * b + AG] else (RS, AR)
                 else:
@@ -422,13 +444,152 @@ def exact_search(profile: ModelProfile, cost_model: CostModel, channels: int, up
     return best, best_ev, best_codes, True
 
 
+# ------------------------------------------------------------------- compression flags (stage 6)
+Flags = tuple[bool, ...]
+
+
+class _FlagSearch:
+    """Per-bucket compression flags for given fusions (stage 6), flag vectors cached."""
+
+    def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
+                 compression: CompressionCost, world_size: int) -> None:
+        self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
+        self.compression, self.world_size = compression, world_size
+        self.cache: dict[tuple[Starts, Flags], tuple[float, list[int], Evaluator]] = {}
+        self.evals = 0
+
+    def evaluate(self, starts: Starts, flags: Flags,
+                 hint: Sequence[int] | None = None) -> tuple[float, list[int], Evaluator]:
+        """Best of the structured op lists (stage 2, without drops) and ``hint`` adapted to ``flags``."""
+        key = (starts, flags)
+        hit = self.cache.get(key)
+        if hit is None:
+            ev = evaluator(self.profile, self.cost_model, buckets_of(starts, self.profile.num_layers), self.channels,
+                           self.world_size, self.compression, flags)
+            p, codes = structured_best(ev, self.cut_window, drop_max_buckets=0)
+            self.evals += 1
+            hit = (p, codes, ev)
+        if hint is not None:
+            ev = hit[2]
+            codes = normalize_compressed(ev, hint)
+            p = ev.period_codes(codes)
+            if p < hit[0] * (1 - _TOL):
+                hit = (p, codes, ev)
+        self.cache[key] = hit
+        return hit
+
+    def climb(self, starts: Starts, flags: Flags, codes: Sequence[int] | None,
+              max_evals: int) -> tuple[float, list[int], Evaluator]:
+        """Flip one bucket's flag at a time (largest buckets first) while the iteration gets shorter."""
+        cur_p, cur_codes, cur_ev = self.evaluate(starts, flags, codes)
+        order = sorted(range(len(flags)), key=lambda b: (-cur_ev.nbytes[b], b))
+        improved = True
+        while improved and self.evals < max_evals:
+            improved = False
+            for b in order:
+                nf = flags[:b] + (not flags[b],) + flags[b + 1:]
+                p, c, ev = self.evaluate(starts, nf, cur_codes)
+                if p < cur_p * (1 - _TOL):
+                    flags, cur_p, cur_codes, cur_ev, improved = nf, p, c, ev, True
+                    break
+                if self.evals >= max_evals:
+                    break
+        return cur_p, cur_codes, cur_ev
+
+
+def exact_compressed_search(profile: ModelProfile, cost_model: CostModel, channels: int, world_size: int,
+                            compression: CompressionCost, fusions: Sequence[Starts] | None, upper: float,
+                            node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
+    """Stage 5 with compression: branch and bound for every fusion (``None``: every contiguous one)
+    and every flag vector with at least one compressed bucket.
+
+    Returns ``(best s, evaluator, codes, complete)`` as :func:`exact_search`.
+    """
+    L = profile.num_layers
+    if fusions is None:
+        fusions = [(0,) + tuple(i for i in range(1, L) if (mask >> (i - 1)) & 1) for mask in range(1 << (L - 1))]
+    best, best_ev, best_codes = upper, None, None
+    nodes = 0
+    for starts in fusions:
+        B = len(starts)
+        for fm in range(1, 1 << B):
+            flags = tuple(bool((fm >> b) & 1) for b in range(B))
+            ev = evaluator(profile, cost_model, buckets_of(starts, L), channels, world_size, compression, flags)
+            bnb = _BnB(ev, node_budget - nodes)
+            p, codes = bnb.search(best)
+            nodes += bnb.nodes
+            if codes is not None and p < best:
+                best, best_ev, best_codes = p, ev, codes
+            if bnb.aborted:
+                return best, best_ev, best_codes, False
+    return best, best_ev, best_codes, True
+
+
+def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
+                       compression: CompressionCost, fusion: Any, fusions: Sequence[Starts],
+                       incumbent: tuple[float, Evaluator, list[int]], cut_window: int, max_fusion_evals: int,
+                       max_fusion_work: int, max_compress_evals: int, max_polish_evals: int,
+                       exact_compress_max_layers: int,
+                       max_exact_nodes: int) -> tuple[float, Evaluator, list[int]] | None:
+    """Stage 6 (module docstring): the best plan with at least one compressed bucket, or ``None``
+    when none beats ``incumbent`` (``(s, evaluator, codes)`` of the plan without compression)."""
+    L = profile.num_layers
+    fixed = fusion != "auto"
+    best_p, _, _ = incumbent
+    kw = {"channels": channels, "compression": compression}
+    known = [_no_overlap.plan(profile, cost_model, world_size, **kw)] if not fixed else []
+    for mod in (_wfbp, _dear, _pipedap):
+        known.append(mod.plan(profile, cost_model, world_size, fusion=fusion, **kw))
+    known = [k for k in known if k.buckets and k.buckets[0][0] == 0]
+    # the best fusion when every bucket is compressed (stages 2-3)
+    search = _FusionSearch(profile, cost_model, channels, cut_window, compression, world_size)
+    seeds = list(fusions) + [starts_of(k.buckets) for k in known] + [starts_of(incumbent[1].buckets)]
+    scored = sorted({st: search.evaluate(st)[0] for st in seeds}.items(), key=lambda kv: (kv[1], kv[0]))
+    if not fixed:
+        budget = len(search.cache) + max_fusion_evals
+        work_budget = search.work() + max_fusion_work
+        for st, _ in scored[:3]:
+            search.climb(st, budget, work_budget)
+    st_c = min(search.cache, key=lambda st: (search.cache[st][0], st))
+    # greedy flag flips from several starts, best start first
+    flags_search = _FlagSearch(profile, cost_model, channels, cut_window, compression, world_size)
+    st_d = starts_of(incumbent[1].buckets)
+    starts: list[tuple[Starts, Flags, Sequence[int] | None]] = [
+        (st_d, (False,) * len(st_d), incumbent[2]),
+        (st_d, (True,) * len(st_d), None),
+        (st_c, (True,) * len(st_c), search.cache[st_c][1]),
+    ] + [(starts_of(k.buckets), (True,) * len(k.buckets), [op_code(o) for o in k.ops]) for k in known]
+    ranked = sorted(starts, key=lambda s3: flags_search.evaluate(*s3)[0])
+    results = [flags_search.climb(st, fl, codes, max_compress_evals) for st, fl, codes in ranked]
+    results += list(flags_search.cache.values())
+    p, codes, ev = min(((p, c, e) for p, c, e in results if any(e.compressed)), key=lambda r: r[0],
+                       default=(math.inf, [], None))
+    if ev is not None and max_polish_evals > 0:
+        p, codes, _ = polish(ev, list(codes), max_polish_evals)
+    if L <= exact_compress_max_layers:
+        upper = min(p, best_p)
+        q, qev, qcodes, complete = exact_compressed_search(
+            profile, cost_model, channels, world_size, compression, [fusions[0]] if fixed else None, upper,
+            max_exact_nodes)
+        if qcodes is not None and q < p:
+            p, ev, codes = q, qev, qcodes
+        if not complete:
+            log.warning("optimal: exact search over compression flags stopped after %d nodes; the plan is the "
+                        "best found, not proven optimal", max_exact_nodes)
+    if ev is None or not p < best_p * (1 - _TOL):
+        return None
+    return p, ev, codes
+
+
 # ----------------------------------------------------------------------------------- planner
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
          channels: int = 1, cut_window: int = 6, max_fusion_evals: int = 400, max_fusion_work: int = 12_000,
          max_polish_evals: int = 3000, polish_fusions: int = 4, max_polish_work: int = 2_000_000,
-         exact_max_layers: int = 8, max_exact_nodes: int = 200_000) -> Schedule:
-    """Search fusion, op order and op mode; never predicts worse than ``no_overlap``, ``wfbp``,
-    ``dear`` or ``pipedap`` (they are evaluated and kept if best).
+         exact_max_layers: int = 8, max_exact_nodes: int = 200_000, compression: CompressionCost | None = None,
+         max_compress_evals: int = 400, exact_compress_max_layers: int = 6) -> Schedule:
+    """Search fusion, op order and op mode, and with ``compression`` which buckets to compress; never
+    predicts worse than ``no_overlap``, ``wfbp``, ``dear`` or ``pipedap`` (they are evaluated, with
+    and without compression, and kept if best), nor than planning without compression.
 
     Args:
         profile: layers in forward order.
@@ -446,20 +607,26 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         polish_fusions: besides the incumbent, polish the best this many fusions of stages 2-3, >= 0.
         max_polish_work: stage 4 stops once the evaluated op lists hold this many ops in total, >= 0.
         exact_max_layers: run the exact search (stage 5) when ``num_layers <= exact_max_layers``.
-        max_exact_nodes: node budget of the exact search.
+        max_exact_nodes: node budget of the exact search (and again of stage 6's).
+        compression: the measured compression cost; None plans without compression.
+        max_compress_evals: flag vectors evaluated by stage 6's flips, >= 0.
+        exact_compress_max_layers: run stage 6's exact search when ``num_layers <=`` this, >= 0.
 
     Returns:
-        The schedule, ``name="optimal"``, with ``predicted_iteration_s`` set.
+        The schedule, ``name="optimal"``, with ``predicted_iteration_s`` set; with ``compression``
+        its ``compressed`` flags say which buckets to compress (possibly none).
 
     Raises:
-        ValueError: for a bad ``fusion``, ``world_size``, ``channels`` or a negative budget.
+        ValueError: for a bad ``fusion``, ``world_size``, ``channels``, ``compression`` or a
+            negative budget.
     """
-    check_common(profile, cost_model, world_size, channels)
+    check_common(profile, cost_model, world_size, channels, compression)
     for name, v, lo in (("cut_window", cut_window, 0), ("max_fusion_evals", max_fusion_evals, 1),
                         ("max_fusion_work", max_fusion_work, 0),
                         ("max_polish_evals", max_polish_evals, 0), ("polish_fusions", polish_fusions, 0),
                         ("max_polish_work", max_polish_work, 0), ("exact_max_layers", exact_max_layers, 0),
-                        ("max_exact_nodes", max_exact_nodes, 0)):
+                        ("max_exact_nodes", max_exact_nodes, 0), ("max_compress_evals", max_compress_evals, 0),
+                        ("exact_compress_max_layers", exact_compress_max_layers, 0)):
         if not isinstance(v, int) or v < lo:
             raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
     L = profile.num_layers
@@ -520,4 +687,14 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         if not complete:
             log.warning("optimal: exact search stopped after %d nodes; the plan is the best found, "
                         "not proven optimal", max_exact_nodes)
+
+    # stage 6
+    if compression is not None:
+        found = _compression_stage(profile, cost_model, world_size, channels, compression, fusion, fusions,
+                                   (best_p, best_ev, best_codes), cut_window, max_fusion_evals, max_fusion_work,
+                                   max_compress_evals, max_polish_evals, exact_compress_max_layers, max_exact_nodes)
+        if found is not None:
+            best_p, best_ev, best_codes = found
+        else:  # no bucket compressed: the same plan, with explicit flags
+            best_ev = evaluator(profile, cost_model, best_ev.buckets, channels, world_size, compression, False)
     return finish("optimal", profile, best_ev, best_codes)

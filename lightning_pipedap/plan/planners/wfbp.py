@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners._common import (
     best_over_fusions, check_common, dp_backward_fusion, finish, resolve_fusion, wfbp_codes,
@@ -21,7 +22,7 @@ from lightning_pipedap.schedule import Schedule
 
 
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
-         channels: int = 1) -> Schedule:
+         channels: int = 1, compression: CompressionCost | None = None) -> Schedule:
     """WFBP schedule: ``AR(B-1) ... AR(0)``.
 
     Args:
@@ -31,6 +32,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         fusion: ``"auto"``, ``"none"``, ``"single"``, a cap in bytes or explicit buckets
             (see :func:`~lightning_pipedap.plan.planners._common.resolve_fusion`).
         channels: 1 or 2 communication channels for the prediction.
+        compression: optional compression cost; when given every bucket is compressed.
 
     Returns:
         The schedule, ``name="wfbp"``, with ``predicted_iteration_s`` set.
@@ -38,9 +40,10 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     Raises:
         ValueError: for a bad ``fusion``, ``world_size`` or ``channels``.
     """
-    check_common(profile, cost_model, world_size, channels)
+    check_common(profile, cost_model, world_size, channels, compression)
     fusions = resolve_fusion(fusion, profile, cost_model)
     if fusion == "auto":
         fusions = [dp_backward_fusion(profile, cost_model.all_reduce)] + fusions
-    p, ev, codes = best_over_fusions(profile, cost_model, channels, fusions, wfbp_codes)
+    p, ev, codes = best_over_fusions(profile, cost_model, channels, fusions, wfbp_codes, compression=compression,
+                                     world_size=world_size)
     return finish("wfbp", profile, ev, codes, p)
