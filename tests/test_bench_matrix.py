@@ -358,7 +358,7 @@ def test_tiny_cell_on_the_testbed(tmp_path):
         assert v["steps"] == 2 and v["iter_s"] > 0 and math.isfinite(v["iter_s"])
     assert cell["compute_s"] > 0 and cell["allreduce_s"] > 0 and cell["rs_ag_s"] > 0
     ddp, hook, comp = cell["variants"]
-    assert ddp["compress_s"] is None and hook["compression"] == "powerSGD_hook rank=4 start_iter=2"
+    assert ddp["compress_s"] is None and hook["compression"] == "powerSGD_hook rank=4 start_iter=2, one DDP bucket (gloo)"
     assert comp["compression"] == "fp16, helper process"
     assert comp["compression_ratio"] == 2.0  # fp32 gradient / fp16 payload, every round
     # one bucket (dear's 25 MiB fusion of a 2.4 k-parameter model) x 2 measured steps, each round counted once

@@ -90,7 +90,7 @@ BASE_STRATEGIES = ("ddp", "ddp_tuned", "fsdp2")
 #: DDP with a PyTorch communication hook -> the hook's description (registered on CPU by the matrix)
 DDP_HOOKS = {
     "ddp+fp16hook": "fp16_compress_hook",
-    "ddp+powersgdhook": "powerSGD_hook rank=4 start_iter=2",
+    "ddp+powersgdhook": "powerSGD_hook rank=4 start_iter=2, one DDP bucket (gloo)",
 }
 #: PowerSGD settings shared by ``ddp+powersgdhook`` and ``pipedap-...+powersgd``
 POWERSGD_RANK = 4
@@ -1102,7 +1102,15 @@ def _ddp_with_comm_hook(name: str) -> Any:
                                                     start_powerSGD_iter=POWERSGD_START)
                 self.model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
-    return CommHookDDPStrategy()
+    # powerSGD_hook chains its P and Q all-reduces in future callbacks; with several DDP buckets in flight
+    # those callbacks issue collectives in a timing-dependent order, which gloo (unlike NCCL's ordered
+    # stream) turns into a size mismatch between ranks ("op.preamble.length <= op.nbytes", seen on the
+    # 16.8 M mlp; pytorch/pytorch#58467 for another gloo failure of this hook). One bucket = one chain.
+    return CommHookDDPStrategy(bucket_cap_mb=POWERSGD_ONE_BUCKET_MB) if name == "ddp+powersgdhook" else CommHookDDPStrategy()
+
+
+#: DDP bucket cap for ``ddp+powersgdhook`` on gloo: large enough for every bench model's gradients
+POWERSGD_ONE_BUCKET_MB = 4096
 
 
 def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[float] = None,
