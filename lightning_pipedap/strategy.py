@@ -596,11 +596,12 @@ class PipeDAPStrategy(DDPStrategy):
         self._iter_starts.clear()
         self._busy.clear()
         self._run_steps = 0
-        cm = self._cost_model  # predicted communication busy time of the installed schedule (s)
-        self._planned_busy_s = sum(
-            cm.cost(op.kind, self._engine.buckets[op.bucket].nbytes) for op in self._engine.schedule.ops
-        )
+        self._planned_busy_s = self._predicted_busy_s(self._cost_model)
         self._phase = "run"
+
+    def _predicted_busy_s(self, cm: CostModel) -> float:
+        """α-β prediction of the installed engine's communication busy time per round (s), dense costs."""
+        return sum(cm.cost(op.kind, self._engine.buckets[op.bucket].nbytes) for op in self._engine.schedule.ops)
 
     def _plan_compression(self, planner: Callable[..., Schedule], profile: Any, dense: Schedule,
                           layer_shapes: list[list[tuple[int, ...]]]) -> Schedule:
@@ -642,7 +643,7 @@ class PipeDAPStrategy(DDPStrategy):
                 and self.calibration_ratio == 1.0 and self._cost_model is not None):
             return
         cm = self._cost_model
-        predicted = sum(cm.cost(op.kind, self._engine.buckets[op.bucket].nbytes) for op in self._engine.schedule.ops)
+        predicted = self._predicted_busy_s(cm)
         if predicted <= 0:
             return
         ratio = statistics.median(self._profile_busy) / predicted
@@ -1023,8 +1024,7 @@ class PipeDAPStrategy(DDPStrategy):
         self.predicted_iteration_s = schedule.predicted_iteration_s
         self.no_overlap_time_s = plan["no_overlap_time_s"]
         if self._cost_model is not None:
-            self._planned_busy_s = sum(self._cost_model.cost(op.kind, self._engine.buckets[op.bucket].nbytes)
-                                       for op in schedule.ops)
+            self._planned_busy_s = self._predicted_busy_s(self._cost_model)
         self._phase = "run"
         rank_zero_info("pipedap: resumed with the checkpoint's schedule (no trace or profiling steps)")
 
