@@ -27,7 +27,7 @@ import logging
 import statistics
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
@@ -56,6 +56,7 @@ from lightning_pipedap.engine.update import (
 )
 from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.plan import PLANNERS, CostModel, get_planner, load_cost_model
+from lightning_pipedap.plan.candidates import trial_candidates
 from lightning_pipedap.profile.alpha_beta import measure_cost_model
 from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Op, OpKind, Schedule, builtin_schedule, expand_layers
@@ -87,6 +88,17 @@ _PLANNED = {(n if n not in BUILTIN_SCHEDULES else f"{n}_tuned"): n for n in PLAN
 def valid_schedule_names() -> tuple[str, ...]:
     """Names accepted by ``PipeDAPStrategy(schedule=...)``: built-ins plus registered planners."""
     return tuple(BUILTIN_SCHEDULES) + tuple(_PLANNED.keys())
+
+
+@dataclass
+class _Trial:
+    """Measured plan selection in progress: candidate schedules (engine-level) and their timings."""
+
+    schedules: list[Schedule]
+    no_overlap_s: list[float]
+    index: int = 0
+    starts: list[float] = field(default_factory=list)  # perf_counter at each step start of the current candidate
+    measured_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -166,6 +178,15 @@ class PipeDAPStrategy(DDPStrategy):
             once the communication threads exist, so the communication worker, gloo's I/O threads and
             the kernel's TCP work get the cores first when compute keeps every core busy (0 = off).
             Without ``CAP_SYS_NICE`` the thread keeps the lower priority after training.
+        plan_trials: measured plan selection, for planned schedules without compression: after
+            planning, run up to this many candidate schedules (the planner's, DeAR and WFBP with
+            ``bucket_cap_mb`` fusion, then the other planners; see
+            :func:`~lightning_pipedap.plan.candidates.trial_candidates`) for ``trial_steps`` measured
+            steps each (plus one settling step) and keep the one with the lowest median measured
+            iteration time on rank 0. 1 = install the planner's schedule directly. The α-β model does
+            not see the CPU that communication takes from compute, so the model's favourite can be
+            slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
+        trial_steps: measured steps per candidate (>= 1).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
@@ -200,6 +221,8 @@ class PipeDAPStrategy(DDPStrategy):
         compression_kwargs: Optional[dict[str, Any]] = None,
         compression_mode: str = "process",
         compression_threads: int = 1,
+        plan_trials: int = 3,
+        trial_steps: int = 3,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -233,8 +256,9 @@ class PipeDAPStrategy(DDPStrategy):
             if not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         for name, value, low in (("warmup_steps", warmup_steps, 1), ("profile_steps", profile_steps, 1),
-                                 ("replan_every", replan_every, 2), ("max_replans", max_replans, 0)):
-            if not isinstance(value, int) or value < low:
+                                 ("replan_every", replan_every, 2), ("max_replans", max_replans, 0),
+                                 ("plan_trials", plan_trials, 1), ("trial_steps", trial_steps, 1)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
         if not isinstance(replan_margin, (int, float)) or replan_margin <= 0:
             raise ValueError(f"replan_margin must be a positive fraction (0.5 = 50%), got {replan_margin!r}")
@@ -284,6 +308,13 @@ class PipeDAPStrategy(DDPStrategy):
         self.compression_kwargs = dict(compression_kwargs or {})
         self.compression_mode = compression_mode
         self.compression_threads = compression_threads
+        self.plan_trials = plan_trials
+        self.trial_steps = trial_steps
+        #: measured plan selection of the last plan: one dict per candidate (name, describe,
+        #: predicted_s, measured_s, chosen); empty when no trial ran
+        self.trial_results: list[dict[str, Any]] = []
+        #: ``Schedule.describe()`` of the last schedule training ran with (None before the first)
+        self.installed_schedule: Optional[str] = None
         #: the planner's predicted iteration time (s), the measured median (s, at the last drift check),
         #: the no-overlap time compute + communication (s) and the merged profile (dict), once planned
         self.predicted_iteration_s: Optional[float] = None
@@ -315,6 +346,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._trace_seen: set[int] = set()
         self._sync_steps = 0
         self._phase = "trace"  # trace -> (profile) -> run
+        self._trial: Optional[_Trial] = None  # measured plan selection in progress (phase "run")
         self._order: list[int] = []
         self._owners: list[Optional[torch.nn.Module]] = []
         self._layers: list[list[int]] = []
@@ -463,6 +495,8 @@ class PipeDAPStrategy(DDPStrategy):
                     self._root_buckets.append(b)
                 elif owner is not None:
                     self._triggers.setdefault(id(owner), []).append(b)
+        if final:
+            self.installed_schedule = schedule.describe()
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
         rank_zero_info(f"pipedap: {what} {schedule.describe()[:300]}")
 
@@ -570,7 +604,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._phase = "profile"
 
     def _finish_profiling(self) -> None:
-        """Rank 0 plans from the median profile; every rank installs the broadcast schedule."""
+        """Rank 0 plans from the median profile (and picks trial candidates); every rank installs the result."""
         plan = None
         if self.global_rank == 0:
             self._calibrate()
@@ -582,22 +616,78 @@ class PipeDAPStrategy(DDPStrategy):
             profile = merge_steps(type(lm).__name__, layer_names, layer_bytes, self._profiled, self._t_updates)
             planner = get_planner(_PLANNED[self.schedule_name])
             schedule = planner(profile, self._cost_model, self.world_size)
+            candidates = [schedule]
             if self.compression:
                 schedule = self._plan_compression(planner, profile, schedule,
                                                   [[tuple(params[i].shape) for i in l] for l in self._layers])
-            no_overlap = profile.t_compute + profile.t_update + sum(
-                self._cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in schedule.buckets
-            )
-            plan = (schedule, no_overlap, profile.to_dict(), self._cost_model)
-        schedule, self.no_overlap_time_s, self.profile, self._cost_model = C.broadcast_object(plan, src=0)
+                candidates = [schedule]
+            elif self.plan_trials > 1:
+                candidates = trial_candidates(profile, self._cost_model, self.world_size, schedule,
+                                              cap_bytes=int(self.bucket_cap_mb * 2**20), k=self.plan_trials)
+            no_overlap = [profile.t_compute + profile.t_update + sum(
+                self._cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in c.buckets) for c in candidates]
+            plan = (candidates, no_overlap, profile.to_dict(), self._cost_model)
+        candidates, no_overlap, self.profile, self._cost_model = C.broadcast_object(plan, src=0)
         keys = [(self._params[i].dtype, self._params[i].device) for i in self._order]
-        self._install(self._order, expand_layers(schedule, self._layers, keys), self._owners, final=True)
+        engine_schedules = [expand_layers(c, self._layers, keys) for c in candidates]
+        self.trial_results = []
+        if len(engine_schedules) > 1:
+            rank_zero_info(f"pipedap: measuring {len(engine_schedules)} candidate schedules for {self.trial_steps} "
+                           f"steps each: {', '.join(c.name for c in candidates)}")
+            self._trial = _Trial(engine_schedules, no_overlap)
+            self._enter_run(engine_schedules[0], no_overlap[0])
+            self._trial.starts = [time.perf_counter()]
+        else:
+            self._enter_run(engine_schedules[0], no_overlap[0])
+
+    def _enter_run(self, schedule: Schedule, no_overlap_s: float) -> None:
+        """Install a planned engine schedule (all ranks) and restart the drift bookkeeping."""
+        self._install(self._order, schedule, self._owners, final=True)
         self.predicted_iteration_s = schedule.predicted_iteration_s
+        self.no_overlap_time_s = no_overlap_s
         self._iter_starts.clear()
         self._busy.clear()
         self._run_steps = 0
         self._planned_busy_s = self._predicted_busy_s(self._cost_model)
         self._phase = "run"
+
+    def _trial_step(self) -> None:
+        """At a deferred step's start during measured plan selection: time it; switch candidates when due.
+
+        Every rank calls this at the same step (the step count is the same everywhere); the choice is
+        rank 0's (its iteration time is the group's, ranks being coupled by the collectives).
+        """
+        tr = self._trial
+        assert tr is not None
+        tr.starts.append(time.perf_counter())
+        if len(tr.starts) < self.trial_steps + 2:  # the first interval after a switch settles, not counted
+            return
+        gaps = [b - a for a, b in zip(tr.starts[1:-1], tr.starts[2:])]
+        tr.measured_s.append(statistics.median(gaps))
+        self._apply_all("flush")  # the previous step's updates, before the engine changes
+        if len(tr.measured_s) < len(tr.schedules):
+            tr.index += 1
+            self._enter_run(tr.schedules[tr.index], tr.no_overlap_s[tr.index])
+            tr.starts = [time.perf_counter()]
+            return
+        measured = C.broadcast_object(tr.measured_s if self.global_rank == 0 else None, src=0)
+        best = min(range(len(measured)), key=measured.__getitem__)
+        self._trial = None
+        self.trial_results = [
+            {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
+             "chosen": i == best}
+            for i, (s, m) in enumerate(zip(tr.schedules, measured))
+        ]
+        rank_zero_info("pipedap: measured candidates: " + "; ".join(
+            f"{r['name']} {r['measured_s'] * 1e3:.1f} ms (predicted "
+            + (f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] is not None else "-") + " ms)"
+            + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
+        if best != tr.index:
+            self._enter_run(tr.schedules[best], tr.no_overlap_s[best])
+        else:
+            self._iter_starts.clear()
+            self._busy.clear()
+            self._run_steps = 0
 
     def _predicted_busy_s(self, cm: CostModel) -> float:
         """α-β prediction of the installed engine's communication busy time per round (s), dense costs."""
@@ -655,6 +745,9 @@ class PipeDAPStrategy(DDPStrategy):
 
     def _check_drift(self) -> None:
         """Every ``replan_every`` deferred steps: re-profile if the iteration time left the prediction."""
+        if self._trial is not None:
+            self._trial_step()
+            return
         self._iter_starts.append(time.perf_counter())  # bounded deque: the last replan_every + 1 starts
         if self._engine.last_round_busy_s is not None:
             self._busy.append(self._engine.last_round_busy_s)
@@ -942,8 +1035,7 @@ class PipeDAPStrategy(DDPStrategy):
         if self.compression:
             from lightning_pipedap.compress.state import CHECKPOINT_KEY, checkpoint_entry  # noqa: PLC0415
 
-            transport = self._engine.transport
-            mine = transport.pipeline.state_dict() if transport is not None else self._compression_state
+            mine = self._compression_state_now(take=False)
             per_rank = C.all_gather_object(mine)
             if any(s is not None for s in per_rank):
                 checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, self.compression, self.compression_kwargs,
@@ -961,16 +1053,60 @@ class PipeDAPStrategy(DDPStrategy):
         return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
                 for b in buckets]
 
+    def _engine_param_names(self) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """Engine parameter index -> ``(name, shape)`` of the installed engine."""
+        names = self._param_names()
+        return {i: (names.get(id(p), f"<parameter {i}>"), tuple(p.shape))
+                for b in self._engine.buckets for i, p in zip(b.param_indices, b.params)}
+
+    def _compression_state_now(self, take: bool) -> Optional[dict[str, Any]]:
+        """This rank's compression state by parameter name: the helper's (or the kept one while no
+        compressing engine runs) plus the residuals the engine still has to add to a dense gradient
+        (:meth:`CommEngine.carry_to_next_gradient`). ``take``: remove those from the engine."""
+        from lightning_pipedap.compress.state import add_residuals  # noqa: PLC0415
+
+        transport = self._engine.transport
+        state = transport.pipeline.state_dict() if transport is not None else self._compression_state
+        carried = self._engine.take_carried(clear=take)
+        if carried:
+            info = self._engine_param_names()
+            state = add_residuals(state, {info[i][0]: v for i, v in carried.items()},
+                                  {n: s for n, s in info.values()}, self.compression, self.compression_kwargs)
+        return state
+
     def _keep_compression_state(self) -> None:
-        """Before the engine is replaced (re-plan): export the running compression state, by parameter name."""
-        transport = self._engine.transport if self._engine is not None else None
-        if transport is not None and not self._aborted:
-            self._compression_state = transport.pipeline.state_dict()
+        """Before the engine is replaced (re-plan): keep the compression state by parameter name,
+        including residuals not yet added to a dense gradient."""
+        if self._engine is not None and not self._aborted and self.compression:
+            self._compression_state = self._compression_state_now(take=True)
 
     def _restore_compression_state(self) -> None:
-        """After a compressing engine is installed: import the kept or checkpointed state into it."""
-        transport = self._engine.transport if self._engine is not None else None
-        if transport is None or self._compression_state is None:
+        """After an engine is installed: hand it the kept or checkpointed compression state.
+
+        Error-feedback residuals of parameters in buckets the new engine sends dense (warm-up and
+        profiling steps, or a plan that stopped compressing them) are added once to their next
+        gradient (:meth:`CommEngine.carry_to_next_gradient`; same units, local gradient / world
+        size, as the compressors' residuals) and cleared from the state, so what earlier
+        compressions left out reaches the other ranks exactly once. The rest goes into the helper
+        (compressed buckets), or waits for the next compressing engine (step counters, PowerSGD
+        factors).
+        """
+        from lightning_pipedap.compress.state import split_residuals  # noqa: PLC0415
+
+        engine = self._engine
+        if engine is None or self._compression_state is None:
+            return
+        transport = engine.transport
+        info = self._engine_param_names()
+        dense = {i for b in engine.buckets if transport is None or not engine.schedule.is_compressed(b.index)
+                 for i in b.param_indices}
+        index_of = {info[i][0]: i for i in dense}
+        self._compression_state, moved = split_residuals(self._compression_state, index_of)
+        if moved:
+            engine.carry_to_next_gradient({index_of[n]: r for n, r in moved.items()})
+            rank_zero_info(f"pipedap: error-feedback residuals of {len(moved)} parameters now sent dense are added "
+                           "once to their next gradient")
+        if transport is None:
             return
         state, self._compression_state = self._compression_state, None
         fresh = transport.pipeline.load_state_dict(state)

@@ -277,6 +277,16 @@ def run_case(name: str) -> dict[str, float]:
     return res
 
 
+def run_trials_case() -> dict[str, Any]:
+    """Measured plan selection (engine switches between candidates mid-epoch) keeps DDP parity."""
+    kw = {"opt": "adamw", "sched": "step"}
+    ref = train("mlp", kw, {}, "ddp")
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1)
+    out = train("mlp", kw, {}, strategy)
+    return {"optimal": max_diff(out, ref), "trials": strategy.trial_results,
+            "installed": strategy.installed_schedule}
+
+
 def run_val_ckpt_case() -> dict[str, float]:
     """Validation every 2 steps and a checkpoint every step must not change the trajectory."""
     plain = train("mlp", {"opt": "adamw", "sched": "step"}, {}, PipeDAPStrategy(bucket_cap_mb=0.002))
@@ -316,7 +326,7 @@ def run_replan_case() -> dict[str, float]:
     """A forced re-profile/re-plan in the middle of training keeps DDP parity."""
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp")
-    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=1e-9, max_replans=1)
+    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=1e-9, max_replans=1, plan_trials=1)
     out = train("mlp", kw, {}, strategy)
     return {"optimal": max_diff(out, ref), "replans": strategy.replans_done,
             "predicted_ms": (strategy.predicted_iteration_s or 0) * 1e3}
@@ -336,7 +346,7 @@ def run_compression_case() -> dict[str, float]:
     return res
 
 
-SPECIAL = {"compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+SPECIAL = {"plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 
 def main(out_path: str, names: list[str]) -> None:

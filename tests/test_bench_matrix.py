@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -259,6 +260,10 @@ def test_strategy_names_are_taken_apart():
     assert M.parse_strategy("ddp_tuned").family == "ddp_tuned"
     assert M.extra_warmup_steps("pipedap-optimal+powersgd:inline") == 2
     assert M.extra_warmup_steps("pipedap-optimal+fp16") == 0 and M.extra_warmup_steps("ddp+powersgdhook") == 0
+    # measured plan selection: only the default planner without compression; 3 candidates x (3 + 1) steps
+    assert (M.plan_trials("pipedap-optimal"), M.plan_trials("pipedap-wfbp"), M.plan_trials("pipedap-optimal+fp16"),
+            M.plan_trials("ddp")) == (3, 1, 1, 1)
+    assert M.extra_warmup_steps("pipedap-optimal") == 12 and M.extra_warmup_steps("pipedap-pipedap") == 0
     assert (M.uncompressed_name("pipedap-dear+fp16:inline"), M.uncompressed_name("ddp+fp16hook"),
             M.uncompressed_name("pipedap-dear"), M.uncompressed_name("ddp")) == ("pipedap-dear", "ddp", None, None)
 
@@ -378,3 +383,21 @@ def test_nice_suffix_selects_train_thread_nice_and_rejects_bad_values():
     for bad in ("pipedap-optimal@nice0", "pipedap-optimal@nice20", "pipedap-optimal@fast", "pipedap-optimal@nice"):
         with pytest.raises(ValueError, match=r"valid: @nice<N> with N in 1\.\.19"):
             M.parse_strategy(bad)
+
+
+def test_trials_table_and_cpu_aware_bound():
+    trials = [{"name": "optimal", "describe": "optimal: 2 buckets: AR1 AR0", "predicted_s": 0.5, "measured_s": 0.625,
+               "chosen": False},
+              {"name": "wfbp@25MiB", "describe": "wfbp@25MiB: 1 buckets: AR0", "predicted_s": 0.55, "measured_s": 0.5,
+               "chosen": True}]
+    c = M.CellResult(model="mlp", link="none", ranks=2, params_M=1.0, batch=8, compute_s=0.5, allreduce_s=0.1,
+                     rs_ag_s=0.12, allreduce_cpu_s=0.08,
+                     variants=[M.VariantResult(name="pipedap-optimal", iter_s=0.5, steps=3, trials=trials)])
+    table = M.format_trials_table([c]).splitlines()
+    assert len(table) == 4
+    assert table[2] == "| mlp uncapped 2r | pipedap-optimal | `optimal: 2 buckets: AR1 AR0` | 500 | 625 | -20.0% |  |"
+    assert table[3].endswith("| 550 | 500 | +10.0% | yes |")
+    assert c.cpu_bound_s == pytest.approx(0.58)  # max(compute + all-reduce CPU, communication)
+    assert M.CellResult.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))).variants[0].trials == trials
+    c.allreduce_cpu_s = None
+    assert c.cpu_bound_s is None and M.format_trials_table([M.CellResult(**{**dataclasses.asdict(c), "variants": []})]) == ""

@@ -32,7 +32,7 @@ def test_parity_with_ddp(parity_results, case):
     res = parity_results[case]
     assert "error" not in res, res.get("error")
     assert res["ddp_moved"] > 1e-3, "the reference run must actually train"
-    for schedule in ("allreduce", "dear"):
+    for schedule in ("allreduce", "dear", "optimal"):
         assert res[schedule] <= TOL, f"{case}/{schedule}: max |param - ddp| = {res[schedule]:.3e}"
     if case not in SYNC_PATH_CASES:
         # updates must really be deferred into the next forward (not silently flushed)
@@ -72,3 +72,17 @@ def test_compressed_training_through_the_engine(parity_results):
     for lossy in ("powersgd", "topk", "efsignsgd"):
         # approximate methods follow DDP's trajectory loosely (DDP itself moved the weights by 0.26)
         assert 0.0 < res[lossy] < 0.2, (lossy, res[lossy])
+
+
+@pytest.mark.multiprocess
+def test_measured_plan_selection_keeps_parity(parity_results):
+    res = parity_results["plan_trials"]
+    assert "error" not in res, res.get("error")
+    assert res["optimal"] <= TOL  # three engine switches mid-epoch change nothing
+    trials = res["trials"]
+    assert 2 <= len(trials) <= 3 and len({t["describe"] for t in trials}) == len(trials)
+    assert trials[0]["name"] == "optimal"
+    assert all(t["measured_s"] > 0 for t in trials)
+    chosen = [t for t in trials if t["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["measured_s"] == min(t["measured_s"] for t in trials)
+    assert res["installed"] == chosen[0]["describe"]  # every rank ends on the fastest measured candidate

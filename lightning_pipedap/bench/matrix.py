@@ -95,6 +95,9 @@ DDP_HOOKS = {
 #: PowerSGD settings shared by ``ddp+powersgdhook`` and ``pipedap-...+powersgd``
 POWERSGD_RANK = 4
 POWERSGD_START = 2
+#: measured plan selection of ``pipedap-optimal``: candidates and measured steps per candidate
+#: (the strategy's defaults)
+PLAN_TRIALS, TRIAL_STEPS = 3, 3
 PIPEDAP_PREFIX = "pipedap-"
 COMPRESS_SEP = "+"
 INLINE_SUFFIX = ":inline"
@@ -211,16 +214,33 @@ def _parse_pipedap(name: str, rest: str) -> StrategySpec:
     return StrategySpec(name, "pipedap", schedule, comp, "inline" if colon else "process")
 
 
-def extra_warmup_steps(name: str) -> int:
-    """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
-    whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
-    in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
-    every measured step is compressed; 0 otherwise.
+def plan_trials(name: str) -> int:
+    """``PipeDAPStrategy(plan_trials=...)`` of a pipedap variant: the default measured plan selection
+    (:data:`PLAN_TRIALS` candidates) for ``pipedap-optimal`` without compression, the strategy's
+    default; 1 (the named planner's schedule, nothing else) for the other planners, so that each
+    planner's own schedule is what is measured, and with compression (the strategy runs no trials there).
 
     Raises:
         ValueError: a bad name (see :func:`parse_strategy`).
     """
-    return POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
+    sp = parse_strategy(name)
+    return PLAN_TRIALS if sp.family == "pipedap" and sp.schedule == DEFAULT_PIPEDAP[len(PIPEDAP_PREFIX):] \
+        and sp.compressor is None else 1
+
+
+def extra_warmup_steps(name: str) -> int:
+    """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
+    whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
+    in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
+    every measured step is compressed; with measured plan selection (:func:`plan_trials` > 1), the
+    trial steps (``(TRIAL_STEPS + 1)`` per candidate); 0 otherwise.
+
+    Raises:
+        ValueError: a bad name (see :func:`parse_strategy`).
+    """
+    extra = POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
+    trials = plan_trials(name)
+    return extra + (trials * (TRIAL_STEPS + 1) if trials > 1 else 0)
 
 
 def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
@@ -415,6 +435,9 @@ class VariantResult:
         hidden_share: compressed pipedap, pipelined: share of ``compress_s`` hidden by the pipeline (0..1).
         compression_ratio: compressed pipedap: dense bytes / payload bytes over the measured rounds.
         compressed_rounds: bucket rounds the three compression numbers come from.
+        trials: ``pipedap-optimal``: the measured plan selection, one dict per candidate schedule
+            (name, describe, predicted_s, measured_s, chosen; :attr:`PipeDAPStrategy.trial_results`);
+            the measured steps run the chosen one.
     """
 
     name: str
@@ -431,6 +454,7 @@ class VariantResult:
     hidden_share: Optional[float] = None
     compression_ratio: Optional[float] = None
     compressed_rounds: Optional[int] = None
+    trials: list = field(default_factory=list)
 
 
 @dataclass
@@ -444,6 +468,8 @@ class CellResult:
         allreduce_s: gloo all-reduce of all gradients as one fp32 buffer, s (median).
         rs_ag_s: ring reduce-scatter + all-gather of the same buffer, s (median).
         first_layer_comm_s: the faster of all-reduce and RS + AG of the first layer's parameters alone, s.
+        allreduce_cpu_s: CPU time (user + system, all threads) one rank spends in that all-reduce, s
+            (the busiest rank; see :func:`_comm_only`).
         variants: per strategy.
         skipped: strategy -> reason, for strategies that could not run in this cell.
     """
@@ -457,6 +483,7 @@ class CellResult:
     allreduce_s: float
     rs_ag_s: float
     first_layer_comm_s: Optional[float] = None
+    allreduce_cpu_s: Optional[float] = None
     variants: list[VariantResult] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
@@ -469,6 +496,16 @@ class CellResult:
     def bound_s(self) -> float:
         """Lower bound of an iteration, ``max(compute, communication)``, s."""
         return lower_bound_s(self.compute_s, self.comm_s)
+
+    @property
+    def cpu_bound_s(self) -> Optional[float]:
+        """Lower bound when each rank has one core for compute *and* its communication's CPU work (the
+        bench runs one torch thread per rank, as many ranks as cores): ``max(compute + CPU time of the
+        all-reduce, communication)``, s; None when the CPU time was not measured. Kernel network work
+        outside the process is not in it, so the true bound is higher still."""
+        if self.allreduce_cpu_s is None:
+            return None
+        return max(self.compute_s + self.allreduce_cpu_s, self.comm_s)
 
     @property
     def dep_bound_s(self) -> Optional[float]:
@@ -661,12 +698,13 @@ def cell_label(c: CellResult) -> str:
 def format_cells_table(cells: Sequence[CellResult]) -> str:
     """Markdown table of the per-cell references (compute, communication, bound)."""
     rows = ["| model | link | ranks | params (M) | batch/rank | compute-only ms | all-reduce ms | RS+AG ms "
-            "| first-layer comm ms | bound ms max(compute, comm) | dependency bound ms |",
-            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "| first-layer comm ms | bound ms max(compute, comm) | dependency bound ms | all-reduce CPU ms "
+            "| CPU-aware bound ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         rows.append(f"| {c.model} | {'uncapped' if c.link == 'none' else c.link} | {c.ranks} | {c.params_M:.1f} | {c.batch} "
                     f"| {_ms(c.compute_s)} | {_ms(c.allreduce_s)} | {_ms(c.rs_ag_s)} | {_ms(c.first_layer_comm_s, 1)} "
-                    f"| {_ms(c.bound_s)} | {_ms(c.dep_bound_s)} |")
+                    f"| {_ms(c.bound_s)} | {_ms(c.dep_bound_s)} | {_ms(c.allreduce_cpu_s)} | {_ms(c.cpu_bound_s)} |")
     return "\n".join(rows)
 
 
@@ -741,7 +779,8 @@ def format_text_report(c: CellResult) -> str:
     """Plain-text summary of one cell for the terminal."""
     lines = [f"{cell_label(c)}: {c.params_M:.1f} M params, batch {c.batch}/rank; compute-only {_ms(c.compute_s)} ms, "
              f"all-reduce {_ms(c.allreduce_s)} ms, RS+AG {_ms(c.rs_ag_s)} ms, lower bound {_ms(c.bound_s)} ms, "
-             f"dependency bound {_ms(c.dep_bound_s)} ms (first layer comm {_ms(c.first_layer_comm_s, 1)} ms)",
+             f"dependency bound {_ms(c.dep_bound_s)} ms (first layer comm {_ms(c.first_layer_comm_s, 1)} ms), "
+             f"all-reduce CPU {_ms(c.allreduce_cpu_s)} ms, CPU-aware bound {_ms(c.cpu_bound_s)} ms",
              f"  {'strategy':30s} {'iter ms':>8s} {'vs ddp':>7s} {'/bound':>7s} {'pred ms':>8s} {'wait ms':>8s} "
              f"{'busy ms':>8s} {'J/iter':>7s}"]
     for v in c.variants:
@@ -754,6 +793,9 @@ def format_text_report(c: CellResult) -> str:
             comp = f" [{v.compression}]"
         lines.append(f"  {v.name:30s} {_ms(v.iter_s):>8s} {_x(c.speedup(v.name)):>7s} {_x(c.ratio(v.name)):>7s} "
                      f"{_ms(v.predicted_s):>8s} {_ms(v.wait_s):>8s} {_ms(v.comm_busy_s):>8s} {e:>7s} {v.note}{comp}")
+        for t in v.trials:
+            lines.append(f"      candidate {t['name']:24s} measured {_ms(t['measured_s']):>6s} ms, predicted "
+                         f"{_ms(t['predicted_s']):>6s} ms{'  <- chosen' if t['chosen'] else ''}")
     for name, why in c.skipped.items():
         lines.append(f"  {name:30s} not run: {why}")
     return "\n".join(lines)
@@ -817,7 +859,28 @@ def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
     comp_table = format_compression_table(cells)
     if comp_table:
         lines += [f"Compression (over the measured steps, rank 0): {HIDDEN_NOTE}", "", comp_table, ""]
+    trials = format_trials_table(cells)
+    if trials:
+        lines += ["Measured plan selection (`PipeDAPStrategy(plan_trials=3)`, the default): each candidate ran "
+                  f"{TRIAL_STEPS} measured steps during warm-up; the measured steps above ran the chosen one.", "",
+                  trials, ""]
     return "\n".join(lines)
+
+
+def format_trials_table(cells: Sequence[CellResult]) -> str:
+    """Markdown table of every variant's measured plan selection: candidate, prediction, measured time,
+    prediction error, chosen; ``""`` when no variant ran trials."""
+    rows = ["| cell | strategy | candidate | predicted ms | measured ms | error | chosen |",
+            "|---|---|---|---:|---:|---:|---|"]
+    for c in cells:
+        for v in c.variants:
+            for t in v.trials:
+                p, m = t.get("predicted_s"), t["measured_s"]
+                err = "–" if p is None else f"{(p / m - 1) * 100:+.1f}%"
+                d = t["describe"] if len(t["describe"]) <= 120 else t["describe"][:117] + "..."
+                rows.append(f"| {cell_label(c)} | {v.name} | `{d}` | {_ms(p)} | {_ms(m)} | {err} "
+                            f"| {'yes' if t['chosen'] else ''} |")
+    return "\n".join(rows) if len(rows) > 2 else ""
 
 
 def write_chart(cells: Sequence[CellResult], path: str) -> None:
@@ -1134,7 +1197,8 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
     else:
         comp = {} if sp.compressor is None else dict(compression=sp.compressor, compression_mode=sp.mode,
                                                       compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
-        strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, **comp)
+        strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice,
+                                   plan_trials=plan_trials(name), trial_steps=TRIAL_STEPS, **comp)
         strategy.timeline_enabled = bool(spec["timeline"])
     timer, _ = _fit(spec, strategy, ds, warmup + steps, kw)
     plan = _PLAN_LOG.take() if _PLAN_LOG is not None else []
@@ -1144,6 +1208,7 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
     if isinstance(strategy, PipeDAPStrategy):
         out["predicted_s"] = strategy.predicted_iteration_s
         out["plan"] = " | ".join(plan)
+        out["trials"] = strategy.trial_results
         if spec["timeline"]:
             records = timer.records
             out["wait_s"], out["comm_busy_s"] = _timeline_summary(records, timer.starts[warmup], timer.starts[-1], n)
@@ -1188,9 +1253,11 @@ def _compute_only(spec: dict, ds) -> float:
     return median_step_s(timer.starts, warmup)[0]
 
 
-def _comm_only(numels: Sequence[int], repeat: int = 4) -> list[tuple[float, float]]:
-    """Per size: median (all-reduce s, ring RS + AG s) of ``numel`` fp32 elements as one buffer, on a
-    fresh group (first round a warm-up)."""
+def _comm_only(numels: Sequence[int], repeat: int = 4) -> list[tuple[float, float, float]]:
+    """Per size: median (all-reduce s, ring RS + AG s, CPU s of the all-reduce) of ``numel`` fp32 elements
+    as one buffer, on a fresh group (first round a warm-up). The CPU time is this process's user + system
+    time over all its threads (``time.process_time``) during the all-reduce: gloo's copies, the ring's
+    additions and the socket calls; kernel network work done outside the process is not counted."""
     import torch
 
     from lightning_pipedap.engine import collectives as C
@@ -1199,12 +1266,14 @@ def _comm_only(numels: Sequence[int], repeat: int = 4) -> list[tuple[float, floa
     out = []
     for numel in numels:
         buf = torch.ones(-(-numel // comm.world_size) * comm.world_size)
-        ar, rsag = [], []
+        ar, rsag, cpu = [], [], []
         for _ in range(repeat + 1):
             C.barrier()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             C.all_reduce_(buf, comm)
             t1 = time.perf_counter()
+            cpu.append(time.process_time() - c0)
             C.barrier()
             t2 = time.perf_counter()
             C.reduce_scatter_(buf, comm)
@@ -1212,7 +1281,7 @@ def _comm_only(numels: Sequence[int], repeat: int = 4) -> list[tuple[float, floa
             t3 = time.perf_counter()
             ar.append(t1 - t0)
             rsag.append(t3 - t2)
-        out.append((statistics.median(ar[1:]), statistics.median(rsag[1:])))
+        out.append((statistics.median(ar[1:]), statistics.median(rsag[1:]), statistics.median(cpu[1:])))
     C.destroy_comm_group(comm)
     return out
 
@@ -1287,8 +1356,9 @@ def worker(spec: dict) -> dict:
             v["note"] = (v["note"] + "; " if v["note"] else "") + "best of " + "/".join(f"{x:.0f}" for x in v["runs_ms"]) + " ms"
         del v["runs_ms"]
         res["variants"].append(v)
-    (res["allreduce_s"], res["rs_ag_s"]), first = _comm_only([res["params"], res["first_layer_params"]])
-    res["first_layer_comm_s"] = min(first)
+    (res["allreduce_s"], res["rs_ag_s"], res["allreduce_cpu_s"]), first = _comm_only(
+        [res["params"], res["first_layer_params"]])
+    res["first_layer_comm_s"] = min(first[:2])
     # compute-only again at the end (not in --quick): the bound takes the faster of the two runs (noise
     # on a shared machine only ever adds time); both are kept
     if not spec.get("quick"):
@@ -1299,6 +1369,11 @@ def worker(spec: dict) -> dict:
 
     C.shutdown()  # destroy the default group before exit (live gloo threads at exit can abort the process)
     return res
+
+
+def _max_or_none(values: Sequence[Optional[float]]) -> Optional[float]:
+    """The largest value, or None when any is None (a rank that did not measure it)."""
+    return None if not values or any(v is None for v in values) else max(values)
 
 
 def combine(model: str, link: str, raw: Sequence[dict], batch: int) -> CellResult:
@@ -1323,7 +1398,9 @@ def combine(model: str, link: str, raw: Sequence[dict], batch: int) -> CellResul
         variants.append(VariantResult(**dict(v, energy_J=e)))
     return CellResult(model=model, link=link, ranks=len(raw), params_M=r0["params"] / 1e6, batch=batch,
                       compute_s=max(r["compute_s"] for r in raw), allreduce_s=r0["allreduce_s"], rs_ag_s=r0["rs_ag_s"],
-                      first_layer_comm_s=r0.get("first_layer_comm_s"), variants=variants,
+                      first_layer_comm_s=r0.get("first_layer_comm_s"),
+                      allreduce_cpu_s=_max_or_none([r.get("allreduce_cpu_s") for r in raw]),
+                      variants=variants,
                       skipped=dict(r0.get("skipped", {})))
 
 
