@@ -23,6 +23,7 @@ writes the averaged gradients into ``.grad``, and the real optimizer step runs a
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import statistics
 import time
@@ -187,6 +188,12 @@ class PipeDAPStrategy(DDPStrategy):
             not see the CPU that communication takes from compute, so the model's favourite can be
             slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
         trial_steps: measured steps per candidate (>= 1).
+        model_contention: before the first plan, measure how much communication and compute slow
+            each other down when they overlap (:func:`~lightning_pipedap.profile.contention.
+            measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
+            and predict iteration times with the contention-aware simulator
+            (:func:`~lightning_pipedap.plan.contention.simulate_contended`); the planners still
+            search with the plain α-β simulator. :attr:`contention` holds the fit.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
@@ -223,6 +230,7 @@ class PipeDAPStrategy(DDPStrategy):
         compression_threads: int = 1,
         plan_trials: int = 3,
         trial_steps: int = 3,
+        model_contention: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -309,6 +317,9 @@ class PipeDAPStrategy(DDPStrategy):
         self.compression_mode = compression_mode
         self.compression_threads = compression_threads
         self.plan_trials = plan_trials
+        self.model_contention = bool(model_contention)
+        #: the measured :class:`~lightning_pipedap.plan.contention.Contention` (None before, or when off)
+        self.contention: Optional[Any] = None
         self.trial_steps = trial_steps
         #: measured plan selection of the last plan: one dict per candidate (name, describe,
         #: predicted_s, measured_s, chosen); empty when no trial ran
@@ -347,6 +358,9 @@ class PipeDAPStrategy(DDPStrategy):
         self._sync_steps = 0
         self._phase = "trace"  # trace -> (profile) -> run
         self._trial: Optional[_Trial] = None  # measured plan selection in progress (phase "run")
+        self._raw_cost_model: Optional[CostModel] = None  # the α-β fit before calibration (rank 0)
+        #: rank 0: every prediction of each planned candidate, by schedule name (see ``_predict``), s
+        self.predictions: dict[str, dict[str, float]] = {}
         self._order: list[int] = []
         self._owners: list[Optional[torch.nn.Module]] = []
         self._layers: list[list[int]] = []
@@ -587,6 +601,13 @@ class PipeDAPStrategy(DDPStrategy):
                     self._comm, self.root_device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
                     use_cache=self.cost_model_cache,
                 )
+        if self.model_contention and self.contention is None and not self.compression:
+            from lightning_pipedap.profile.contention import measure_contention  # noqa: PLC0415
+
+            self.contention = measure_contention(self._comm, self.root_device, nbytes=8 << 20, repeats=5,
+                                                 timeout_s=self.wait_timeout_s)
+            rank_zero_info(f"pipedap: contention: communication {self.contention.comm_slowdown:.2f} and compute "
+                           f"{self.contention.compute_slowdown:.2f} extra slowdown while they overlap")
         cm = self._cost_model
         poor = [k for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)) if ab.r2 is not None and ab.r2 < 0.5]
         if poor:
@@ -624,6 +645,7 @@ class PipeDAPStrategy(DDPStrategy):
             elif self.plan_trials > 1:
                 candidates = trial_candidates(profile, self._cost_model, self.world_size, schedule,
                                               cap_bytes=int(self.bucket_cap_mb * 2**20), k=self.plan_trials)
+            candidates = [self._predict(profile, c) for c in candidates]
             no_overlap = [profile.t_compute + profile.t_update + sum(
                 self._cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in c.buckets) for c in candidates]
             plan = (candidates, no_overlap, profile.to_dict(), self._cost_model)
@@ -639,6 +661,32 @@ class PipeDAPStrategy(DDPStrategy):
             self._trial.starts = [time.perf_counter()]
         else:
             self._enter_run(engine_schedules[0], no_overlap[0])
+
+    def _predict(self, profile: Any, schedule: Schedule) -> Schedule:
+        """Rank 0: ``schedule`` with the prediction training is checked against, and every prediction in
+        :attr:`predictions` (s): α-β as fitted (``ab_s``), α-β calibrated (``calibrated_s``), and each of
+        those through the contention-aware simulator (``contended_s``, ``contended_calibrated_s``).
+
+        The prediction kept is the contention-aware one on the *uncalibrated* α-β when the contention was
+        measured (the profiling-step calibration already contains some of the same slowdown), else the
+        planner's own (calibrated when calibration applied).
+        """
+        from lightning_pipedap.plan.contention import simulate_contended  # noqa: PLC0415
+        from lightning_pipedap.plan.simulator import simulate  # noqa: PLC0415
+
+        if self.compression:
+            return schedule  # compressed plans: the planner's compression-aware prediction
+        raw = self._raw_cost_model or self._cost_model
+        pred = {"ab_s": simulate(profile, raw, schedule).iteration_s,
+                "calibrated_s": simulate(profile, self._cost_model, schedule).iteration_s}
+        keep = schedule.predicted_iteration_s
+        if self.contention is not None:
+            pred["contended_s"] = simulate_contended(profile, raw, schedule, self.contention).iteration_s
+            pred["contended_calibrated_s"] = simulate_contended(profile, self._cost_model, schedule,
+                                                                self.contention).iteration_s
+            keep = pred["contended_s"]
+        self.predictions[schedule.name] = pred
+        return dataclasses.replace(schedule, predicted_iteration_s=keep)
 
     def _enter_run(self, schedule: Schedule, no_overlap_s: float) -> None:
         """Install a planned engine schedule (all ranks) and restart the drift bookkeeping."""
@@ -675,7 +723,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._trial = None
         self.trial_results = [
             {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
-             "chosen": i == best}
+             "chosen": i == best, **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
         rank_zero_info("pipedap: measured candidates: " + "; ".join(
@@ -739,6 +787,7 @@ class PipeDAPStrategy(DDPStrategy):
         ratio = statistics.median(self._profile_busy) / predicted
         if ratio > 1.05:
             self.calibration_ratio = ratio
+            self._raw_cost_model = cm
             self._cost_model = cm.scaled(alpha_factor=ratio, beta_factor=ratio)
             rank_zero_info(f"pipedap: communication during the profiling steps took {ratio:.2f}x the α-β "
                            "prediction (compute shares the cores); planning with α and β scaled by it")

@@ -33,6 +33,8 @@ def test_import_registers_names_idempotently():
         ({"ddp_comm_hook": print}, TypeError, r"unsupported keyword arguments \['ddp_comm_hook'\]"),
         ({"find_unused_parameters": True}, TypeError, r"detects parameters without gradients"),
         ({"train_thread_nice": 25}, ValueError, r"train_thread_nice must be an integer in 0\.\.19 \(0 = off\), got 25"),
+        ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1, got 0"),
+        ({"trial_steps": True}, ValueError, r"trial_steps must be an integer >= 1, got True"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, err, match):

@@ -12,6 +12,9 @@ Typical use::
 """
 
 from lightning_pipedap.plan.compression import CompressionCost, fit_compression_cost
+from lightning_pipedap.plan.contention import (
+    ContendedResult, Contention, contended_pair, fit_contention, simulate_contended,
+)
 from lightning_pipedap.plan.cost_model import AlphaBeta, CostModel, fit_alpha_beta, fit_cost_model, load_cost_model
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import (
@@ -20,8 +23,8 @@ from lightning_pipedap.plan.profile import (
 from lightning_pipedap.plan.simulator import Evaluator, LowerBounds, SimResult, lower_bounds, simulate, to_op_records
 
 __all__ = [
-    "AlphaBeta", "CompressionCost", "CostModel", "Evaluator", "LayerProfile", "LowerBounds", "ModelProfile",
-    "PLANNERS", "SimResult", "fit_alpha_beta", "fit_compression_cost", "fit_cost_model", "get_planner",
-    "load_cost_model", "load_profile", "load_reference_profile", "lower_bounds", "save_profile",
-    "shared_profiles_dir", "simulate", "to_op_records",
+    "AlphaBeta", "CompressionCost", "ContendedResult", "Contention", "CostModel", "Evaluator", "LayerProfile",
+    "LowerBounds", "ModelProfile", "PLANNERS", "SimResult", "contended_pair", "fit_alpha_beta", "fit_compression_cost",
+    "fit_contention", "fit_cost_model", "get_planner", "load_cost_model", "load_profile", "load_reference_profile",
+    "lower_bounds", "save_profile", "shared_profiles_dir", "simulate", "simulate_contended", "to_op_records",
 ]

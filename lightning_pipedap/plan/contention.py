@@ -1,0 +1,517 @@
+"""Contention between compute and communication: a processor-sharing timeline model and its fit.
+
+:func:`~lightning_pipedap.plan.simulator.simulate` assumes the compute stream and the communication
+channel never slow each other. On a host whose cores are shared (CPU training with gloo, where the
+communication worker, gloo's threads and the training thread compete for the same cores) that is
+optimistic: measured on a 2-core machine, communication ran ~30% slower while compute ran, and on a
+fast link communication was CPU-bound and stole compute time. This module models both effects.
+
+Model (processor sharing with piecewise-constant rates; Kleinrock, *Queueing Systems* Vol. 2,
+§4.4, applied per resource). Each job has a *work* in seconds, the time it takes alone; it
+progresses at a rate in (0, 1] that depends on what else runs at that moment:
+
+* a communication op progresses at rate ``1 / (1 + σ_m)`` while the compute stream is busy
+  (forward, backward or update; not while it waits), and at rate 1 otherwise;
+* the compute stream progresses at rate ``1 / (1 + k·σ_c)`` while ``k >= 1`` communication ops run
+  (``k <= channels``), and at rate 1 otherwise;
+* an op that *starts* while the compute stream is busy gets ``δ`` extra seconds of work
+  (``op_overhead_s``: per-call start-up that only shows under load, e.g. waking a descheduled
+  thread); that extra work progresses at the op's rate like the rest;
+* helper-lane compressions (``CompressionCost(where="helper")``, a separate process) are *not*
+  slowed by contention and do not slow anything: their durations are those of the
+  :class:`~lightning_pipedap.plan.simulator.Evaluator`. Inline compression is part of its channel
+  op and is slowed like the collective.
+
+Everything else is the model of :mod:`lightning_pipedap.plan.simulator`: op costs, list order per
+channel, dependencies (``RS(b)``/``AR(b)`` after bucket ``b``'s gradients are complete, and after
+its helper-lane compression; ``AG(b)`` after ``RS(b)``), the forward steps (wait for a bucket, its
+update share, then the forward up to the next new bucket). The steady-state argument of that
+module still holds with contention: every op of an iteration ends before its bucket's next forward,
+which precedes the next backward, so the channel(s) and the helper lane are idle at each backward
+start and one simulated period from a backward start to the next is the exact iteration time.
+
+:func:`simulate_contended` is a discrete-event simulation of that period: between two events
+(a job ends, or an op becomes ready) every rate is constant, so the next event time is exact.
+A job's remaining work is re-based only when its rate changes; with :meth:`Contention.none`
+no rate ever changes and every start and end is computed with the same floating-point operations
+as :meth:`Evaluator.run <lightning_pipedap.plan.simulator.Evaluator.run>`, so the iteration time
+equals :func:`simulate`'s exactly. Contention only lowers rates, so the contended iteration time
+is never below the uncontended one, and :func:`~lightning_pipedap.plan.simulator.lower_bounds`
+stay valid.
+
+:func:`fit_contention` inverts the model on a micro-benchmark (see its docstring for the
+equations); :func:`contended_pair` is the forward model of that micro-benchmark.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from lightning_pipedap.plan.compression import CompressionCost
+from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.simulator import (
+    _K_AG, _K_RS, _K_SKIP, Evaluator, Interval, OpTiming, SimResult, lower_bounds, op_code,
+)
+from lightning_pipedap.schedule import Schedule
+
+__all__ = ["Contention", "ContendedResult", "contended_pair", "fit_contention", "simulate_contended"]
+
+CONTENTION_FORMAT = "lightning_pipedap.contention"
+CONTENTION_VERSION = 1
+
+
+def _nonneg(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+    return float(v)
+
+
+def _positive(name: str, v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class Contention:
+    """How much compute and communication slow each other (see the module docstring).
+
+    Attributes:
+        comm_slowdown: ``σ_m >= 0``; while compute runs, a communication op progresses at rate
+            ``1 / (1 + σ_m)`` (``σ_m = 0.3``: 30% longer).
+        compute_slowdown: ``σ_c >= 0``; while ``k`` communication ops run, compute progresses at
+            rate ``1 / (1 + k·σ_c)``.
+        op_overhead_s: ``δ >= 0``, seconds of extra work of a communication op that starts while
+            compute runs (may be 0).
+        meta: provenance (raw micro-benchmark times, case of the fit, ...); not compared.
+
+    Raises:
+        ValueError: naming the field and the bad value, if a value is negative or not finite, or
+            ``meta`` is not a dict.
+    """
+
+    comm_slowdown: float = 0.0
+    compute_slowdown: float = 0.0
+    op_overhead_s: float = 0.0
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("comm_slowdown", "compute_slowdown", "op_overhead_s"):
+            object.__setattr__(self, name, _nonneg(name, getattr(self, name)))
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"meta must be a dict, got {type(self.meta).__name__}")
+
+    @classmethod
+    def none(cls) -> "Contention":
+        """No contention: ``σ_m = σ_c = δ = 0`` (:func:`simulate_contended` then equals :func:`simulate`)."""
+        return cls(0.0, 0.0, 0.0)
+
+    @property
+    def is_none(self) -> bool:
+        """True when all three parameters are 0."""
+        return self.comm_slowdown == 0.0 and self.compute_slowdown == 0.0 and self.op_overhead_s == 0.0
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict (format ``lightning_pipedap.contention`` version 1)."""
+        return {"format": CONTENTION_FORMAT, "version": CONTENTION_VERSION,
+                "units": {"comm_slowdown": "1", "compute_slowdown": "1", "op_overhead": "s"},
+                "comm_slowdown": self.comm_slowdown, "compute_slowdown": self.compute_slowdown,
+                "op_overhead_s": self.op_overhead_s, "meta": dict(self.meta)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Contention":
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            ValueError: for another format tag or version, a missing field, or an invalid value.
+        """
+        if data.get("format") != CONTENTION_FORMAT:
+            raise ValueError(f"not a contention model: format is {data.get('format')!r}, "
+                             f"expected {CONTENTION_FORMAT!r}")
+        if data.get("version") != CONTENTION_VERSION:
+            raise ValueError(f"unsupported contention version {data.get('version')!r}; valid: {CONTENTION_VERSION}")
+        missing = [k for k in ("comm_slowdown", "compute_slowdown") if k not in data]
+        if missing:
+            raise ValueError(f"contention model lacks {missing}")
+        return cls(data["comm_slowdown"], data["compute_slowdown"], data.get("op_overhead_s", 0.0),
+                   dict(data.get("meta", {})))
+
+
+# ------------------------------------------------------------------------------ micro-benchmark model
+def contended_pair(alone_compute_s: float, alone_comm_s: float, contention: Contention) -> tuple[float, float]:
+    """Forward model of the micro-benchmark: a compute load and one comm op start together at 0.
+
+    With ``C`` = ``alone_compute_s``, ``M' = alone_comm_s + δ`` (the op starts while compute runs),
+    ``a = 1 + σ_c``, ``m = 1 + σ_m``, both progress at the contended rates until one ends; the
+    survivor then runs alone at rate 1:
+
+    * ``M'·m <= C·a`` (comm ends first): ``T_m = M'·m``, ``T_c = T_m + C - T_m / a``;
+    * ``M'·m > C·a`` (compute ends first): ``T_c = C·a``, ``T_m = T_c + M' - T_c / m``.
+
+    This is :func:`simulate_contended` on that two-job instance.
+
+    Args:
+        alone_compute_s, alone_comm_s: seconds of each alone (>= 0).
+        contention: ``σ_m``, ``σ_c``, ``δ``.
+
+    Returns:
+        ``(loaded_compute_s, loaded_comm_s)``: seconds from the common start to each end.
+
+    Raises:
+        ValueError: if a time is negative or not finite.
+    """
+    C = _nonneg("alone_compute_s", alone_compute_s)
+    M = _nonneg("alone_comm_s", alone_comm_s) + contention.op_overhead_s
+    a, m = 1.0 + contention.compute_slowdown, 1.0 + contention.comm_slowdown
+    if M * m <= C * a:
+        Tm = M * m
+        return Tm + (C - Tm / a), Tm
+    Tc = C * a
+    return Tc, Tc + (M - Tc / m)
+
+
+def fit_contention(alone_compute_s: float, alone_comm_s: float, loaded_compute_s: float, loaded_comm_s: float,
+                   *, op_overhead_s: float = 0.0, max_slowdown: float = 100.0,
+                   meta: Mapping[str, Any] | None = None) -> Contention:
+    """``σ_m`` and ``σ_c`` from a micro-benchmark, by inverting :func:`contended_pair`.
+
+    The micro-benchmark: a compute load that takes ``C`` s alone and one communication op that
+    takes ``M`` s alone start together; they end ``T_c`` and ``T_m`` s after the start. With
+    ``M' = M + δ`` (``δ = op_overhead_s``, given, default 0: one message size cannot separate it
+    from ``σ_m``) and the processor-sharing model of the module docstring:
+
+    * **comm ends first** (``T_m < T_c``): the op ran contended throughout, ``T_m = M'(1 + σ_m)``,
+      and compute did ``T_m / (1 + σ_c)`` of its work by ``T_m`` and the rest alone,
+      ``T_c = T_m + C - T_m / (1 + σ_c)``. Hence::
+
+          σ_m = T_m / M' - 1,        σ_c = (T_c - C) / (T_m + C - T_c)
+
+    * **compute ends first** (``T_c <= T_m``): symmetrically ``T_c = C(1 + σ_c)`` and
+      ``T_m = T_c + M' - T_c / (1 + σ_m)``::
+
+          σ_c = T_c / C - 1,         σ_m = (T_m - M') / (T_c + M' - T_m)
+
+    (At ``T_c = T_m`` both cases give the same values.) Each result is clamped to
+    ``[0, max_slowdown]``: measurement noise can make a loaded time shorter than the alone one
+    (then 0), and a denominator ``<= 0`` means the other job made no progress at all, i.e. an
+    unbounded slowdown (then ``max_slowdown``). Clamped values are listed in ``meta["clamped"]``.
+
+    Args:
+        alone_compute_s: ``C``, seconds of the compute load alone (> 0).
+        alone_comm_s: ``M``, seconds of the op alone (> 0).
+        loaded_compute_s: ``T_c``, seconds from the common start to the end of compute (> 0).
+        loaded_comm_s: ``T_m``, seconds from the common start to the end of the op (> 0).
+        op_overhead_s: ``δ`` (>= 0), stored in the result.
+        max_slowdown: upper clamp of ``σ_m`` and ``σ_c`` (> 0).
+        meta: extra provenance merged into the result's ``meta``.
+
+    Returns:
+        A :class:`Contention`; ``meta`` holds the four input times, ``case``
+        (``"comm_first"``/``"compute_first"``) and ``clamped``.
+
+    Raises:
+        ValueError: naming the argument, if a time is not a finite number > 0, ``op_overhead_s``
+            is negative or ``max_slowdown`` is not > 0.
+    """
+    C = _positive("alone_compute_s", alone_compute_s)
+    M = _positive("alone_comm_s", alone_comm_s)
+    Tc = _positive("loaded_compute_s", loaded_compute_s)
+    Tm = _positive("loaded_comm_s", loaded_comm_s)
+    d = _nonneg("op_overhead_s", op_overhead_s)
+    cap = _positive("max_slowdown", max_slowdown)
+    Mp = M + d
+    if Tm < Tc:
+        case = "comm_first"
+        sm_raw = Tm / Mp - 1.0
+        den = Tm + C - Tc
+        sc_raw = (Tc - C) / den if den > 0 else math.inf
+    else:
+        case = "compute_first"
+        sc_raw = Tc / C - 1.0
+        den = Tc + Mp - Tm
+        sm_raw = (Tm - Mp) / den if den > 0 else math.inf
+    clamped = []
+    out = []
+    for name, v in (("comm_slowdown", sm_raw), ("compute_slowdown", sc_raw)):
+        c = min(max(v, 0.0), cap)
+        if c != v:
+            clamped.append(name)
+        out.append(c)
+    m = {"alone_compute_s": C, "alone_comm_s": M, "loaded_compute_s": Tc, "loaded_comm_s": Tm,
+         "case": case, "clamped": clamped, "source": "fit_contention"}
+    m.update(meta or {})
+    return Contention(out[0], out[1], d, m)
+
+
+# ------------------------------------------------------------------------------ the simulation
+@dataclass(frozen=True)
+class ContendedResult(SimResult):
+    """A :class:`~lightning_pipedap.plan.simulator.SimResult` of :func:`simulate_contended`.
+
+    Differences from :func:`simulate`'s result, all times in seconds, iteration-origin frame:
+
+    * ``compute`` intervals have their *contended* (wall) durations; ``compute_s`` is still the
+      uncontended ``Σ t_f + Σ t_b + t_update``;
+    * ``exposed_comm_s`` is the compute stream's idle time, the sum of the ``wait`` intervals, and
+      ``iteration_s = compute_busy_s + exposed_comm_s``;
+    * ``ops`` hold wall start/end times (``comm_busy_s``: their sum);
+    * ``bounds`` are the uncontended lower bounds of the schedule (still lower bounds).
+
+    Attributes:
+        contention: the model simulated.
+        compute_busy_s: wall seconds the compute stream is busy per iteration (>= ``compute_s``).
+    """
+
+    contention: Contention = field(default_factory=Contention.none)
+    compute_busy_s: float = 0.0
+
+    @property
+    def compute_stretch_s(self) -> float:
+        """Seconds per iteration that communication adds to compute: ``compute_busy_s - compute_s``."""
+        return self.compute_busy_s - self.compute_s
+
+
+class _Job:
+    """A job in progress: ``rem`` seconds of work left at time ``anchor``, progressing at ``rate``."""
+
+    __slots__ = ("anchor", "rem", "rate", "start", "item")
+
+    def __init__(self, t: float, work: float, item: object) -> None:
+        self.anchor, self.rem, self.rate, self.start, self.item = t, work, 1.0, t, item
+
+    def end(self) -> float:
+        return self.anchor + self.rem / self.rate
+
+    def set_rate(self, rate: float, t: float) -> None:
+        if rate != self.rate:  # re-base only on a change: uncontended jobs keep start + work exactly
+            self.rem = max(0.0, self.rem - (t - self.anchor) * self.rate)
+            self.anchor, self.rate = t, rate
+
+
+def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: Schedule,
+                       contention: Contention, *, compression: CompressionCost | None = None,
+                       channels: int = 1, world_size: int | None = None) -> ContendedResult:
+    """Steady-state iteration of ``schedule`` with compute/communication contention.
+
+    Discrete-event processor-sharing simulation of one period from a backward start to the next
+    (module docstring). Compute items, in order: the backward of layers ``L-1 .. 0``; then per
+    forward step: wait for the bucket's last op, the bucket's update share, the forward. Comm ops
+    run in list order per channel, each when its channel is free and its bucket is ready (RS/AR:
+    gradients complete and helper-lane compression done; AG: after its RS). Op costs (dense,
+    compressed, inline compression included) are those of :class:`Evaluator`.
+
+    Args:
+        profile: layers in forward order.
+        cost_model: op costs.
+        schedule: fusion + op list (+ compressed flags); validated against the profile.
+        contention: ``σ_m``, ``σ_c``, ``δ``; :meth:`Contention.none` reproduces :func:`simulate`.
+        compression: the compression cost, required when the schedule flags a bucket compressed.
+        channels: 1 or 2 (as :func:`simulate`: RS/AR on channel 0, AG on channel 1).
+        world_size: ranks, for ``collective="AG"`` compression (default ``cost_model.meta``).
+
+    Returns:
+        :class:`ContendedResult` (iteration time, op timings, compute intervals, helper lane,
+        exposed communication), in :func:`simulate`'s iteration-origin frame.
+
+    Raises:
+        TypeError: if ``contention`` is not a :class:`Contention`.
+        ValueError: if the schedule is not executable or does not fit the profile, ``channels``
+            is not 1 or 2, or compressed buckets have no ``compression``.
+        RuntimeError: if the simulation cannot make progress (an op list the validator accepted
+            but whose dependencies cannot be met; a bug).
+    """
+    if not isinstance(contention, Contention):
+        raise TypeError(f"contention must be a Contention, got {type(contention).__name__}")
+    schedule.validate(profile.num_layers)
+    ev = Evaluator(profile, cost_model, schedule.buckets, channels, compressed=schedule.compressed,
+                   compression=compression, world_size=world_size)
+    s_m, s_c, delta = contention.comm_slowdown, contention.compute_slowdown, contention.op_overhead_s
+    rate_m_loaded = 1.0 / (1.0 + s_m)
+    B, L = ev.B, profile.num_layers
+    layers = profile.layers
+
+    # compute items: ("backward", work, bucket, layers) ... then ("wait", b) / ("update", u, b) / ("forward", d, b, lay)
+    bucket_of = {i: b for b, bk in enumerate(ev.buckets) for i in bk}
+    first_of = {min(bk): b for b, bk in enumerate(ev.buckets)}  # bucket whose gradients are complete after layer
+    items: list[tuple] = [("backward", layers[i].t_b, bucket_of[i], (i,)) for i in range(L - 1, -1, -1)]
+    for b, u, d, lay in ev.steps:
+        items.append(("wait", b))
+        if u > 0:
+            items.append(("update", u, b, ()))
+        items.append(("forward", d, b, lay))
+
+    # helper lane: the Evaluator's order, durations not slowed
+    helper_order = [b for b, _, _ in ev.helper]
+    helper_cost = {b: compression.helper_s(ev.nbytes[b]) for b in helper_order} if compression is not None else {}
+    helper_pos, helper_free = 0, 0.0
+    helper_iv: list[tuple[int, float, float]] = []
+
+    queues: list[list[tuple[int, object]]] = [[] for _ in range(2)]
+    for idx, op in enumerate(schedule.ops):
+        queues[ev.chan[op_code(op)]].append((idx, op))
+    qpos = [0, 0]
+    cjobs: list[_Job | None] = [None, None]
+    grad_ready: list[float | None] = [None] * B
+    ready: list[float | None] = [None] * B
+    rs_end: list[float | None] = [None] * B
+    done: list[float | None] = [None] * B
+    timings: list[tuple[int, object, int, float, float] | None] = [None] * len(schedule.ops)
+    intervals: list[Interval] = []  # anchor frame (backward start = 0)
+
+    t = 0.0
+    ci = 0
+    cjob: _Job | None = None
+    wait_since: float | None = None
+    backward_end = 0.0
+
+    def compute_step() -> bool:
+        """Do one instantaneous compute transition at ``t``; False when nothing can happen."""
+        nonlocal ci, cjob, wait_since
+        if cjob is not None or ci >= len(items):
+            return False
+        it = items[ci]
+        if it[0] == "wait":
+            b = it[1]
+            if done[b] is None:
+                if wait_since is None:
+                    wait_since = t
+                return False
+            start = t if wait_since is None else wait_since
+            if done[b] > start:
+                intervals.append(Interval("wait", start, done[b], b))
+            wait_since = None
+            ci += 1
+            return True
+        cjob = _Job(t, it[1], it)
+        if it[1] == 0:  # zero work: ends now
+            finish_compute()
+        return True
+
+    def finish_compute() -> None:
+        nonlocal ci, cjob, helper_pos, helper_free, backward_end
+        job = cjob
+        assert job is not None
+        kind, _, b, lay = job.item
+        intervals.append(Interval(kind, job.start, t, b, lay))
+        cjob = None
+        ci += 1
+        if kind == "backward":
+            backward_end = t
+            fb = first_of.get(lay[0])
+            if fb is not None:
+                grad_ready[fb] = t
+                if fb not in helper_cost:  # else ready when its helper-lane compression ends
+                    ready[fb] = t
+                while helper_pos < len(helper_order) and grad_ready[helper_order[helper_pos]] is not None:
+                    hb = helper_order[helper_pos]
+                    gr = grad_ready[hb]
+                    s = helper_free if helper_free > gr else gr
+                    helper_free = s + helper_cost[hb]
+                    helper_iv.append((hb, s, helper_free))
+                    ready[hb] = helper_free
+                    helper_pos += 1
+
+    def channel_step(ch: int) -> bool:
+        """Start (or skip) the head op of channel ``ch`` at ``t`` if it can; True if something happened."""
+        if cjobs[ch] is not None or qpos[ch] >= len(queues[ch]):
+            return False
+        idx, op = queues[ch][qpos[ch]]
+        c = op_code(op)
+        k, b = ev.kind[c], op.bucket
+        if k == _K_SKIP:
+            timings[idx] = (idx, op, ch, t, t)
+            qpos[ch] += 1
+            return True
+        dep = rs_end[b] if k == _K_AG else ready[b]
+        if dep is None or dep > t:
+            return False
+        work = ev.cost[c]
+        if cjob is not None and delta > 0:
+            work += delta
+        job = _Job(t, work, (idx, op, ch, k))
+        cjobs[ch] = job
+        qpos[ch] += 1
+        if work == 0:
+            finish_op(ch)
+        return True
+
+    def finish_op(ch: int) -> None:
+        job = cjobs[ch]
+        assert job is not None
+        idx, op, _, k = job.item
+        timings[idx] = (idx, op, ch, job.start, t)
+        if k == _K_RS:
+            rs_end[op.bucket] = t
+        else:
+            done[op.bucket] = t
+        cjobs[ch] = None
+
+    period = None
+    guard = 0
+    max_events = 8 * (len(items) + len(schedule.ops)) + 64
+    while True:
+        # instantaneous transitions at t: compute first (so an op starting now sees whether compute runs)
+        progressed = True
+        while progressed:
+            progressed = compute_step()
+            if not progressed:
+                progressed = channel_step(0) or channel_step(1)
+        if ci >= len(items) and cjob is None:
+            period = t if period is None else period
+            if all(j is None for j in cjobs) and all(qpos[c] >= len(queues[c]) for c in range(2)):
+                break
+        # rates for the next interval
+        n_comm = sum(1 for j in cjobs if j is not None)
+        if cjob is not None:
+            cjob.set_rate(1.0 if n_comm == 0 else 1.0 / (1.0 + s_c * n_comm), t)
+        rm = rate_m_loaded if cjob is not None else 1.0
+        for j in cjobs:
+            if j is not None:
+                j.set_rate(rm, t)
+        # next event
+        cand = []
+        if cjob is not None:
+            cand.append(cjob.end())
+        for j in cjobs:
+            if j is not None:
+                cand.append(j.end())
+        for ch in range(2):
+            if cjobs[ch] is None and qpos[ch] < len(queues[ch]):
+                _, op = queues[ch][qpos[ch]]
+                k = ev.kind[op_code(op)]
+                dep = rs_end[op.bucket] if k == _K_AG else ready[op.bucket]
+                if dep is not None and dep > t:
+                    cand.append(dep)
+        guard += 1
+        if not cand or guard > max_events:
+            raise RuntimeError(f"contended simulation of {schedule.name!r} made no progress at t={t} s "
+                               f"(compute item {ci}/{len(items)}, channel heads {qpos}); this is a bug")
+        t = min(cand)
+        if cjob is not None and cjob.end() <= t:
+            finish_compute()
+        for ch in range(2):
+            j = cjobs[ch]
+            if j is not None and j.end() <= t:
+                finish_op(ch)
+
+    P = period
+    shift = P - backward_end  # anchor frame -> iteration-origin frame (forward start = 0)
+    fwd = [iv for iv in intervals if iv.kind != "backward"]
+    bwd = [iv for iv in intervals if iv.kind == "backward"]
+    compute = tuple(Interval(iv.kind, iv.start - backward_end, iv.end - backward_end, iv.bucket, iv.layers)
+                    for iv in fwd) + tuple(Interval(iv.kind, iv.start + shift, iv.end + shift, iv.bucket, iv.layers)
+                                           for iv in bwd)
+    ops = tuple(OpTiming(op, ch, s + shift, e + shift) for _, op, ch, s, e in timings)  # type: ignore[misc]
+    helper = tuple(Interval("compress", s + shift, e + shift, b) for b, s, e in helper_iv)
+    exposed = sum(iv.end - iv.start for iv in compute if iv.kind == "wait")
+    busy = sum(iv.end - iv.start for iv in compute if iv.kind != "wait")
+    return ContendedResult(
+        schedule=schedule, channels=channels, iteration_s=P, compute_s=profile.t_compute,
+        exposed_comm_s=exposed, comm_busy_s=sum(o.end - o.start for o in ops), ops=ops, compute=compute,
+        bounds=lower_bounds(profile, cost_model, schedule, channels=channels, compression=compression,
+                            world_size=world_size),
+        helper=helper, contention=contention, compute_busy_s=busy,
+    )

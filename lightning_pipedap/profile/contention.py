@@ -1,0 +1,167 @@
+"""Measure how compute and communication slow each other on the live group (the contention model).
+
+A micro-benchmark run on every rank of the group at the same time, in three phases separated by
+barriers so the ranks line up:
+
+(a) **compute alone**: a loop of ``k`` matrix multiplications (``matmul_size`` square, fp32) on
+    ``device``, on the calling thread, with the process's torch thread setting (the training's);
+    ``k`` is chosen so the loop lasts about as long as one all-reduce of ``nbytes`` alone;
+(b) **communication alone**: one all-reduce of ``nbytes`` on ``comm``
+    (:func:`lightning_pipedap.engine.collectives.all_reduce_`), on the calling thread;
+(c) **both together**: the all-reduce on a worker thread, released by an event right before the
+    compute loop starts; both durations are measured from that common start.
+
+Each phase runs ``repeats`` times (the median is kept), after one untimed all-reduce and matmul
+warm-up. The medians of all ranks are gathered and averaged, so every rank returns the same
+:class:`~lightning_pipedap.plan.contention.Contention`, fitted by
+:func:`~lightning_pipedap.plan.contention.fit_contention` (σ_m, σ_c; δ is not separable with one
+message size and is left at ``op_overhead_s``). Budget: about ``(1 + 4·repeats)`` all-reduce times
+plus barriers, e.g. ~1 s for 8 MiB at 1 Gbit/s with ``repeats=3``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+
+import torch
+
+from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.plan.contention import Contention, fit_contention
+
+__all__ = ["measure_contention"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 << 20, repeats: int = 3, *,
+                       matmul_size: int = 256, timeout_s: float = 120.0, op_overhead_s: float = 0.0,
+                       max_matmuls: int = 100_000) -> Contention:
+    """Run the micro-benchmark of the module docstring on every rank; return the fitted contention.
+
+    Must be called by every rank of ``comm`` at the same point (it issues collectives on ``comm``
+    and barriers / object gathers on the default group).
+
+    Args:
+        comm: the dedicated group (the engine's), whose all-reduce is timed.
+        device: device of the buffer and the matmul load (``cpu`` or ``cuda``; on CUDA the
+            all-reduce of phase (c) runs on a side stream).
+        nbytes: bytes of the all-reduced fp32 buffer (>= 4).
+        repeats: timed runs per phase (>= 1); the median is kept.
+        matmul_size: side of the square fp32 matrices of the compute load (>= 1).
+        timeout_s: timeout of every wait on the worker thread of phase (c), seconds (> 0).
+        op_overhead_s: ``δ`` to assume in the fit (seconds, >= 0).
+        max_matmuls: upper limit of the compute loop length ``k``.
+
+    Returns:
+        :class:`Contention` with ``meta``: the fitted (rank-averaged) times ``alone_compute_s``,
+        ``alone_comm_s``, ``loaded_compute_s``, ``loaded_comm_s`` (s), ``case``, ``clamped``,
+        ``per_rank`` (each rank's raw lists ``compute_alone_s``, ``comm_alone_s``,
+        ``compute_loaded_s``, ``comm_loaded_s``), ``nbytes``, ``repeats``, ``matmuls`` (``k``),
+        ``matmul_size``, ``backend``, ``world_size``, ``elapsed_s``.
+
+    Raises:
+        ValueError: naming the argument, for ``nbytes < 4``, ``repeats < 1``, ``matmul_size < 1``,
+            ``timeout_s <= 0`` or ``max_matmuls < 1``.
+        TimeoutError: if the all-reduce of phase (c) does not finish within ``timeout_s``.
+        RuntimeError: if that all-reduce raised (the original error is chained).
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
+        raise ValueError(f"nbytes must be an int >= 4 (one fp32 element), got {nbytes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if isinstance(matmul_size, bool) or not isinstance(matmul_size, int) or matmul_size < 1:
+        raise ValueError(f"matmul_size must be an int >= 1, got {matmul_size!r}")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    if isinstance(max_matmuls, bool) or not isinstance(max_matmuls, int) or max_matmuls < 1:
+        raise ValueError(f"max_matmuls must be an int >= 1, got {max_matmuls!r}")
+    t_begin = time.perf_counter()
+    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(matmul_size, matmul_size, generator=g).to(device)
+    b = torch.randn(matmul_size, matmul_size, generator=g).to(device)
+    out = torch.empty_like(a)
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def compute(k: int) -> None:
+        for _ in range(k):
+            torch.mm(a, b, out=out)
+
+    def timed(fn) -> float:
+        C.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - t0
+
+    # warm-up, then (b) the all-reduce alone and one matmul's time -> the loop length k (rank 0 decides)
+    C.all_reduce_(buf, comm)
+    compute(2)
+    comm_alone = [timed(lambda: C.all_reduce_(buf, comm)) for _ in range(repeats)]
+    _sync(device)
+    t0 = time.perf_counter()
+    compute(4)
+    _sync(device)
+    per_mm = max((time.perf_counter() - t0) / 4, 1e-9)
+    k = int(C.broadcast_object(min(max_matmuls, max(1, round(statistics.median(comm_alone) / per_mm))), src=0))
+
+    # (a) compute alone
+    compute_alone = [timed(lambda: compute(k)) for _ in range(repeats)]
+
+    # (c) both together, from a common start
+    compute_loaded: list[float] = []
+    comm_loaded: list[float] = []
+    for _ in range(repeats):
+        go = threading.Event()
+        box: dict = {}
+
+        def worker() -> None:
+            if not go.wait(timeout_s):
+                box["error"] = TimeoutError(f"contention benchmark: start signal not given within {timeout_s} s")
+                return
+            try:
+                if side is not None:
+                    with torch.cuda.stream(side):
+                        C.all_reduce_(buf, comm)
+                    side.synchronize()
+                else:
+                    C.all_reduce_(buf, comm)
+                box["end"] = time.perf_counter()
+            except BaseException as e:  # reported to the calling thread below
+                box["error"] = e
+
+        th = threading.Thread(target=worker, name="pipedap-contention-comm", daemon=True)
+        th.start()
+        C.barrier()
+        _sync(device)
+        start = time.perf_counter()
+        go.set()
+        compute(k)
+        _sync(device)
+        compute_loaded.append(time.perf_counter() - start)
+        th.join(timeout_s)
+        if th.is_alive():
+            raise TimeoutError(f"contention benchmark: the all-reduce of {nbytes} bytes on the {comm.backend} group "
+                               f"did not finish within {timeout_s} s")
+        if "error" in box:
+            raise RuntimeError(f"contention benchmark: the all-reduce of {nbytes} bytes failed") from box["error"]
+        comm_loaded.append(box["end"] - start)
+
+    raw = {"compute_alone_s": compute_alone, "comm_alone_s": comm_alone,
+           "compute_loaded_s": compute_loaded, "comm_loaded_s": comm_loaded}
+    per_rank = C.all_gather_object(raw)
+    mean = {key: statistics.fmean(statistics.median(r[key]) for r in per_rank) for key in raw}
+    return fit_contention(
+        mean["compute_alone_s"], mean["comm_alone_s"], mean["compute_loaded_s"], mean["comm_loaded_s"],
+        op_overhead_s=op_overhead_s,
+        meta={"per_rank": per_rank, "nbytes": nbytes, "repeats": repeats, "matmuls": k, "matmul_size": matmul_size,
+              "backend": comm.backend, "world_size": comm.world_size, "source": "measure_contention",
+              "elapsed_s": C.broadcast_object(time.perf_counter() - t_begin, src=0)},
+    )
