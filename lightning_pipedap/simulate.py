@@ -5,6 +5,8 @@ Usage::
     python -m lightning_pipedap.simulate --profile resnet50 --world-size 8
     python -m lightning_pipedap.simulate --profile my_profile.json --world-size 4 \\
         --alpha 1e-4 --beta 2e-10 --planner optimal --png gantt.png --trace trace.json
+    python -m lightning_pipedap.simulate --profile vgg16 --world-size 8 --compression powersgd \\
+        --compression-kwargs rank=4 --png vgg16_powersgd.png
     python -m lightning_pipedap.simulate --sweep --out docs/PLANNERS.md
 
 The profile is a file (our format or a PipeDAP reference profile) or the name of a shared profile
@@ -23,6 +25,20 @@ Gantt chart of two steady-state iterations per planner and ``--trace`` writes a 
 :mod:`lightning_pipedap.measure.timeline`, so simulated and measured timelines look the same
 (compute lane, communication lane, exposed communication shaded red).
 
+``--compression METHOD`` (a compressor name of :mod:`lightning_pipedap.compress`) adds, beside each
+planner's dense row, a row ``<planner>+<METHOD>`` planned with the compression cost: ``optimal``
+chooses which buckets to compress (never worse than dense), the other planners compress every
+bucket; the ``compressed`` column counts the compressed buckets and their gap % is against the
+lower bound with compression. Without a live process group the cost comes from one of two honest
+sources (:func:`build_compression_cost`): ``--compression-cost FILE`` (a JSON written by
+:meth:`~lightning_pipedap.plan.compression.CompressionCost.save`, e.g. ``--save-compression-cost``
+of an earlier run), or else it is *measured on this machine's CPU* with
+:func:`~lightning_pipedap.profile.compression_cost.measure_compression_cost` on synthetic fp32
+tensors of the profile's layer sizes (elements = layer bytes / 4; for ``powersgd`` each layer is one
+near-square matrix plus a 1-D remainder, since a profile has no parameter shapes), about
+``--compression-budget`` seconds. ``--compression-where helper`` (default) puts the compression on a
+helper lane beside compute (drawn in the Gantt chart and the trace), ``inline`` on the channel.
+
 ``--sweep`` reproduces Validation 1 of the planning issue (:func:`run_sweep`): every shared profile
 x {2, 4, 8} workers x beta x {1, 10, 30} with the reference convention (``alpha_beta.json``,
 RS = AG = T_AR / 2, no start-up sharing, fp32, one channel); it prints a Markdown table and, with
@@ -32,15 +48,18 @@ RS = AG = T_AR / 2, no start-up sharing, fp32, one channel); it prints a Markdow
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from lightning_pipedap.compress.compressors import get_compressor, valid_compressor_names
 from lightning_pipedap.measure.timeline import chrome_trace, gantt_panels_png
+from lightning_pipedap.plan.compression import WHERE, CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel, load_cost_model
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import ModelProfile, load_profile, shared_profiles_dir
@@ -90,18 +109,146 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
     return cm
 
 
-def format_table(results: dict[str, SimResult], bounds_best: float, bounds_text: str) -> str:
-    """Plain-text table of the results (times in ms)."""
+def format_table(results: dict[str, SimResult], bounds_best: float, bounds_text: str, *,
+                 row_bounds: Mapping[str, float] | None = None) -> str:
+    """Plain-text table of the results (times in ms).
+
+    Columns: planner (row name), buckets, ops, iteration ms, exposed communication ms, gap % to the
+    best lower bound (``row_bounds[name]`` when given for that row, else ``bounds_best``, seconds),
+    speedup over the ``no_overlap`` row, and, when any schedule carries compression flags, the
+    compressed buckets ``k/B`` (``-`` for dense rows).
+    """
     base = results.get("no_overlap")
-    head = f"{'planner':<11} {'buckets':>7} {'ops':>5} {'iter ms':>10} {'exposed ms':>10} {'gap %':>7} {'speedup':>8}"
+    width = max([11, *(len(n) for n in results)])
+    show_c = any(r.schedule.compressed is not None for r in results.values())
+    head = (f"{'planner':<{width}} {'buckets':>7} {'ops':>5} {'iter ms':>10} {'exposed ms':>10} {'gap %':>7} "
+            f"{'speedup':>8}" + (f" {'compressed':>10}" if show_c else ""))
     lines = [head, "-" * len(head)]
     for name, r in results.items():
-        gap = 100.0 * (r.iteration_s / bounds_best - 1.0) if bounds_best > 0 else 0.0
+        best = (row_bounds or {}).get(name, bounds_best)
+        gap = round(100.0 * (r.iteration_s / best - 1.0), 2) + 0.0 if best > 0 else 0.0  # + 0.0: no "-0.00"
         sp = f"{base.iteration_s / r.iteration_s:8.3f}" if base is not None else f"{'-':>8}"
-        lines.append(f"{name:<11} {len(r.schedule.buckets):>7} {len(r.schedule.ops):>5} {r.iteration_s * 1e3:>10.3f} "
-                     f"{r.exposed_comm_s * 1e3:>10.3f} {gap:>7.2f} {sp}")
+        line = (f"{name:<{width}} {len(r.schedule.buckets):>7} {len(r.schedule.ops):>5} {r.iteration_s * 1e3:>10.3f} "
+                f"{r.exposed_comm_s * 1e3:>10.3f} {gap:>7.2f} {sp}")
+        if show_c:
+            sch = r.schedule
+            line += f" {(f'{sch.num_compressed}/{len(sch.buckets)}' if sch.compressed is not None else '-'):>10}"
+        lines.append(line)
     lines.append(bounds_text)
     return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ compression
+def parse_compression_kwargs(text: str | None) -> dict[str, Any]:
+    """``"rank=4,start_step=0"`` -> ``{"rank": 4, "start_step": 0}``.
+
+    Values are Python literals (``4``, ``0.01``, ``True``; ``true``/``false`` also accepted); anything
+    else is kept as a string. The compressor validates names and values.
+
+    Raises:
+        ValueError: for an item without ``=`` or with an empty key, naming the item.
+    """
+    out: dict[str, Any] = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        if not item.strip():
+            continue
+        key, eq, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not key:
+            raise ValueError(f"--compression-kwargs item {item!r} is not key=value (e.g. rank=4,start_step=0)")
+        if value.lower() in ("true", "false"):
+            out[key] = value.lower() == "true"
+            continue
+        try:
+            out[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            out[key] = value
+    return out
+
+
+def synthetic_layer_shapes(profile: ModelProfile, method: str) -> list[list[tuple[int, ...]]]:
+    """Per profile layer, parameter shapes for timing ``method`` without the model (fp32 elements).
+
+    A layer of ``nbytes`` bytes has ``nbytes // 4`` elements (compression works on fp32 gradients).
+    For ``powersgd`` (whose cost depends on matrix shapes, which a profile does not record) the
+    layer becomes one near-square matrix ``[r, n // r]`` with ``r = isqrt(n)`` plus a 1-D remainder of
+    ``n - r * (n // r)`` elements; for the other methods one 1-D tensor ``[n]``. Layers with no
+    elements get no shapes.
+    """
+    shapes: list[list[tuple[int, ...]]] = []
+    for layer in profile.layers:
+        n = layer.nbytes // 4
+        if n < 1:
+            shapes.append([])
+        elif method == "powersgd":
+            r = math.isqrt(n)
+            c = n // r
+            shapes.append([(r, c)] + ([(n - r * c,)] if n - r * c else []))
+        else:
+            shapes.append([(n,)])
+    return shapes
+
+
+def build_compression_cost(args: argparse.Namespace, profile: ModelProfile) -> CompressionCost | None:
+    """The compression cost from the CLI arguments, or None without ``--compression``.
+
+    ``--compression-cost FILE`` is loaded (its method must be ``--compression``; ``--compression-where``
+    overrides its ``where``); otherwise the cost is measured on this machine's CPU on
+    :func:`synthetic_layer_shapes` of ``profile`` (module docstring) and, with
+    ``--save-compression-cost``, written to that file.
+
+    Raises:
+        ValueError: compression options without ``--compression``, bad ``--compression-kwargs`` (the
+            compressor names the valid keywords), a cost file of another method, kwargs given
+            together with a cost file (they would be ignored), ``--bytes-per-element`` other than 4,
+            or per-layer payloads that do not fit the profile.
+        FileNotFoundError: the cost file does not exist.
+    """
+    method = args.compression
+    if method is None:
+        given = [f for f in ("compression_cost", "compression_kwargs", "compression_where", "save_compression_cost")
+                 if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"{', '.join('--' + g.replace('_', '-') for g in given)} need --compression METHOD "
+                             f"(one of {', '.join(valid_compressor_names())})")
+        return None
+    if args.bytes_per_element != 4:
+        raise ValueError(f"--compression works on fp32 gradients (4 bytes per element); got --bytes-per-element "
+                         f"{args.bytes_per_element}")
+    kwargs = parse_compression_kwargs(args.compression_kwargs)
+    if args.compression_cost is not None and kwargs:
+        raise ValueError("--compression-kwargs has no effect with --compression-cost (the file's payload and "
+                         "times belong to the kwargs it was measured with); drop one of them")
+    get_compressor(method, **kwargs)  # validates names and values before any work
+    if args.compression_cost is not None:
+        cost = load_compression_cost(args.compression_cost)
+        if cost.method != method:
+            raise ValueError(f"{args.compression_cost} holds the cost of {cost.method!r}, but --compression is "
+                             f"{method!r}")
+        if args.compression_where is not None and args.compression_where != cost.where:
+            cost = replace(cost, where=args.compression_where)
+        source = f"loaded from {args.compression_cost}"
+    else:
+        from lightning_pipedap.profile.compression_cost import measure_compression_cost  # noqa: PLC0415  (torch work)
+
+        if args.compression_budget <= 0:
+            raise ValueError(f"--compression-budget must be > 0 seconds, got {args.compression_budget}")
+        cost = measure_compression_cost(method, kwargs, synthetic_layer_shapes(profile, method),
+                                        world_size=args.world_size, where=args.compression_where or "helper",
+                                        budget_s=args.compression_budget)
+        source = (f"measured on this CPU in {cost.meta.get('measure_s', 0.0):.2f} s on synthetic fp32 tensors of the "
+                  f"profile's layer sizes (R\u00b2 {cost.meta.get('r2', float('nan')):.3f}); GPU or helper-process "
+                  "timings differ")
+        if args.save_compression_cost:
+            cost.save(args.save_compression_cost)
+            source += f"; saved to {args.save_compression_cost}"
+    cost.check_layers(profile.num_layers)
+    print(f"compression {method} ({cost.where}): {cost.alpha_c_s * 1e6:.1f} us + {cost.beta_c_s_per_byte * 1e9:.4f} "
+          f"ns/byte, {cost.post_share:.0%} after the collective, payload via {cost.collective} x{cost.rounds}; "
+          f"{source}")
+    return cost
 
 
 # ------------------------------------------------------------------------------------ Validation 1
@@ -301,6 +448,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--png", help="write a Gantt chart PNG here (two iterations per planner)")
     ap.add_argument("--trace", help="write a Chrome trace JSON here (one process per planner)")
     ap.add_argument("--describe", action="store_true", help="also print each schedule's op list")
+    ap.add_argument("--compression", choices=valid_compressor_names(), metavar="METHOD",
+                    help="also plan with gradient compression: one of " + ", ".join(valid_compressor_names())
+                         + "; its cost comes from --compression-cost or is measured on this CPU on synthetic "
+                           "fp32 tensors of the profile's layer sizes")
+    ap.add_argument("--compression-kwargs", metavar="K=V,...", help="compressor keyword arguments, e.g. rank=4")
+    ap.add_argument("--compression-where", choices=WHERE,
+                    help="helper: compression on a helper lane beside compute (default); inline: on the channel")
+    ap.add_argument("--compression-cost", metavar="FILE", help="CompressionCost JSON (CompressionCost.save) "
+                                                               "instead of measuring")
+    ap.add_argument("--compression-budget", type=float, default=1.0,
+                    help="seconds the CPU measurement of the compressor may take (default 1)")
+    ap.add_argument("--save-compression-cost", metavar="FILE", help="write the measured compression cost here")
     ap.add_argument("--sweep", action="store_true",
                     help="Validation 1: every shared profile x {2,4,8} workers x beta x{1,10,30}, Markdown table")
     ap.add_argument("--out", help="with --sweep: write the table into this file between the sweep markers")
@@ -324,13 +483,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             get_planner(n)
         profile = load_profile(args.profile, repaired=args.repaired, bytes_per_element=args.bytes_per_element)
         cm = build_cost_model(args)
+        cost = build_compression_cost(args, profile)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = {}
+    N = args.world_size
+    results, row_bounds = {}, {}
+    lb_c = (lower_bounds(profile, cm, channels=args.channels, compression=cost, world_size=N)
+            if cost is not None else None)
     for n in names:
-        sched = get_planner(n)(profile, cm, args.world_size, channels=args.channels)
+        sched = get_planner(n)(profile, cm, N, channels=args.channels)
         results[n] = simulate(profile, cm, sched, channels=args.channels)
+        if cost is not None:
+            row = f"{n}+{args.compression}"
+            sched = get_planner(n)(profile, cm, N, channels=args.channels, compression=cost)
+            results[row] = simulate(profile, cm, sched, channels=args.channels, compression=cost, world_size=N)
+            row_bounds[row] = lb_c.best_s
     lb = lower_bounds(profile, cm, channels=args.channels)
     print(f"profile {profile.name}: {profile.num_layers} layers, {profile.total_bytes / 2**20:.1f} MiB, "
           f"forward {profile.t_forward * 1e3:.3f} ms, backward {profile.t_backward * 1e3:.3f} ms, "
@@ -340,7 +508,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     bounds = (f"lower bounds: compute {lb.compute_s * 1e3:.3f} ms, "
               f"sum max(compute, comm) {lb.sum_bound_s * 1e3:.3f} ms, window {lb.window_s * 1e3:.3f} ms "
               f"(layer {lb.window_layer}); gap % is against {lb.best_s * 1e3:.3f} ms")
-    print(format_table(results, lb.best_s, bounds))
+    if lb_c is not None:
+        bounds += (f"\nlower bounds with {args.compression} (any bucket dense or compressed): sum max(compute, comm) "
+                   f"{lb_c.sum_bound_s * 1e3:.3f} ms, window {lb_c.window_s * 1e3:.3f} ms (layer {lb_c.window_layer}); "
+                   f"gap % of the +{args.compression} rows is against {lb_c.best_s * 1e3:.3f} ms")
+    print(format_table(results, lb.best_s, bounds, row_bounds=row_bounds))
     if args.describe:
         for r in results.values():
             print(r.schedule.describe())

@@ -228,7 +228,7 @@ class PipeDAPStrategy(DDPStrategy):
         compression_kwargs: Optional[dict[str, Any]] = None,
         compression_mode: str = "process",
         compression_threads: int = 1,
-        plan_trials: int = 3,
+        plan_trials: int = 4,
         trial_steps: int = 3,
         model_contention: bool = True,
         accelerator: Optional[Any] = None,

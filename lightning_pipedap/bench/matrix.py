@@ -97,7 +97,7 @@ POWERSGD_RANK = 4
 POWERSGD_START = 2
 #: measured plan selection of ``pipedap-optimal``: candidates and measured steps per candidate
 #: (the strategy's defaults)
-PLAN_TRIALS, TRIAL_STEPS = 3, 3
+PLAN_TRIALS, TRIAL_STEPS = 4, 3
 PIPEDAP_PREFIX = "pipedap-"
 COMPRESS_SEP = "+"
 INLINE_SUFFIX = ":inline"
@@ -438,6 +438,9 @@ class VariantResult:
         trials: ``pipedap-optimal``: the measured plan selection, one dict per candidate schedule
             (name, describe, predicted_s, measured_s, chosen; :attr:`PipeDAPStrategy.trial_results`);
             the measured steps run the chosen one.
+        predictions: planned pipedap, rank 0: every prediction per candidate schedule name, s
+            (:attr:`PipeDAPStrategy.predictions`: α-β ``ab_s``, ``calibrated_s``, contention-aware
+            ``contended_s``, ``contended_calibrated_s``).
     """
 
     name: str
@@ -455,6 +458,7 @@ class VariantResult:
     compression_ratio: Optional[float] = None
     compressed_rounds: Optional[int] = None
     trials: list = field(default_factory=list)
+    predictions: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -861,7 +865,7 @@ def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
         lines += [f"Compression (over the measured steps, rank 0): {HIDDEN_NOTE}", "", comp_table, ""]
     trials = format_trials_table(cells)
     if trials:
-        lines += ["Measured plan selection (`PipeDAPStrategy(plan_trials=3)`, the default): each candidate ran "
+        lines += [f"Measured plan selection (`PipeDAPStrategy(plan_trials={PLAN_TRIALS})`, the default): each candidate ran "
                   f"{TRIAL_STEPS} measured steps during warm-up; the measured steps above ran the chosen one.", "",
                   trials, ""]
     return "\n".join(lines)
@@ -1209,6 +1213,7 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
         out["predicted_s"] = strategy.predicted_iteration_s
         out["plan"] = " | ".join(plan)
         out["trials"] = strategy.trial_results
+        out["predictions"] = strategy.predictions
         if spec["timeline"]:
             records = timer.records
             out["wait_s"], out["comm_busy_s"] = _timeline_summary(records, timer.starts[warmup], timer.starts[-1], n)

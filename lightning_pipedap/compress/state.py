@@ -19,12 +19,18 @@ A checkpoint holds every rank's state under one key (:data:`CHECKPOINT_KEY`, bui
 plain containers, ints, strings and CPU tensors are used, so ``torch.load(weights_only=True)``
 reads it. Residuals differ per rank (each rank's own compression error); PowerSGD's ``q`` and
 the step counters are identical on all ranks.
+
+A parameter that is now sent dense (warm-up/profiling steps, or a plan that stopped compressing its
+bucket) must not keep its residual waiting for a compression that may never come: the strategy takes
+it out with :func:`split_residuals` and the engine adds it once to the parameter's next gradient
+(``CommEngine.carry_to_next_gradient``); one not yet used when the engine is replaced or a
+checkpoint is written goes back in with :func:`add_residuals`.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -137,6 +143,83 @@ def import_state(saved: dict[str, Any], states: Sequence[BucketState], layouts: 
                 st.residual[off : off + math.prod(shape)].copy_(p["residual"].reshape(-1))
             st.param_tensors[slot] = {k: t.clone() for k, t in p["tensors"].items()}
     return sorted(fresh)
+
+
+def split_residuals(saved: dict[str, Any] | None,
+                    names: Iterable[str]) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
+    """Take the error-feedback residuals of parameters ``names`` out of a state (:func:`export_state` format).
+
+    For parameters that are now sent dense: their residual (what earlier compressions of this rank
+    left out, in the units of the bucket gradient, i.e. local gradient / world size) must be added
+    once to their next gradient instead of waiting in the compression state for a compression that
+    may never come. Residuals that are exactly zero are dropped (nothing to deliver).
+
+    Args:
+        saved: the state, or None (nothing to take).
+        names: parameter names to take the residual of; names without saved state are skipped.
+
+    Returns:
+        ``(state, residuals)``: a copy of ``saved`` whose entries for those names have
+        ``"residual": None`` (step counters and method tensors kept; ``saved`` itself is not
+        modified), and ``{name: flat fp32 residual}`` of the non-zero ones.
+    """
+    if saved is None:
+        return None, {}
+    params = dict(saved["params"])
+    taken: dict[str, torch.Tensor] = {}
+    for name in names:
+        entry = params.get(name)
+        if entry is None or entry.get("residual") is None:
+            continue
+        res = entry["residual"]
+        params[name] = {**entry, "residual": None}
+        if bool(res.ne(0).any()):
+            taken[name] = res.reshape(-1)
+    return {**saved, "params": params}, taken
+
+
+def add_residuals(saved: dict[str, Any] | None, residuals: Mapping[str, torch.Tensor],
+                  shapes: Mapping[str, Sequence[int]], compressor: str,
+                  kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """Put residuals back into a state (:func:`export_state` format), adding to any saved residual.
+
+    The inverse direction of :func:`split_residuals`, for residuals that were meant to be added to
+    a dense gradient but were not yet when the engine was replaced or a checkpoint was taken: the
+    next compressing engine then compensates them (or the next dense one adds them).
+
+    Args:
+        saved: the state, or None (a new one for ``compressor`` and ``kwargs`` is made when there
+            is something to add).
+        residuals: parameter name -> residual (``numel`` elements, flattened, fp32 CPU copies kept).
+        shapes: parameter name -> shape, for names not yet in ``saved``.
+        compressor, kwargs: the compressor of a new state.
+
+    Returns:
+        a new state (``saved`` is not modified), or ``saved`` itself when ``residuals`` is empty.
+
+    Raises:
+        ValueError: a residual whose element count differs from the parameter's (naming both), or a
+            name without a shape.
+    """
+    if not residuals:
+        return saved
+    base = saved if saved is not None else {"version": STATE_VERSION, "compressor": compressor,
+                                            "kwargs": dict(kwargs), "params": {}}
+    params = dict(base["params"])
+    for name, res in residuals.items():
+        entry = params.get(name)
+        if entry is None:
+            if name not in shapes:
+                raise ValueError(f"no shape for parameter {name!r}; cannot add its residual to the compression state")
+            entry = {"shape": [int(d) for d in shapes[name]], "step": 0, "residual": None, "tensors": {}}
+        n = math.prod(entry["shape"])
+        if res.numel() != n:
+            raise ValueError(f"parameter {name!r}: residual has {res.numel()} elements, the parameter "
+                             f"{tuple(entry['shape'])} has {n}")
+        flat = res.detach().reshape(-1).to("cpu", torch.float32, copy=True)
+        old = entry["residual"]
+        params[name] = {**entry, "residual": flat if old is None else old.reshape(-1).to(torch.float32) + flat}
+    return {**base, "params": params}
 
 
 def checkpoint_entry(per_rank: Sequence[dict[str, Any] | None], compressor: str, kwargs: dict[str, Any],

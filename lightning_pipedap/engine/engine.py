@@ -89,6 +89,7 @@ class CommEngine:
         self._submit_at_ready = getattr(pipeline, "mode", "process") != "inline"
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)
+        self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
         self._remaining = [0] * len(self.buckets)
         nb = len(self.buckets)
         self._ready = [threading.Event() for _ in range(nb)]
@@ -170,11 +171,58 @@ class CommEngine:
         self._got[param_index] = True
         b, slot = self._slot_of[param_index]
         bucket = self.buckets[b]
-        torch.div(grad, self.comm.world_size, out=bucket.grad_view(slot))
+        view = bucket.grad_view(slot)
+        torch.div(grad, self.comm.world_size, out=view)
+        if self._carry:
+            extra = self._carry.pop(param_index, None)
+            if extra is not None:  # once: see carry_to_next_gradient
+                view.add_(extra.view(view.shape).to(view.dtype))
         bucket.flags[slot] = 1
         self._remaining[b] -= 1
         if self._remaining[b] == 0:
             self._mark_ready(b)
+
+    def carry_to_next_gradient(self, values: dict[int, torch.Tensor]) -> None:
+        """Add ``values[i]`` once to parameter ``i``'s next gradient in its bucket, before communication.
+
+        For error-feedback residuals of parameters that are now sent dense (a re-plan, or warm-up
+        steps, stopped compressing them): the residual is what earlier compressions of this rank
+        left out, so it must reach the other ranks exactly once (error feedback: Seide et al. 2014;
+        Karimireddy et al. 2019). Units are those of the bucket: the local gradient divided by the
+        world size (what :meth:`grad_ready` writes and the compressors compensate), so no scaling is
+        applied here. A value is added in :meth:`grad_ready` of a round where the parameter has a
+        local gradient, then dropped; one still waiting when the engine is replaced is returned by
+        :meth:`take_carried`. Values for the same parameter accumulate. Call between rounds.
+
+        Args:
+            values: engine parameter index -> tensor of that parameter's ``numel`` elements (any
+                shape, any float dtype; stored as a flat fp32 copy on the bucket's device).
+
+        Raises:
+            ValueError: for an index out of range or a tensor with the wrong number of elements.
+        """
+        for i, v in values.items():
+            if not (isinstance(i, int) and i in self._slot_of):
+                raise ValueError(f"carry_to_next_gradient: parameter index {i!r} out of range; valid: "
+                                 f"0..{len(self._got) - 1}")
+            b, slot = self._slot_of[i]
+            n = self.buckets[b].params[slot].numel()
+            if v.numel() != n:
+                raise ValueError(f"carry_to_next_gradient: parameter {i} has {n} elements, the value has {v.numel()}")
+            flat = v.detach().reshape(-1).to(device=self.buckets[b].buffer.device, dtype=torch.float32, copy=True)
+            old = self._carry.get(i)
+            self._carry[i] = flat if old is None else old.add_(flat)
+
+    def take_carried(self, clear: bool = True) -> dict[int, torch.Tensor]:
+        """Values of :meth:`carry_to_next_gradient` not added yet (flat fp32, by parameter index).
+
+        With ``clear`` (default) they are removed from the engine (the caller takes them over, e.g.
+        to hand them to the next engine); ``clear=False`` returns copies and keeps them (checkpoints).
+        """
+        if clear:
+            out, self._carry = self._carry, {}
+            return out
+        return {i: v.clone() for i, v in self._carry.items()}
 
     def finish_backward(self) -> None:
         """Mark every incomplete bucket ready; parameters that got no gradient contribute zeros, flag 0."""

@@ -40,13 +40,15 @@ variable part (:meth:`CompressionCost.channel_terms`); the simulator's lower bou
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from lightning_pipedap.plan.cost_model import CostModel, fit_alpha_beta
 
-__all__ = ["COLLECTIVES", "WHERE", "CompressionCost", "fit_compression_cost"]
+__all__ = ["COLLECTIVES", "WHERE", "CompressionCost", "fit_compression_cost", "load_compression_cost"]
 
 COMPRESSION_COST_FORMAT = "lightning_pipedap.compression_cost"
 COMPRESSION_COST_VERSION = 1
@@ -251,6 +253,29 @@ class CompressionCost:
             extra_allreduces=data.get("extra_allreduces", 0), method=data.get("method", "custom"),
             meta=dict(data.get("meta", {})),
         )
+
+    def save(self, path: str | Path) -> Path:
+        """Write the cost as JSON (:meth:`to_dict`) to ``path``; return the path."""
+        p = Path(path)
+        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return p
+
+
+def load_compression_cost(path: str | Path) -> CompressionCost:
+    """Read a compression cost written by :meth:`CompressionCost.save`.
+
+    Raises:
+        FileNotFoundError: if the file does not exist.
+        ValueError: if it is not JSON or not a compression cost file (naming the format found).
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p} is not JSON ({e}); expected a file written by CompressionCost.save") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{p} holds a JSON {type(data).__name__}, expected a compression cost object")
+    return CompressionCost.from_dict(data)
 
 
 def fit_compression_cost(samples: Sequence[tuple[float, float, float]], *, payload_ratio: float = 1.0,
