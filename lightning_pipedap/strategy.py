@@ -100,6 +100,7 @@ class _Trial:
     index: int = 0
     starts: list[float] = field(default_factory=list)  # perf_counter at each step start of the current candidate
     measured_s: list[float] = field(default_factory=list)
+    gaps_s: list[list[float]] = field(default_factory=list)  # per candidate: every step interval, settling one first
 
 
 @dataclass
@@ -321,7 +322,7 @@ class PipeDAPStrategy(DDPStrategy):
         #: the measured :class:`~lightning_pipedap.plan.contention.Contention` (None before, or when off)
         self.contention: Optional[Any] = None
         self.trial_steps = trial_steps
-        #: measured plan selection of the last plan: one dict per candidate (name, describe,
+        #: measured plan selection of the last plan: one dict per candidate (name, describe, steps_s,
         #: predicted_s, measured_s, chosen); empty when no trial ran
         self.trial_results: list[dict[str, Any]] = []
         #: ``Schedule.describe()`` of the last schedule training ran with (None before the first)
@@ -710,8 +711,9 @@ class PipeDAPStrategy(DDPStrategy):
         tr.starts.append(time.perf_counter())
         if len(tr.starts) < self.trial_steps + 2:  # the first interval after a switch settles, not counted
             return
-        gaps = [b - a for a, b in zip(tr.starts[1:-1], tr.starts[2:])]
-        tr.measured_s.append(statistics.median(gaps))
+        gaps = [b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])]
+        tr.gaps_s.append(gaps)
+        tr.measured_s.append(statistics.median(gaps[1:]))
         self._apply_all("flush")  # the previous step's updates, before the engine changes
         if len(tr.measured_s) < len(tr.schedules):
             tr.index += 1
@@ -723,7 +725,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._trial = None
         self.trial_results = [
             {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
-             "chosen": i == best, **self.predictions.get(s.name, {})}
+             "chosen": i == best, "steps_s": tr.gaps_s[i], **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
         rank_zero_info("pipedap: measured candidates: " + "; ".join(

@@ -98,6 +98,8 @@ POWERSGD_START = 2
 #: measured plan selection of ``pipedap-optimal``: candidates and measured steps per candidate
 #: (the strategy's defaults)
 PLAN_TRIALS, TRIAL_STEPS = 4, 3
+#: ``--quick``: measured steps per candidate (the 60 s budget of the headline cell)
+QUICK_TRIAL_STEPS = 2
 PIPEDAP_PREFIX = "pipedap-"
 COMPRESS_SEP = "+"
 INLINE_SUFFIX = ":inline"
@@ -228,19 +230,19 @@ def plan_trials(name: str) -> int:
         and sp.compressor is None else 1
 
 
-def extra_warmup_steps(name: str) -> int:
+def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS) -> int:
     """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
     whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
     in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
     every measured step is compressed; with measured plan selection (:func:`plan_trials` > 1), the
-    trial steps (``(TRIAL_STEPS + 1)`` per candidate); 0 otherwise.
+    trial steps (``trial_steps + 1`` per candidate); 0 otherwise.
 
     Raises:
         ValueError: a bad name (see :func:`parse_strategy`).
     """
     extra = POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
     trials = plan_trials(name)
-    return extra + (trials * (TRIAL_STEPS + 1) if trials > 1 else 0)
+    return extra + (trials * (trial_steps + 1) if trials > 1 else 0)
 
 
 def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
@@ -866,7 +868,7 @@ def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
     trials = format_trials_table(cells)
     if trials:
         lines += [f"Measured plan selection (`PipeDAPStrategy(plan_trials={PLAN_TRIALS})`, the default): each candidate ran "
-                  f"{TRIAL_STEPS} measured steps during warm-up; the measured steps above ran the chosen one.", "",
+                  f"{TRIAL_STEPS} measured steps (quick mode: {QUICK_TRIAL_STEPS}) during warm-up; the measured steps above ran the chosen one.", "",
                   trials, ""]
     return "\n".join(lines)
 
@@ -1187,7 +1189,8 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
     from lightning_pipedap import PipeDAPStrategy
 
     steps = steps or spec["steps"]
-    warmup = spec["warmup"] + extra_warmup_steps(name)
+    trial_steps = spec.get("trial_steps", TRIAL_STEPS)
+    warmup = spec["warmup"] + extra_warmup_steps(name, trial_steps)
     kw = dict(devices=1, num_nodes=world)
     sp = parse_strategy(name)
     if sp.family == "ddp":
@@ -1202,7 +1205,7 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
         comp = {} if sp.compressor is None else dict(compression=sp.compressor, compression_mode=sp.mode,
                                                       compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
         strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice,
-                                   plan_trials=plan_trials(name), trial_steps=TRIAL_STEPS, **comp)
+                                   plan_trials=plan_trials(name), trial_steps=trial_steps, **comp)
         strategy.timeline_enabled = bool(spec["timeline"])
     timer, _ = _fit(spec, strategy, ds, warmup + steps, kw)
     plan = _PLAN_LOG.take() if _PLAN_LOG is not None else []
@@ -1333,7 +1336,7 @@ def worker(spec: dict) -> dict:
     rank = int(os.environ["RANK"])
     spec = dict(spec, world=world)
     _, _, make_batch = build_net(spec["model"], spec["size"])
-    total = spec["warmup"] + max(map(extra_warmup_steps, spec["strategies"])) + max(spec["steps"], spec["sweep_steps"])
+    total = spec["warmup"] + max(extra_warmup_steps(n, spec.get("trial_steps", TRIAL_STEPS)) for n in spec["strategies"]) + max(spec["steps"], spec["sweep_steps"])
     n = spec["batch"] * (total + 1) * world
     g = torch.Generator().manual_seed(1234)
     ds = TensorDataset(*make_batch(n, g))
@@ -1423,6 +1426,7 @@ def run_cell(model: str, link: str, ranks: int, args: argparse.Namespace) -> Cel
     spec = dict(model=model, size=args.size, batch=batch, steps=args.steps, warmup=args.warmup,
                 strategies=list(args.strategies), ddp_bucket_mb=list(args.ddp_bucket_mb), sweep_steps=args.sweep_steps,
                 repeats=args.repeats, quick=bool(args.quick),
+                trial_steps=QUICK_TRIAL_STEPS if args.quick else TRIAL_STEPS,
                 threads=args.threads, watts=args.watts, timeline=bool(args.timeline), link=link,
                 timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)
     rate = None if link == "none" else link
