@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import threading
 import subprocess
 import time
 import uuid
@@ -25,6 +26,14 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 __all__ = ["Testbed", "TestbedUnavailable", "testbed_available"]
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM while a :class:`Testbed` is up (so its clean-up runs)."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(128 + signum)
 
 
 class TestbedUnavailable(RuntimeError):
@@ -87,15 +96,29 @@ class Testbed:
         if not ok:
             raise TestbedUnavailable(why)
         self._old_sigint = signal.getsignal(signal.SIGINT)
+        self._old_sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            # SIGTERM (``timeout``, ``kill``, a batch scheduler) would end the interpreter without running
+            # ``__exit__``: turn it into an exception so the namespaces, links and bridge are removed
+            self._old_sigterm = signal.signal(signal.SIGTERM, _raise_terminated)
         try:
             self._create()
         except BaseException:
             self.cleanup()
+            self._restore_sigterm()
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.cleanup()
+        try:
+            self.cleanup()
+        finally:
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     def _create(self) -> None:
         br = f"{self.prefix}br"

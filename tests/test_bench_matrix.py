@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -401,3 +402,32 @@ def test_trials_table_and_cpu_aware_bound():
     assert M.CellResult.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))).variants[0].trials == trials
     c.allreduce_cpu_s = None
     assert c.cpu_bound_s is None and M.format_trials_table([M.CellResult(**{**dataclasses.asdict(c), "variants": []})]) == ""
+
+
+def test_testbed_cleans_up_on_sigterm():
+    """``timeout``/``kill`` send SIGTERM: the testbed must still remove its namespaces, links and bridge."""
+    import signal
+
+    from lightning_pipedap.testbed import testbed_available
+
+    ok, why = testbed_available()
+    if not ok:
+        pytest.skip(why)
+    import uuid
+
+    prefix = "pd" + uuid.uuid4().hex[:4]  # the testbed's own naming: "pd" + hex
+    code = ("import time\nfrom lightning_pipedap.testbed import Testbed\n"
+            f"with Testbed(hosts=2, rate='1gbit', prefix={prefix!r}):\n"
+            "    print('up', flush=True)\n    time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "up"
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"{prefix}h0" in names and f"{prefix}h1" in names
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 128 + signal.SIGTERM
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert prefix not in subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
