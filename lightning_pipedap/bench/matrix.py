@@ -443,6 +443,8 @@ class VariantResult:
         predictions: planned pipedap, rank 0: every prediction per candidate schedule name, s
             (:attr:`PipeDAPStrategy.predictions`: α-β ``ab_s``, ``calibrated_s``, contention-aware
             ``contended_s``, ``contended_calibrated_s``).
+        all_steps_ms: every start-to-start interval of the run, warm-up included, ms (rank 0), for
+            looking at noise and at the warm-up phases (trace, profile, trials).
     """
 
     name: str
@@ -461,6 +463,7 @@ class VariantResult:
     compressed_rounds: Optional[int] = None
     trials: list = field(default_factory=list)
     predictions: dict = field(default_factory=dict)
+    all_steps_ms: list = field(default_factory=list)
 
 
 @dataclass
@@ -1211,7 +1214,8 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
     plan = _PLAN_LOG.take() if _PLAN_LOG is not None else []
     med, n = median_step_s(timer.starts, warmup)
     energy = (timer.joules[-1] - timer.joules[warmup]) / n
-    out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression}
+    out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression,
+                           "all_steps_ms": [round((b - a) * 1e3, 1) for a, b in zip(timer.starts[:-1], timer.starts[1:])]}
     if isinstance(strategy, PipeDAPStrategy):
         out["predicted_s"] = strategy.predicted_iteration_s
         out["plan"] = " | ".join(plan)
