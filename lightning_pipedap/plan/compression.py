@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from lightning_pipedap.plan._jsonfile import check_header, save_json
 from lightning_pipedap.plan.cost_model import CostModel, fit_alpha_beta
 
 __all__ = ["COLLECTIVES", "WHERE", "CompressionCost", "fit_compression_cost", "load_compression_cost"]
@@ -235,15 +236,8 @@ class CompressionCost:
         Raises:
             ValueError: for another format tag or version, a missing field, or an invalid value.
         """
-        if data.get("format") != COMPRESSION_COST_FORMAT:
-            raise ValueError(f"not a compression cost: format is {data.get('format')!r}, "
-                             f"expected {COMPRESSION_COST_FORMAT!r}")
-        if data.get("version") != COMPRESSION_COST_VERSION:
-            raise ValueError(f"unsupported compression cost version {data.get('version')!r}; "
-                             f"valid: {COMPRESSION_COST_VERSION}")
-        missing = [k for k in ("alpha_c_s", "beta_c_s_per_byte") if k not in data]
-        if missing:
-            raise ValueError(f"compression cost lacks {missing}")
+        check_header(data, COMPRESSION_COST_FORMAT, COMPRESSION_COST_VERSION, "compression cost",
+                     ("alpha_c_s", "beta_c_s_per_byte"))
         lpb = data.get("layer_payload_bytes")
         return cls(
             alpha_c_s=data["alpha_c_s"], beta_c_s_per_byte=data["beta_c_s_per_byte"],
@@ -256,9 +250,7 @@ class CompressionCost:
 
     def save(self, path: str | Path) -> Path:
         """Write the cost as JSON (:meth:`to_dict`) to ``path``; return the path."""
-        p = Path(path)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        return save_json(self, path)
 
 
 def load_compression_cost(path: str | Path) -> CompressionCost:

@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from lightning_pipedap.plan._jsonfile import check_header
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.profile import ModelProfile
@@ -128,14 +129,8 @@ class Contention:
         Raises:
             ValueError: for another format tag or version, a missing field, or an invalid value.
         """
-        if data.get("format") != CONTENTION_FORMAT:
-            raise ValueError(f"not a contention model: format is {data.get('format')!r}, "
-                             f"expected {CONTENTION_FORMAT!r}")
-        if data.get("version") != CONTENTION_VERSION:
-            raise ValueError(f"unsupported contention version {data.get('version')!r}; valid: {CONTENTION_VERSION}")
-        missing = [k for k in ("comm_slowdown", "compute_slowdown") if k not in data]
-        if missing:
-            raise ValueError(f"contention model lacks {missing}")
+        check_header(data, CONTENTION_FORMAT, CONTENTION_VERSION, "contention model",
+                     ("comm_slowdown", "compute_slowdown"))
         return cls(data["comm_slowdown"], data["compute_slowdown"], data.get("op_overhead_s", 0.0),
                    dict(data.get("meta", {})))
 

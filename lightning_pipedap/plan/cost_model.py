@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from lightning_pipedap.plan._jsonfile import check_header, save_json
 from lightning_pipedap.schedule import OpKind
 
 __all__ = ["AlphaBeta", "CostModel", "fit_alpha_beta", "fit_cost_model", "load_cost_model"]
@@ -277,10 +278,7 @@ class CostModel:
         Raises:
             ValueError: if the format tag, version or a primitive is missing or wrong.
         """
-        if data.get("format") != COST_MODEL_FORMAT:
-            raise ValueError(f"not a cost model file: format is {data.get('format')!r}, expected {COST_MODEL_FORMAT!r}")
-        if data.get("version") != COST_MODEL_VERSION:
-            raise ValueError(f"unsupported cost model version {data.get('version')!r}; valid: {COST_MODEL_VERSION}")
+        check_header(data, COST_MODEL_FORMAT, COST_MODEL_VERSION, "cost model file")
         prims = data.get("primitives", {})
         missing = [k.value for k in _KINDS if k.value not in prims]
         if missing:
@@ -290,9 +288,7 @@ class CostModel:
 
     def save(self, path: str | Path) -> Path:
         """Write the model as JSON to ``path``; return the path."""
-        p = Path(path)
-        p.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        return p
+        return save_json(self, path)
 
 
 def load_cost_model(path: str | Path) -> CostModel:
