@@ -629,6 +629,7 @@ class PipeDAPStrategy(DDPStrategy):
         """Rank 0 plans from the median profile (and picks trial candidates); every rank installs the result."""
         plan = None
         if self.global_rank == 0:
+            self.predictions = {}
             self._calibrate()
             lm = self.lightning_module
             names = {id(m): n or "<root>" for n, m in lm.named_modules()}
