@@ -298,14 +298,14 @@ def run_val_ckpt_case() -> dict[str, float]:
     return {"dear": max_diff(busy, plain)}
 
 
-def _resume(strategy_factory: Callable[[], Any]) -> float:
+def _resume(strategy_factory: Callable[[], Any], at: int = 8) -> float:
     kw = {"opt": "adamw", "sched": "step"}
     full = train("mlp", kw, {}, strategy_factory())
     with tempfile.TemporaryDirectory() as d:
         d = _shared_dir(d)
-        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=8, save_top_k=-1, filename="mid-{step}")
-        train("mlp", kw, {}, strategy_factory(), callbacks=[cb], max_steps=8, root_dir=d)
-        path = os.path.join(d, "mid-step=8.ckpt")
+        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=at, save_top_k=-1, filename="mid-{step}")
+        train("mlp", kw, {}, strategy_factory(), callbacks=[cb], max_steps=at, root_dir=d)
+        path = os.path.join(d, f"mid-step={at}.ckpt")
         resumed = train("mlp", kw, {}, strategy_factory(), ckpt_path=path, root_dir=d)
     return max_diff(resumed, full)
 
@@ -346,7 +346,14 @@ def run_compression_case() -> dict[str, float]:
     return res
 
 
-SPECIAL = {"plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+def run_resume_boundary_case() -> dict[str, float]:
+    """Stop at an epoch boundary (step 6 = end of epoch 0) and at step 12 (end of epoch 1), DeAR and DDP."""
+    return {"dear_6": _resume(lambda: PipeDAPStrategy(schedule="dear"), at=6),
+            "dear_12": _resume(lambda: PipeDAPStrategy(schedule="dear"), at=12),
+            "ddp_6": _resume(lambda: "ddp", at=6), "ddp_12": _resume(lambda: "ddp", at=12)}
+
+
+SPECIAL = {"resume_epoch_boundary": run_resume_boundary_case, "plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 
 def main(out_path: str, names: list[str]) -> None:

@@ -111,3 +111,15 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
     # same seed and data: both schedules apply the same averaged gradients, so the same model
     assert res[1]["val_acc"] == pytest.approx(res[0]["val_acc"], abs=1e-6)
     assert res[1]["val_loss"] == pytest.approx(res[0]["val_loss"], rel=1e-5)
+
+
+def test_multirun_with_the_default_sweep_dir(tmp_path):
+    """The README's form (no hydra.sweep.dir): the sweep lands under <launch dir>/logs/train/multiruns."""
+    proc, marker = _run(["-m", "strategy=ddp", *TINY], tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    runs = os.listdir(tmp_path / "logs" / "train" / "multiruns")
+    assert len(runs) == 1
+    sweep = tmp_path / "logs" / "train" / "multiruns" / runs[0]
+    assert json.loads((sweep / "0" / "results.json").read_text())["output_dir"] == str(sweep / "0")
+    assert (sweep / "sweep_summary.csv").is_file()
+    assert _processes_with(marker) == []

@@ -9,6 +9,8 @@ before anything is instantiated or any process is started.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -133,6 +135,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for (group, name), node in _SCHEMAS.items():
         cs.store(group=group, name=name, node=node)
+    if not OmegaConf.has_resolver("pipedap.launch_dir"):
+        # the launch directory; ${hydra:runtime.cwd} is not set yet when a multirun resolves
+        # hydra.sweep.dir, and $PWD is not updated by subprocess.run(cwd=...)
+        OmegaConf.register_new_resolver("pipedap.launch_dir", os.getcwd)
 
 
 def validate(cfg: DictConfig) -> None:
