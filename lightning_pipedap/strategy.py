@@ -269,6 +269,13 @@ class PipeDAPStrategy(DDPStrategy):
                                  ("plan_trials", plan_trials, 1), ("trial_steps", trial_steps, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, value in (("calibrate_cost_model", calibrate_cost_model), ("model_contention", model_contention),
+                            ("defer_update", defer_update), ("cost_model_cache", cost_model_cache)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if compression is None and (compression_kwargs or compression_mode != "process"):
+            raise ValueError(f"compression_kwargs={compression_kwargs!r} / compression_mode={compression_mode!r} "
+                             "need a compression method; set compression= to one of the valid names")
         if not isinstance(replan_margin, (int, float)) or replan_margin <= 0:
             raise ValueError(f"replan_margin must be a positive fraction (0.5 = 50%), got {replan_margin!r}")
         if compression is not None:
@@ -1092,7 +1099,7 @@ class PipeDAPStrategy(DDPStrategy):
             if any(s is not None for s in per_rank):
                 checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, self.compression, self.compression_kwargs,
                                                               self.world_size)
-        if self._phase == "run":
+        if self._phase == "run" and self._trial is None:  # mid-trial: no final plan yet, a resume plans again
             checkpoint[PLAN_KEY] = self._plan_state()
 
     def _param_names(self) -> dict[int, str]:

@@ -160,3 +160,15 @@ def test_schema_types_the_strategy_node():
     cfg = _compose()
     obj = OmegaConf.to_object(cfg.strategy)
     assert type(obj).__name__ == "PipeDAPStrategyConf" and obj.bucket_cap_mb == 25.0
+
+
+def test_strategy_node_has_the_planning_options():
+    """plan_trials, trial_steps, model_contention, calibrate_cost_model, train_thread_nice are schema keys
+    (no '+strategy.X=' needed), typed and range-checked before anything launches."""
+    obj = OmegaConf.to_object(_compose("strategy.plan_trials=2", "strategy.model_contention=false").strategy)
+    assert (obj.plan_trials, obj.trial_steps, obj.model_contention, obj.calibrate_cost_model, obj.train_thread_nice) \
+        == (2, 3, False, True, 0)
+    for bad, match in (("strategy.plan_trials=0", "strategy.plan_trials=0 must be >= 1"),
+                       ("strategy.train_thread_nice=25", r"strategy.train_thread_nice=25 must be in 0\.\.19")):
+        with pytest.raises(ConfigError, match=match):
+            validate(_compose(bad))

@@ -34,6 +34,9 @@ def test_import_registers_names_idempotently():
         ({"find_unused_parameters": True}, TypeError, r"detects parameters without gradients"),
         ({"train_thread_nice": 25}, ValueError, r"train_thread_nice must be an integer in 0\.\.19 \(0 = off\), got 25"),
         ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1, got 0"),
+        ({"calibrate_cost_model": "yes"}, ValueError, r"calibrate_cost_model must be True or False, got 'yes'"),
+        ({"model_contention": 1}, ValueError, r"model_contention must be True or False, got 1"),
+        ({"compression_mode": "thread"}, ValueError, r"need a compression method"),
         ({"trial_steps": True}, ValueError, r"trial_steps must be an integer >= 1, got True"),
     ],
 )

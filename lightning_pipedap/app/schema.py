@@ -83,6 +83,11 @@ class PipeDAPStrategyConf:
     replan_margin: float = 0.15
     replan_every: int = 50
     max_replans: int = 1
+    calibrate_cost_model: bool = True
+    model_contention: bool = True
+    plan_trials: int = 4
+    trial_steps: int = 3
+    train_thread_nice: int = 0
     compression: Optional[str] = None
     compression_kwargs: dict[str, Any] = field(default_factory=dict)
     compression_mode: str = "process"
@@ -98,10 +103,13 @@ class PipeDAPStrategyConf:
         _positive("strategy.wait_timeout_s", self.wait_timeout_s)
         _positive("strategy.ring_chunk_mb", self.ring_chunk_mb)
         for name, value, low in (("warmup_steps", self.warmup_steps, 1), ("profile_steps", self.profile_steps, 1),
-                                 ("replan_every", self.replan_every, 2), ("max_replans", self.max_replans, 0)):
+                                 ("replan_every", self.replan_every, 2), ("max_replans", self.max_replans, 0),
+                                 ("plan_trials", self.plan_trials, 1), ("trial_steps", self.trial_steps, 1)):
             if value < low:
                 raise ConfigError(f"strategy.{name}={value} must be >= {low}")
         _positive("strategy.replan_margin", self.replan_margin)
+        if not 0 <= self.train_thread_nice <= 19:
+            raise ConfigError(f"strategy.train_thread_nice={self.train_thread_nice} must be in 0..19 (0 = off)")
         if self.compression is not None:
             from lightning_pipedap.compress import valid_compressor_names  # noqa: PLC0415
 
