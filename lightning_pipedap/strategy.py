@@ -1153,8 +1153,8 @@ class PipeDAPStrategy(DDPStrategy):
         from lightning_pipedap.compress.state import split_residuals  # noqa: PLC0415
 
         engine = self._engine
-        if engine is None or self._compression_state is None:
-            return
+        if engine is None or self._compression_state is None or self._resume is not None:
+            return  # (a checkpoint's plan is about to be installed: the state goes to that engine)
         transport = engine.transport
         info = self._engine_param_names()
         dense = {i for b in engine.buckets if transport is None or not engine.schedule.is_compressed(b.index)
