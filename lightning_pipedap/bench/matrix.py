@@ -100,6 +100,10 @@ POWERSGD_START = 2
 PLAN_TRIALS, TRIAL_STEPS = 4, 3
 #: ``--quick``: measured steps per candidate (the 60 s budget of the headline cell)
 QUICK_TRIAL_STEPS = 2
+#: ``--quick``: candidates of the measured plan selection (the plan, DeAR and WFBP at 25 MiB)
+QUICK_PLAN_TRIALS = 3
+#: ``--quick``: warm-up steps of ``ddp`` (no warm-up phases; two steps settle its buckets, as in the cap sweep)
+QUICK_DDP_WARMUP = 2
 PIPEDAP_PREFIX = "pipedap-"
 COMPRESS_SEP = "+"
 INLINE_SUFFIX = ":inline"
@@ -216,21 +220,22 @@ def _parse_pipedap(name: str, rest: str) -> StrategySpec:
     return StrategySpec(name, "pipedap", schedule, comp, "inline" if colon else "process")
 
 
-def plan_trials(name: str) -> int:
+def plan_trials(name: str, candidates: int = PLAN_TRIALS) -> int:
     """``PipeDAPStrategy(plan_trials=...)`` of a pipedap variant: the default measured plan selection
     (:data:`PLAN_TRIALS` candidates) for ``pipedap-optimal`` without compression, the strategy's
     default; 1 (the named planner's schedule, nothing else) for the other planners, so that each
     planner's own schedule is what is measured, and with compression (the strategy runs no trials there).
+    ``candidates`` replaces :data:`PLAN_TRIALS` (``--quick`` measures 3).
 
     Raises:
         ValueError: a bad name (see :func:`parse_strategy`).
     """
     sp = parse_strategy(name)
-    return PLAN_TRIALS if sp.family == "pipedap" and sp.schedule == DEFAULT_PIPEDAP[len(PIPEDAP_PREFIX):] \
+    return candidates if sp.family == "pipedap" and sp.schedule == DEFAULT_PIPEDAP[len(PIPEDAP_PREFIX):] \
         and sp.compressor is None else 1
 
 
-def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS) -> int:
+def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS, candidates: int = PLAN_TRIALS) -> int:
     """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
     whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
     in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
@@ -241,7 +246,7 @@ def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS) -> int:
         ValueError: a bad name (see :func:`parse_strategy`).
     """
     extra = POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
-    trials = plan_trials(name)
+    trials = plan_trials(name, candidates)
     return extra + (trials * (trial_steps + 1) if trials > 1 else 0)
 
 
@@ -871,7 +876,7 @@ def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
     trials = format_trials_table(cells)
     if trials:
         lines += [f"Measured plan selection (`PipeDAPStrategy(plan_trials={PLAN_TRIALS})`, the default): each candidate ran "
-                  f"{TRIAL_STEPS} measured steps (quick mode: {QUICK_TRIAL_STEPS}) during warm-up; the measured steps above ran the chosen one.", "",
+                  f"{TRIAL_STEPS} measured steps (quick mode: {QUICK_PLAN_TRIALS} candidates, {QUICK_TRIAL_STEPS} steps) during warm-up; the measured steps above ran the chosen one.", "",
                   trials, ""]
     return "\n".join(lines)
 
@@ -1193,9 +1198,12 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
 
     steps = steps or spec["steps"]
     trial_steps = spec.get("trial_steps", TRIAL_STEPS)
-    warmup = spec["warmup"] + extra_warmup_steps(name, trial_steps)
+    candidates = spec.get("plan_trials", PLAN_TRIALS)
+    warmup = spec["warmup"] + extra_warmup_steps(name, trial_steps, candidates)
     kw = dict(devices=1, num_nodes=world)
     sp = parse_strategy(name)
+    if spec.get("quick") and sp.family == "ddp":
+        warmup = QUICK_DDP_WARMUP
     if sp.family == "ddp":
         strategy: Any = "ddp"
     elif sp.family == "ddp_tuned":
@@ -1208,7 +1216,7 @@ def _run_variant(spec: dict, name: str, ds, world: int, bucket_mb: Optional[floa
         comp = {} if sp.compressor is None else dict(compression=sp.compressor, compression_mode=sp.mode,
                                                       compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
         strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice,
-                                   plan_trials=plan_trials(name), trial_steps=trial_steps, **comp)
+                                   plan_trials=plan_trials(name, candidates), trial_steps=trial_steps, **comp)
         strategy.timeline_enabled = bool(spec["timeline"])
     timer, _ = _fit(spec, strategy, ds, warmup + steps, kw)
     plan = _PLAN_LOG.take() if _PLAN_LOG is not None else []
@@ -1340,7 +1348,8 @@ def worker(spec: dict) -> dict:
     rank = int(os.environ["RANK"])
     spec = dict(spec, world=world)
     _, _, make_batch = build_net(spec["model"], spec["size"])
-    total = spec["warmup"] + max(extra_warmup_steps(n, spec.get("trial_steps", TRIAL_STEPS)) for n in spec["strategies"]) + max(spec["steps"], spec["sweep_steps"])
+    total = spec["warmup"] + max(extra_warmup_steps(n, spec.get("trial_steps", TRIAL_STEPS), spec.get("plan_trials", PLAN_TRIALS))
+                                 for n in spec["strategies"]) + max(spec["steps"], spec["sweep_steps"])
     n = spec["batch"] * (total + 1) * world
     g = torch.Generator().manual_seed(1234)
     ds = TensorDataset(*make_batch(n, g))
@@ -1431,6 +1440,7 @@ def run_cell(model: str, link: str, ranks: int, args: argparse.Namespace) -> Cel
                 strategies=list(args.strategies), ddp_bucket_mb=list(args.ddp_bucket_mb), sweep_steps=args.sweep_steps,
                 repeats=args.repeats, quick=bool(args.quick),
                 trial_steps=QUICK_TRIAL_STEPS if args.quick else TRIAL_STEPS,
+                plan_trials=QUICK_PLAN_TRIALS if args.quick else PLAN_TRIALS,
                 threads=args.threads, watts=args.watts, timeline=bool(args.timeline), link=link,
                 timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)
     rate = None if link == "none" else link
