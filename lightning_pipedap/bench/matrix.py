@@ -1478,7 +1478,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("links:", ", ".join(LINKS))
         print("strategies:", ", ".join(valid_strategies(args.compressors)))
         print(f"  (also any {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>[{INLINE_SUFFIX}]; "
-              f"'all' = the above without {INLINE_SUFFIX})")
+              f"'all' = the above without {INLINE_SUFFIX}; any pipedap form may end in {NICE_SUFFIX}<N>, "
+              f"N in 1..19: train_thread_nice=N)")
         print("compressors:", ", ".join(compressor_names()),
               f"(kwargs: {'; '.join(f'{k} {v}' for k, v in COMPRESSOR_KWARGS.items())})")
         return 0
