@@ -97,7 +97,6 @@ class _Trial:
 
     schedules: list[Schedule]
     no_overlap_s: list[float]
-    index: int = 0
     starts: list[float] = field(default_factory=list)  # perf_counter at each step start of the current candidate
     measured_s: list[float] = field(default_factory=list)
     gaps_s: list[list[float]] = field(default_factory=list)  # per candidate: every step interval, settling one first
@@ -723,9 +722,9 @@ class PipeDAPStrategy(DDPStrategy):
         tr.gaps_s.append(gaps)
         tr.measured_s.append(statistics.median(gaps[1:]))
         self._apply_all("flush")  # the previous step's updates, before the engine changes
-        if len(tr.measured_s) < len(tr.schedules):
-            tr.index += 1
-            self._enter_run(tr.schedules[tr.index], tr.no_overlap_s[tr.index])
+        if len(tr.measured_s) < len(tr.schedules):  # the next candidate is number len(measured_s)
+            nxt = len(tr.measured_s)
+            self._enter_run(tr.schedules[nxt], tr.no_overlap_s[nxt])
             tr.starts = [time.perf_counter()]
             return
         measured = C.broadcast_object(tr.measured_s if self.global_rank == 0 else None, src=0)
@@ -740,7 +739,7 @@ class PipeDAPStrategy(DDPStrategy):
             f"{r['name']} {r['measured_s'] * 1e3:.1f} ms (predicted "
             + (f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] is not None else "-") + " ms)"
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
-        if best != tr.index:
+        if best != len(tr.schedules) - 1:  # the last candidate is the one installed now
             self._enter_run(tr.schedules[best], tr.no_overlap_s[best])
         else:
             self._iter_starts.clear()

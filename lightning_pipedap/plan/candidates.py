@@ -83,7 +83,7 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
         add(dataclasses.replace(s, name=f"{name}@{cap_label}"))
     auto = []
     for name in _AUTO_FUSION_PLANNERS:
-        if len(out) >= k or name in exclude:
+        if len(out) >= k or name in exclude or name == planned.name:  # the planned one is already candidate 0
             continue
         auto.append(get_planner(name)(profile, cost_model, world_size, compression=compression))
     for s in sorted(auto, key=lambda s: s.predicted_iteration_s if s.predicted_iteration_s is not None else float("inf")):
