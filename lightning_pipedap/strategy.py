@@ -59,6 +59,8 @@ from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.plan import PLANNERS, CostModel, get_planner, load_cost_model
 from lightning_pipedap.plan.candidates import trial_candidates
 from lightning_pipedap.profile.alpha_beta import measure_cost_model
+from lightning_pipedap.observers import Observers, ObservationFlush, find_observers
+from lightning_pipedap.profile.consumers import ConsumerTrace, ModuleStack, consumer_order, transform_active
 from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Op, OpKind, Schedule, builtin_schedule, expand_layers
 
@@ -78,6 +80,9 @@ _REJECTED_DDP_KWARGS = {
 #: checkpoint key of the installed final schedule (see ``PipeDAPStrategy.save_checkpoint``)
 PLAN_KEY = "pipedap_plan"
 PLAN_VERSION = 1
+
+#: where a bucket update was applied (``PipeDAPStrategy.update_counts``)
+_UPDATE_PLACES = ("forward", "leftover", "flush", "observe", "guard")
 
 _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
@@ -150,8 +155,16 @@ class PipeDAPStrategy(DDPStrategy):
             ``"pipedap"``, ``"wfbp"``, ``"dear_tuned"`` (DeAR order, planned fusion) and
             ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
         bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
-        defer_update: apply updates in the next forward (True) or at the end of backward, as
-            DDP does (False: sync mode; RS/AG still overlap backward).
+        defer_update: ``"auto"`` (default): apply each bucket's update in the next forward, where its
+            first consumer (traced op by op) runs, unless user code could see the difference: with
+            a gradient hook (``on_after_backward``, ``on_before_optimizer_step``,
+            ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``) overridden
+            by the LightningModule or a callback, steps run in sync mode; before a between-step hook
+            (``on_train_batch_start``/``_end``, ``on_train_epoch_start``/``_end``) that can read
+            weights, pending updates are applied and ``.grad`` holds the averaged gradients (see
+            :mod:`lightning_pipedap.observers`; the log names the hook). ``True``: defer regardless
+            of hooks (the user vouches that they neither read weights nor ``.grad``). ``False``:
+            sync mode always (updates at the end of backward, as DDP; RS/AG still overlap backward).
         warmup_steps: optimizer steps run in sync mode first (>= 1); the forward order is traced
             during the first one and the buckets are rebuilt from it.
         wait_timeout_s: timeout in seconds of every wait on communication (and of every
@@ -200,8 +213,12 @@ class PipeDAPStrategy(DDPStrategy):
 
     Raises:
         ValueError: unknown ``schedule``, non-positive ``bucket_cap_mb``/``ring_chunk_mb``/
-            ``wait_timeout_s``, ``warmup_steps < 1``; at set-up: world size 1, a model without
-            trainable parameters, or parameters that differ between ranks.
+            ``wait_timeout_s``, ``warmup_steps < 1``, ``defer_update`` not ``"auto"``/True/False; at
+            set-up: world size 1, a model without trainable parameters, parameters that differ
+            between ranks, sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU.
+        RuntimeError: during training, when a forward read a parameter while its update was
+            pending (a data-dependent path the trace and the guard steps did not see); the message
+            names the parameter.
         TypeError: DDP-only keyword arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...).
     """
 
@@ -211,7 +228,7 @@ class PipeDAPStrategy(DDPStrategy):
         self,
         schedule: str = "optimal",
         bucket_cap_mb: float = 25.0,
-        defer_update: bool = True,
+        defer_update: Union[bool, Literal["auto"]] = "auto",
         warmup_steps: int = 1,
         wait_timeout_s: float = 300.0,
         ring_chunk_mb: float = 2.0,
@@ -268,8 +285,10 @@ class PipeDAPStrategy(DDPStrategy):
                                  ("plan_trials", plan_trials, 1), ("trial_steps", trial_steps, 1)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if defer_update not in ("auto", True, False) or isinstance(defer_update, int) and not isinstance(defer_update, bool):
+            raise ValueError(f"defer_update must be 'auto', True or False, got {defer_update!r}")
         for name, value in (("calibrate_cost_model", calibrate_cost_model), ("model_contention", model_contention),
-                            ("defer_update", defer_update), ("cost_model_cache", cost_model_cache)):
+                            ("cost_model_cache", cost_model_cache)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         if compression is None and (compression_kwargs or compression_mode != "process"):
@@ -301,7 +320,7 @@ class PipeDAPStrategy(DDPStrategy):
         )
         self.schedule_name = schedule
         self.bucket_cap_mb = float(bucket_cap_mb)
-        self.defer_update = bool(defer_update)
+        self.defer_update: Union[bool, str] = defer_update
         self.warmup_steps = warmup_steps
         self.wait_timeout_s = float(wait_timeout_s)
         self.ring_chunk_mb = float(ring_chunk_mb)
@@ -342,7 +361,7 @@ class PipeDAPStrategy(DDPStrategy):
         #: how many bucket updates of the last ``fit`` were applied where: "forward" (overlapped with
         #: the next forward, the goal), "leftover" (start of backward: its module was not called in
         #: forward), "flush" (validation, checkpoint, end of training)
-        self.update_counts = {"forward": 0, "leftover": 0, "flush": 0}
+        self.update_counts = dict.fromkeys(_UPDATE_PLACES, 0)
         #: re-plans triggered by drift in the last ``fit``
         self.replans_done = 0
         self._reset_runtime()
@@ -391,11 +410,30 @@ class PipeDAPStrategy(DDPStrategy):
         self._compression_state: Optional[dict[str, Any]] = None  # per-parameter state for the next compressing engine
         self._compression_cost: Optional[Any] = None  # measured CompressionCost (rank 0), once per fit
         self._resume: Optional[dict[str, Any]] = None  # a checkpoint's plan (PLAN_KEY), used by configure_ddp
+        # consumers of parameters (trace step) and the guard of the first deferred steps of a schedule
+        self._consumers: Optional[ConsumerTrace] = None
+        self._stack: Optional[ModuleStack] = None
+        self._verify_left = 0
+        self._guard_misses: dict[int, str] = {}  # engine parameter index -> where it was read early
+        self._bucket_of: list[int] = []  # engine parameter index -> bucket
+        self._applying = False
+        # stale-read detection: engine parameter indices applied after the forward of this step
+        self._late: set[int] = set()
+        self._stale: list[int] = []
+        # hooks that can observe a deferred update (see lightning_pipedap.observers)
+        self._observers = Observers()
+        self._observed_for: Optional[tuple[int, ...]] = None  # ids of the callbacks the observers were found for
+        self._flush_callback: Optional[ObservationFlush] = None
+        self._wrapped_train: list[torch.nn.Module] = []
+        self._trainable_key: Optional[int] = None
+        self._hooked: set[int] = set()  # ids of parameters with our post-accumulate-grad hook
+        self._said: set[str] = set()  # log messages given once per fit
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())  # Lightning's Strategy drops its optimizer wrappers
-        for k in ("_engine", "_comm", "_hook_handles", "_updater", "_pending", "_trace", "_orig_clip"):
-            state[k] = None if k != "_hook_handles" else []
+        for k in ("_engine", "_comm", "_hook_handles", "_updater", "_pending", "_trace", "_orig_clip", "_consumers",
+                  "_stack", "_flush_callback", "_wrapped_train"):
+            state[k] = [] if k in ("_hook_handles", "_wrapped_train") else None
         return state
 
     # ------------------------------------------------------------------ registration
@@ -425,10 +463,17 @@ class PipeDAPStrategy(DDPStrategy):
             )
 
     def setup(self, trainer: Any) -> None:
+        if self._layer_sync is not None and self.root_device.type == "cpu":
+            raise ValueError("pipedap: Trainer(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
+                             "CPU implementation); remove sync_batchnorm=True on CPU, or train on GPUs")
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
         lm = self.lightning_module
+        self._trainable_key = self._trainable_signature()  # (the optimizers exist now)
+        self._flush_callback = ObservationFlush(self)
+        trainer.callbacks.insert(0, self._flush_callback)
+        self._find_observers(trainer)
         for opt in self.optimizers:
             name = type(opt).__name__
             if name in _SELF_COMMUNICATING_OPTIMIZERS:
@@ -454,35 +499,157 @@ class PipeDAPStrategy(DDPStrategy):
         plugin.clip_gradients = clip_gradients
 
     def configure_ddp(self) -> None:
-        """Replace DDP wrapping: broadcast rank 0's states, build buckets and the engine, install hooks."""
+        """Replace DDP wrapping: broadcast rank 0's states, build buckets and the engine, install hooks.
+
+        Raises:
+            ValueError: no trainable parameter, parameters that differ between ranks, a sparse
+                embedding (its name is given) or a SyncBatchNorm module on CPU.
+        """
         model = self.model
         assert isinstance(model, torch.nn.Module)
+        self._refuse_unsupported_modules(model)
         with torch.no_grad():
             C.broadcast_coalesced_([t for t in list(model.parameters()) + list(model.buffers())], src=0)
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError(f"pipedap: {type(model).__name__} has no trainable parameters (all requires_grad=False)")
-        signature = [(tuple(p.shape), str(p.dtype)) for p in params]
-        ref = C.broadcast_object(signature, src=0)
-        if ref != signature:
-            raise ValueError(
-                f"pipedap: rank {self.global_rank} has {len(signature)} trainable parameters that differ from "
-                f"rank 0's {len(ref)}; every rank must build the same model"
-            )
-        self._params = params
-        self.update_counts = {"forward": 0, "leftover": 0, "flush": 0}
+        self._params = self._trainable_params()
+        self.update_counts = dict.fromkeys(_UPDATE_PLACES, 0)
         self.replans_done = 0
         self._comm = C.new_comm_group(self.wait_timeout_s, int(self.ring_chunk_mb * 2**20))
-        for p in params:
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        self._hook_new_params()
+        # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes
+        # `weight` from `weight_g`/`weight_v` in a pre-hook, which must see the updated values);
+        # compiler.disable: under torch.compile the hook (and the optimizer step in it) runs eagerly
+        on_forward = torch.compiler.disable(self._on_module_forward)
         for m in model.modules():
-            self._hook_handles.append(m.register_forward_pre_hook(self._on_module_forward))
+            self._hook_handles.append(m.register_forward_pre_hook(on_forward, prepend=True))
+            if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
+                self._wrap_train(m)  # a module that reads its weights in train()/eval() (LoRA merge)
         # warm-up: registration order, one all-reduce per bucket (WFBP), sync mode
-        order = list(range(len(params)))
+        order = list(range(len(self._params)))
         self._install(order, self._builtin(order, "allreduce"), owners=None)
         if self.train_thread_nice and self.root_device.type == "cpu" and self._restore_priority is None:
             self._restore_priority = lower_current_thread_priority(self.train_thread_nice)
         self._resume_plan()  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
+
+    def _refuse_unsupported_modules(self, model: torch.nn.Module) -> None:
+        """Sparse embeddings and CPU SyncBatchNorm are refused before any collective, naming the module."""
+        for name, m in model.named_modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+                raise ValueError(
+                    f"pipedap: parameter {name + '.weight' if name else 'weight'!r} has sparse gradients "
+                    f"({type(m).__name__}(sparse=True)); pipedap reduces dense buckets only. Use sparse=False "
+                    "or strategy='ddp'")
+            if isinstance(m, torch.nn.SyncBatchNorm) and self.root_device.type == "cpu":
+                raise ValueError(f"pipedap: module {name!r} is a SyncBatchNorm, which needs CUDA; on CPU use BatchNorm")
+
+    def _trainable_params(self) -> list[Tensor]:
+        """The model's trainable parameters, checked to be the same (name, shape, dtype) on every rank."""
+        model = self.model
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError(f"pipedap: {type(model).__name__} has no trainable parameters (all requires_grad=False)")
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        ref = C.broadcast_object(signature, src=0)
+        if ref != signature:
+            diff = next((f"{a} here vs {b} on rank 0" for a, b in zip(signature, ref) if a != b),
+                        f"{len(signature)} here vs {len(ref)} on rank 0")
+            raise ValueError(
+                f"pipedap: rank {self.global_rank}'s trainable parameters differ from rank 0's (first difference: "
+                f"{diff}); every rank must build the same model and freeze the same parameters"
+            )
+        return [p for _, p in named]
+
+    def _hook_new_params(self) -> None:
+        """Post-accumulate-grad hooks on every trainable parameter not hooked yet (again after unfreezing)."""
+        for p in self.model.parameters():
+            if p.requires_grad and id(p) not in self._hooked:
+                self._hooked.add(id(p))
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def _wrap_train(self, module: torch.nn.Module) -> None:
+        """Apply pending updates before ``module.train(mode)`` runs (it may read weights: LoRA-style merges)."""
+        original = module.train
+        strategy = self
+
+        def train(mode: bool = True) -> torch.nn.Module:
+            if strategy._pending is not None:
+                strategy._say(f"train:{type(module).__name__}", f"pipedap: {type(module).__name__}.train() can read "
+                              "its weights; pending updates are applied before it")
+                strategy.flush()
+            return original(mode)
+
+        module.train = train  # instance attribute: found before the class's method
+        self._wrapped_train.append(module)
+
+    def _trainable_signature(self) -> int:
+        """Hash of which parameters are trainable and of every optimizer's param groups (checked every step)."""
+        lm = self.lightning_module
+        trainable = tuple(id(p) for p in lm.parameters() if p.requires_grad)
+        groups = tuple(tuple(id(p) for p in g["params"]) for opt in self.optimizers for g in opt.param_groups)
+        return hash((trainable, groups))
+
+    def _retrain_if_changed(self) -> None:
+        """At a step's start: if parameters were (un)frozen or a param group added, rebuild buckets and plan.
+
+        Every rank checks the same thing at the same step; the new trainable set is compared across
+        ranks (:meth:`_trainable_params`). Pending updates are applied first; training then traces,
+        profiles and plans again as at the start (sync steps), and every param group is stepped.
+        """
+        key = self._trainable_signature()
+        if key == self._trainable_key:
+            return
+        self._trainable_key = key
+        self.flush()
+        before = len(self._params)
+        self._params = self._trainable_params()
+        self._hook_new_params()
+        self._trial, self._recorder, self._pending = None, None, None
+        self._phase, self._sync_steps, self._trace = "trace", 0, None
+        order = list(range(len(self._params)))
+        self._install(order, self._builtin(order, "allreduce"), owners=None)
+        rank_zero_info(f"pipedap: the trainable parameters or the optimizer's param groups changed ({before} -> "
+                       f"{len(self._params)} trainable tensors): buckets rebuilt, tracing and planning again")
+
+    def _say(self, key: str, message: str) -> None:
+        """Log ``message`` on rank 0 once per fit."""
+        if key not in self._said:
+            self._said.add(key)
+            rank_zero_info(message)
+
+    # ------------------------------------------------------------------ observers (lightning_pipedap.observers)
+    def _find_observers(self, trainer: Any) -> None:
+        """Find the hooks that can observe a deferred update (again whenever the callback list changes)."""
+        ids = tuple(id(cb) for cb in trainer.callbacks)
+        if ids == self._observed_for:
+            return
+        self._observed_for = ids
+        self._observers = find_observers(self.lightning_module, trainer.callbacks)
+        if self.defer_update != "auto":
+            return
+        if self._observers.grads:
+            self._say("grads:" + ",".join(self._observers.grads),
+                      f"pipedap: {', '.join(self._observers.grads)} can read or write .grad: steps run in sync mode "
+                      "(averaged gradients in .grad at the end of backward, the optimizer steps as with DDP; the "
+                      "reduce-scatter/all-gather still overlap backward). Pass defer_update=True if they do not.")
+        for hook, names in self._observers.between.items():
+            self._say(f"between:{hook}:{','.join(names)}",
+                      f"pipedap: {', '.join(names)} can read parameters or .grad: pending updates are applied "
+                      f"before {hook} (their all-gathers no longer overlap the next forward). Pass "
+                      "defer_update=True if they do not.")
+
+    def observe(self, hook: str, trainer: Any) -> None:
+        """Called by :class:`~lightning_pipedap.observers.ObservationFlush` before the other ``hook`` calls.
+
+        Applies pending updates (and writes the averaged, clipped gradients to ``.grad``) when a
+        hook of the user's can observe them, or always at ``on_train_end``.
+        """
+        if hook == "on_train_batch_start":
+            self._find_observers(trainer)
+        if self._pending is None or self.defer_update is True and hook != "on_train_end":
+            return
+        if hook == "on_train_end" or hook in self._observers.between:
+            if self._aborted or self._engine is None or trainer.interrupted:
+                return
+            self._apply_all("observe")
 
     def _builtin(self, order: list[int], name: str, compress_all: bool = False) -> Schedule:
         params = [self._params[i] for i in order]
@@ -509,13 +676,20 @@ class PipeDAPStrategy(DDPStrategy):
         self._restore_compression_state()
         self._updater = None
         self._triggers, self._root_buckets = {}, []
+        self._bucket_of = [0] * len(params)
+        for b, idxs in enumerate(schedule.buckets):
+            for i in idxs:
+                self._bucket_of[i] = b
         if owners is not None:
+            lm = self.lightning_module
             for b, idxs in enumerate(schedule.buckets):
-                owner = owners[idxs[0]]
-                if owner is self.lightning_module:
+                # the bucket lands before its earliest consumer; a parameter read outside every module
+                # forward (training_step, a torch.func transform) or never seen in the trace: before training_step
+                if any(owners[i] is None or owners[i] is lm for i in idxs):
                     self._root_buckets.append(b)
-                elif owner is not None:
-                    self._triggers.setdefault(id(owner), []).append(b)
+                else:
+                    self._triggers.setdefault(id(owners[idxs[0]]), []).append(b)
+        self._verify_left = 2 if final else 0
         if final:
             self.installed_schedule = schedule.describe()
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
@@ -542,26 +716,32 @@ class PipeDAPStrategy(DDPStrategy):
         return factory
 
     def _order_from_trace(self) -> None:
-        """Rank 0 turns the traced forward order into a parameter order; every rank adopts it."""
+        """Rank 0 turns the traced consumptions into a parameter order and owners; every rank adopts them.
+
+        The order is the order of first consumption by an op (:mod:`~lightning_pipedap.profile.consumers`);
+        the owner of a parameter is the innermost module whose forward was running then, by name, so that
+        every rank triggers the same buckets even when control flow differs between ranks (experts that
+        get no tokens on one rank). Parameters read outside every module forward, inside a ``torch.func``
+        transform, or not read in rank 0's trace step are owned by the LightningModule: their buckets are
+        applied before ``training_step``.
+        """
         lm = self.lightning_module
-        order: Optional[list[int]] = None
+        plan: Optional[tuple[list[int], list[Optional[str]]]] = None
+        first = self._consumers.first if self._consumers is not None else {}
+        self._consumers = None
         if self.global_rank == 0:
-            pos = {id(p): i for i, p in enumerate(self._params)}
-            order, seen = [], set()
-            for m in [lm] + [m for m in (self._trace or []) if m is not lm]:
-                for p in m.parameters(recurse=False):
-                    i = pos.get(id(p))
-                    if i is not None and i not in seen:
-                        seen.add(i)
-                        order.append(i)
-            order += [i for i in range(len(self._params)) if i not in seen]
-        self._order = C.broadcast_object(order, src=0)
-        # owner module (first user in forward order) of each parameter, per rank's own module objects
-        owner_of: dict[int, torch.nn.Module] = {}
-        for m in [lm] + list(self._trace or []):
-            for p in m.parameters(recurse=False):
-                owner_of.setdefault(id(p), m)
-        self._owners = [owner_of.get(id(self._params[i])) for i in self._order]
+            names = {id(m): n for n, m in lm.named_modules()}
+            order = consumer_order(len(self._params), first)
+            owners: list[Optional[str]] = []
+            for i in order:
+                c = first.get(i)
+                module = None if c is None or c.in_transform else c.module
+                owners.append(names.get(id(module), "") if module is not None else "")
+            plan = (order, owners)
+        order, owner_names = C.broadcast_object(plan, src=0)
+        modules = dict(lm.named_modules())
+        self._order = order
+        self._owners = [modules.get(n, lm) for n in owner_names]
         self._trace = None
 
     def _after_sync_step(self, t_step_end: float) -> None:
@@ -840,14 +1020,30 @@ class PipeDAPStrategy(DDPStrategy):
     def _on_grad_ready(self, p: Tensor) -> None:
         engine = self._engine
         if engine is not None and engine.collecting and p.grad is not None:
-            i = self._index_of[id(p)]
+            i = self._index_of.get(id(p))
+            if i is None:  # not trainable when the buckets were built (see _retrain_if_changed)
+                return
+            if p.grad.layout != torch.strided:
+                raise ValueError(f"pipedap: parameter {self._param_name(p)!r} got a {p.grad.layout} gradient; "
+                                 "pipedap reduces dense gradients only (use strategy='ddp' for sparse gradients)")
+            if i in self._late:
+                self._stale.append(i)
             engine.grad_ready(i, p.grad)
             if self._recorder is not None:
                 self._sync_device()
                 self._recorder.param_ready(i)
 
+    def _param_name(self, p: Tensor) -> str:
+        return next((n for n, q in self.lightning_module.named_parameters() if q is p), "<unnamed parameter>")
+
     def _on_module_forward(self, module: torch.nn.Module, args: Any) -> None:
         if not self._in_train_forward:
+            # a forward outside training_step (an RL agent acting in the data loader, a metric
+            # computed in a hook) must see the updated weights, as under DDP
+            if self._pending is not None and not self._applying:
+                self._say("outside", f"pipedap: {type(module).__name__} ran a forward outside training_step while "
+                          "updates were pending; they are applied first")
+                self.flush()
             return
         if self._trace is not None and id(module) not in self._trace_seen:
             self._trace_seen.add(id(module))
@@ -856,10 +1052,60 @@ class PipeDAPStrategy(DDPStrategy):
             for k in self._layer_of_module.get(id(module), ()):
                 self._sync_device()
                 self._recorder.layer_used(k)
-        if self._pending is not None:
+        if self._pending is not None and not self._applying:
             buckets = self._triggers.get(id(module))
-            if buckets:
+            if buckets and not transform_active():  # (no in-place update inside vmap/grad: see _order_from_trace)
                 self._apply(buckets)
+
+    def _on_guarded_read(self, i: int) -> None:
+        """Guard (verification steps): engine parameter ``i`` is about to be read by an op."""
+        pending = self._pending
+        if pending is None or self._applying:
+            return
+        b = self._bucket_of[i]
+        if b not in pending.remaining:
+            return
+        p = self._engine.buckets[b].params[self._engine.buckets[b].param_indices.index(i)]
+        top = self._stack.top() if self._stack is not None else None
+        where = type(top).__name__ if top is not None else "training_step"
+        if transform_active():
+            raise RuntimeError(f"pipedap: parameter {self._param_name(p)!r} is read inside a torch.func transform "
+                               "while its update is pending, and an update cannot be applied inside a transform; "
+                               "pass defer_update=False")
+        self._guard_misses.setdefault(b, f"{self._param_name(p)} (read in {where})")
+        self._apply([b], "guard")
+
+    def _end_guard(self) -> None:
+        """After a guarded forward: buckets read before their trigger are applied before training_step from now on."""
+        misses, self._guard_misses = self._guard_misses, {}
+        for b, what in sorted(misses.items()):
+            for buckets in self._triggers.values():
+                if b in buckets:
+                    buckets.remove(b)
+            if b not in self._root_buckets:
+                self._root_buckets.append(b)
+            self._say(f"guard:{what}", f"pipedap: {what} was read before its update's trigger module ran; the "
+                      f"update was applied just before the read, and bucket {b} is applied before training_step from "
+                      "now on")
+
+    @contextmanager
+    def _consumer_mode(self, on_consume: Optional[Callable[[int], None]]) -> Generator[Optional[ConsumerTrace], None, None]:
+        """Module stack + :class:`ConsumerTrace` over the engine's parameters for one forward."""
+        stack = ModuleStack(self.lightning_module)
+        params = [None] * len(self._index_of)
+        for p in self._params:
+            k = self._index_of.get(id(p))
+            if k is not None:
+                params[k] = p
+        mode = ConsumerTrace(params, stack, on_consume)
+        self._stack = stack
+        stack.install()
+        try:
+            with mode:
+                yield mode
+        finally:
+            stack.remove()
+            self._stack = None
 
     # ------------------------------------------------------------------ training step
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -868,9 +1114,26 @@ class PipeDAPStrategy(DDPStrategy):
         if self._buffers_sync_next:
             self._sync_buffers()
         if self._pending is not None and self._root_buckets:
-            self._apply(self._root_buckets)
-        if self._phase == "trace" and self._sync_steps == 0 and self._trace is None:
+            self._apply(list(self._root_buckets))
+        mode: Optional[Callable[[int], None]] = None
+        tracing = self._phase == "trace" and self._sync_steps == 0 and self._trace is None
+        if tracing:
             self._trace, self._trace_seen = [], set()
+        elif self._verify_left > 0 and self._pending is not None:
+            self._verify_left -= 1
+            mode = self._on_guarded_read
+        if tracing or mode is not None:
+            with self._consumer_mode(mode) as trace:
+                if tracing:
+                    self._consumers = trace
+                try:
+                    return self._training_step(*args, **kwargs)
+                finally:
+                    if mode is not None:
+                        self._end_guard()
+        return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._phase == "profile" and self._sync_grads:
             self._sync_device()
             self._recorder = StepRecorder(self._layer_of_param, len(self._layers))
@@ -913,15 +1176,56 @@ class PipeDAPStrategy(DDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self._engine is None:
             return
-        self._apply_all("leftover")  # leftovers of the previous update (buckets whose modules were not called)
+        self._late, self._stale = set(), []
+        if self._pending is not None:
+            # leftovers of the previous update (buckets whose modules were not called); a gradient that
+            # arrives for one of them in this backward means the forward read it before its update
+            engine = self._engine
+            self._late = {i for b in self._pending.remaining for i in engine.buckets[b].param_indices}
+            self._apply_all("leftover")
         if self._sync_grads:
             self._engine.begin_iteration()
             if self._recorder is not None:
                 self._sync_device()
                 self._recorder.backward_start()
 
-    def post_backward(self, closure_loss: Tensor) -> None:
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, with the gradient reduction finished *before* ``on_after_backward``.
+
+        In sync mode ``.grad`` holds the averaged gradients when ``on_after_backward`` runs, as with
+        DDP (whose reducer finishes inside backward). A forward that read a parameter before its
+        pending update landed is reported by name instead of autograd's in-place error.
+        """
+        lm = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
+        try:
+            self.precision_plugin.backward(closure_loss, lm, optimizer, *args, **kwargs)
+        except RuntimeError as exc:
+            if self._late and "modified by an inplace operation" in str(exc):
+                raise RuntimeError(self._stale_message(sorted(self._late))) from exc
+            raise
+        self._finish_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def _stale_message(self, indices: list[int]) -> str:
         engine = self._engine
+        params = {i: p for b in engine.buckets for i, p in zip(b.param_indices, b.params)}
+        names = sorted({self._param_name(params[i]) for i in indices if i in params})
+        return (f"pipedap: the forward read {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} while its "
+                "update was still pending (it is read outside the module that first used it in the traced step, "
+                "e.g. on a data-dependent path); results would differ from DDP's. Pass defer_update=False.")
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Nothing: the reduction is finished in :meth:`backward`, before ``on_after_backward``."""
+
+    def _finish_backward(self) -> None:
+        engine = self._engine
+        if self._stale:
+            stale, self._stale = self._stale, []
+            raise RuntimeError(self._stale_message(stale))
         if engine is None or not engine.collecting:
             return
         if self._recorder is not None:
@@ -947,7 +1251,7 @@ class PipeDAPStrategy(DDPStrategy):
     def _can_defer(self, optimizer: Optimizer) -> bool:
         lm = self.lightning_module
         return (
-            self.defer_update
+            (self.defer_update is True or self.defer_update == "auto" and not self._observers.grads)
             and self._phase == "run"
             and lm.automatic_optimization
             and len(self.optimizers) == 1
@@ -962,6 +1266,8 @@ class PipeDAPStrategy(DDPStrategy):
         model: Optional[Union[Any, torch.nn.Module]] = None,
         **kwargs: Any,
     ) -> Any:
+        if self._engine is not None:
+            self._retrain_if_changed()
         if self._engine is None or not self._can_defer(optimizer):
             self._t_backward_done = None
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -992,7 +1298,21 @@ class PipeDAPStrategy(DDPStrategy):
         if pending is None:
             return
         engine = self._engine
-        with torch.inference_mode(False), torch.no_grad():
+        self._applying = True
+        try:
+            self._apply_buckets(pending, engine, buckets, where)
+        finally:
+            self._applying = False
+        if not pending.remaining:
+            self._pending = None
+
+    def _apply_buckets(self, pending: _Pending, engine: CommEngine, buckets: list[int], where: str) -> None:
+        """Wait for each bucket's all-gather and run its optimizer update (``where``: see ``update_counts``).
+
+        ``where == "observe"``: also write the averaged (clipped) gradients to ``.grad``, as DDP shows them
+        after the optimizer step.
+        """
+        with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
             for b in buckets:
                 if b not in pending.remaining:
                     continue
@@ -1004,14 +1324,15 @@ class PipeDAPStrategy(DDPStrategy):
                     pending.coef = clip_coefficient(total, pending.clip.value)
                 bucket = engine.wait_done(b)
                 t1 = time.perf_counter()
-                self._updater.step(bucket, pending.hparams, pending.clip, pending.coef, engine.used_flags(b))
+                used = engine.used_flags(b)
+                self._updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
+                if where == "observe":
+                    write_back_grads(bucket, used)
                 if self._timeline_enabled:
                     self._records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute"))
                     self._records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))
                 pending.remaining.discard(b)
                 self.update_counts[where] += 1
-        if not pending.remaining:
-            self._pending = None
 
     def _apply_all(self, where: str) -> None:
         if self._pending is not None:
@@ -1266,6 +1587,11 @@ class PipeDAPStrategy(DDPStrategy):
                 self._engine.close()
         for h in self._hook_handles:
             h.remove()
+        for m in self._wrapped_train:
+            m.__dict__.pop("train", None)
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if trainer is not None and self._flush_callback in trainer.callbacks:
+            trainer.callbacks.remove(self._flush_callback)
         if self._orig_clip is not None:
             self.precision_plugin.clip_gradients = self._orig_clip
         comm, aborted = self._comm, self._aborted

@@ -73,7 +73,7 @@ class PipeDAPStrategyConf:
     _target_: str = "lightning_pipedap.PipeDAPStrategy"
     schedule: str = "optimal"
     bucket_cap_mb: float = 25.0
-    defer_update: bool = True
+    defer_update: Any = "auto"  # "auto" | true | false (see PipeDAPStrategy)
     warmup_steps: int = 1
     wait_timeout_s: float = 300.0
     ring_chunk_mb: float = 2.0
@@ -99,6 +99,8 @@ class PipeDAPStrategyConf:
         from lightning_pipedap import valid_schedule_names  # noqa: PLC0415 (planners register on import)
 
         _choice("strategy.schedule", self.schedule, tuple(valid_schedule_names()))
+        if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:
+            raise ConfigError(f"strategy.defer_update={self.defer_update!r} is not valid; valid choices: auto, true, false")
         _positive("strategy.bucket_cap_mb", self.bucket_cap_mb)
         _positive("strategy.wait_timeout_s", self.wait_timeout_s)
         _positive("strategy.ring_chunk_mb", self.ring_chunk_mb)

@@ -1,0 +1,153 @@
+"""Which user hooks can observe parameters or gradients while an update is deferred.
+
+In a deferred step the update of step ``t`` lands in the forward of step ``t+1``, and ``.grad``
+holds this rank's *local* gradients (the reduced ones live in the engine's buckets). DDP shows
+updated parameters and averaged gradients at every hook. So the strategy asks, at set-up and
+whenever the callback list changes, which hooks the user's code overrides:
+
+- *gradient hooks* run inside the step, after backward, and are where user code reads or writes
+  ``.grad`` (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``,
+  ``optimizer_step``, ``on_before_zero_grad``): with one of them present the step runs in *sync
+  mode* (averaged gradients in ``.grad`` at the end of backward, the real ``optimizer.step``);
+- *between-step hooks* run after ``optimizer_step`` and before the next forward
+  (``on_train_batch_start``/``_end``, ``on_train_epoch_start``/``_end``): before each of them the
+  pending update is applied and the averaged (clipped) gradients are written to ``.grad``, so the
+  hook sees DDP's values; the reduce-scatter still overlaps backward.
+
+A hook is *not* an observer when its class is Lightning's base class (not overridden), one of
+Lightning's callbacks listed in :data:`SAFE_CALLBACKS` that provably read neither parameters nor
+gradients there, or a callback class that sets ``pipedap_reads_model = False`` (this package's
+measurement callbacks do). Anything else counts as an observer: a wrong guess costs overlap, never
+correctness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from lightning.pytorch.callbacks import Callback
+
+#: hooks inside a step where user code reads or writes ``.grad`` (LightningModule; callbacks have
+#: the ``on_*`` ones)
+GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step",
+              "on_before_zero_grad")
+#: hooks between ``optimizer_step`` and the next forward (LightningModule and callbacks)
+BETWEEN_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end")
+
+#: Lightning callbacks whose hooks read neither parameters nor gradients (progress, timing,
+#: learning-rate and device monitoring, early stopping on logged metrics, checkpointing — a
+#: checkpoint goes through ``lightning_module_state_dict``, which applies pending updates first)
+SAFE_CALLBACKS = (
+    "lightning.pytorch.callbacks.progress.progress_bar.ProgressBar",
+    "lightning.pytorch.callbacks.progress.tqdm_progress.TQDMProgressBar",
+    "lightning.pytorch.callbacks.progress.rich_progress.RichProgressBar",
+    "lightning.pytorch.callbacks.lr_monitor.LearningRateMonitor",
+    "lightning.pytorch.callbacks.timer.Timer",
+    "lightning.pytorch.callbacks.model_summary.ModelSummary",
+    "lightning.pytorch.callbacks.rich_model_summary.RichModelSummary",
+    "lightning.pytorch.callbacks.early_stopping.EarlyStopping",
+    "lightning.pytorch.callbacks.checkpoint.Checkpoint",
+    "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint",
+    "lightning.pytorch.callbacks.on_exception_checkpoint.OnExceptionCheckpoint",
+    "lightning.pytorch.callbacks.device_stats_monitor.DeviceStatsMonitor",
+    "lightning.pytorch.callbacks.throughput_monitor.ThroughputMonitor",
+    "lightning.pytorch.callbacks.gradient_accumulation_scheduler.GradientAccumulationScheduler",
+    "lightning.pytorch.callbacks.callback.Callback",
+)
+_LM_BASES = ("lightning.pytorch.core.module.", "lightning.pytorch.core.hooks.")
+
+
+@dataclass
+class Observers:
+    """Hooks that can observe a deferred update, as ``"Class.hook"`` strings.
+
+    Attributes:
+        grads: gradient hooks present (the step must run in sync mode when non-empty).
+        between: between-step hook name -> the overrides of it (flush before them).
+    """
+
+    grads: list[str] = field(default_factory=list)
+    between: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _qualname(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _defining_class(obj: Any, name: str) -> type | None:
+    for cls in type(obj).__mro__:
+        if name in cls.__dict__:
+            return cls
+    return None
+
+
+def _callback_observes(callback: Any, hook: str) -> bool:
+    if getattr(type(callback), "pipedap_reads_model", True) is False:
+        return False
+    owner = _defining_class(callback, hook)
+    return owner is not None and _qualname(owner) not in SAFE_CALLBACKS
+
+
+def _module_observes(module: Any, hook: str) -> bool:
+    owner = _defining_class(module, hook)
+    return owner is not None and not _qualname(owner).startswith(_LM_BASES)
+
+
+def find_observers(module: Any, callbacks: Iterable[Any]) -> Observers:
+    """The hooks of ``module`` (a LightningModule) and ``callbacks`` that can observe a deferred update.
+
+    Returns:
+        :class:`Observers` with ``"Class.hook"`` entries in call order (callbacks, then the module).
+    """
+    found = Observers()
+    callbacks = list(callbacks)
+    for hook in GRAD_HOOKS:
+        if hook.startswith("on_"):
+            found.grads += [f"{type(cb).__name__}.{hook}" for cb in callbacks if _callback_observes(cb, hook)]
+        if _module_observes(module, hook):
+            found.grads.append(f"{type(module).__name__}.{hook}")
+    for hook in BETWEEN_HOOKS:
+        names = [f"{type(cb).__name__}.{hook}" for cb in callbacks if _callback_observes(cb, hook)]
+        if _module_observes(module, hook):
+            names.append(f"{type(module).__name__}.{hook}")
+        if names:
+            found.between[hook] = names
+    return found
+
+
+class ObservationFlush(Callback):
+    """A Lightning callback, first in ``trainer.callbacks``, that makes the next hooks see DDP's values.
+
+    Before the other callbacks' and the LightningModule's between-step hooks that observe
+    (:func:`find_observers`), it asks the strategy to apply the pending update and write the
+    averaged gradients to ``.grad``; before ``on_validation_start`` and ``on_train_end`` it always
+    applies pending updates (weight averaging callbacks copy their average into the model in
+    ``on_train_end``; a pending update landing after that would overwrite it).
+
+    Args:
+        strategy: the :class:`~lightning_pipedap.PipeDAPStrategy` (its ``observe(hook)`` and ``flush()``).
+    """
+
+    pipedap_reads_model = False
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.strategy.observe("on_train_batch_start", trainer)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.strategy.observe("on_train_batch_end", trainer)
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.observe("on_train_epoch_start", trainer)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.observe("on_train_epoch_end", trainer)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.flush()
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.strategy.observe("on_train_end", trainer)

@@ -1,0 +1,151 @@
+"""Which module really consumes each parameter: a torch-function trace of one forward.
+
+The module that *registers* a parameter is not always the module whose forward reads it:
+``nn.MultiheadAttention.forward`` passes ``self.out_proj.weight`` to
+``F.multi_head_attention_forward`` (``out_proj``'s own forward never runs), a timm-style model calls
+``backbone.forward_features`` (the backbone's ``forward`` never runs), a ``training_step`` may use
+``self.layer.weight`` functionally, and a parent may read a child's weight (weight tying).
+A deferred update must land before the first *op* that reads the parameter, so the trigger of a
+bucket is decided from ops, not from registration:
+
+- :class:`ModuleStack` keeps the stack of module forwards running right now (global forward
+  pre/post hooks, filtered to one model's modules);
+- :class:`ConsumerTrace` is a :class:`torch.overrides.TorchFunctionMode`: every torch function and
+  tensor method called with a watched parameter among its arguments (one level of lists, as in
+  ``_VF.lstm``'s flat weights) reports that parameter with the innermost running module and
+  whether a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...) is active.
+
+The strategy runs the trace during its trace step to assign owners, and again as a *guard* during
+the first deferred steps after a schedule is installed, where a consumption of a parameter whose
+update is still pending applies that update first (the callback runs before the op).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+def transform_active() -> bool:
+    """True while a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is running."""
+    try:
+        return torch._C._functorch.peek_interpreter_stack() is not None
+    except AttributeError:  # pragma: no cover - very old torch
+        return False
+
+
+class ModuleStack:
+    """The modules of one model whose forward is running now, innermost last.
+
+    Installed with :meth:`install` (global ``register_module_forward_pre_hook`` /
+    ``register_module_forward_hook(always_call=True)``) and removed with :meth:`remove`; modules
+    that are not part of ``model`` are ignored.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._ids = {id(m) for m in model.modules()}
+        self.stack: list[torch.nn.Module] = []
+        self._handles: list[Any] = []
+
+    def install(self) -> None:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            if id(module) in self._ids:
+                self.stack.append(module)
+
+        def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+            if id(module) in self._ids and self.stack and self.stack[-1] is module:
+                self.stack.pop()
+
+        self.stack.clear()
+        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.stack.clear()
+
+    def top(self) -> Optional[torch.nn.Module]:
+        """The innermost running module, or ``None`` outside every forward of the model."""
+        return self.stack[-1] if self.stack else None
+
+
+@dataclass(frozen=True)
+class Consumption:
+    """The first consumption of one parameter seen by a :class:`ConsumerTrace`.
+
+    Attributes:
+        seq: position of the consuming op among all ops of the traced region (0-based).
+        module: innermost running module of the model then (``None``: outside every forward).
+        in_transform: whether a ``torch.func`` transform was active.
+    """
+
+    seq: int
+    module: Optional[torch.nn.Module]
+    in_transform: bool
+
+
+class ConsumerTrace(TorchFunctionMode):
+    """Torch-function mode that reports ops reading watched parameters.
+
+    Args:
+        params: the watched parameters (index = position in this sequence).
+        stack: the model's :class:`ModuleStack` (installed by the caller).
+        on_consume: optional ``callback(index)`` called *before* the op runs, every time a watched
+            parameter is an argument (the guard uses it to apply a pending update just in time).
+
+    After the traced region, :attr:`first` maps parameter index -> :class:`Consumption` of its
+    first use. The overhead is a Python call and an argument scan per op, so the strategy runs it
+    only during trace and verification steps.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], stack: ModuleStack,
+                 on_consume: Optional[Callable[[int], None]] = None) -> None:
+        super().__init__()
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._stack = stack
+        self._on_consume = on_consume
+        self._seq = 0
+        self.first: dict[int, Consumption] = {}
+
+    def _hits(self, values: Iterable[Any]) -> list[int]:
+        index, out = self._index, []
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                i = index.get(id(v))
+                if i is not None:
+                    out.append(i)
+            elif isinstance(v, (list, tuple)):
+                for w in v:
+                    if isinstance(w, torch.Tensor):
+                        i = index.get(id(w))
+                        if i is not None:
+                            out.append(i)
+        return out
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        hits = self._hits(args)
+        if kwargs:
+            hits += self._hits(kwargs.values())
+        if hits:
+            seq = self._seq
+            for i in hits:
+                if i not in self.first:
+                    self.first[i] = Consumption(seq, self._stack.top(), transform_active())
+                if self._on_consume is not None:
+                    self._on_consume(i)
+        self._seq += 1
+        return func(*args, **kwargs)
+
+
+def consumer_order(num_params: int, first: dict[int, Consumption]) -> list[int]:
+    """Parameter indices by first consumption, then the never-consumed ones in index order."""
+    used = sorted(first, key=lambda i: (first[i].seq, i))
+    seen = set(used)
+    return used + [i for i in range(num_params) if i not in seen]
