@@ -16,7 +16,7 @@ whenever the callback list changes, which hooks the user's code overrides:
 
 A hook is *not* an observer when its class is Lightning's base class (not overridden), one of
 Lightning's callbacks listed in :data:`SAFE_CALLBACKS` that provably read neither parameters nor
-gradients there, or a callback class that sets ``pipedap_reads_model = False`` (this package's
+gradients there, or a callback (class or instance) that sets ``pipedap_reads_model = False`` (this package's
 measurement callbacks do). Anything else counts as an observer: a wrong guess costs overlap, never
 correctness.
 """
@@ -83,7 +83,7 @@ def _defining_class(obj: Any, name: str) -> type | None:
 
 
 def _callback_observes(callback: Any, hook: str) -> bool:
-    if getattr(type(callback), "pipedap_reads_model", True) is False:
+    if getattr(callback, "pipedap_reads_model", True) is False:
         return False
     owner = _defining_class(callback, hook)
     return owner is not None and _qualname(owner) not in SAFE_CALLBACKS

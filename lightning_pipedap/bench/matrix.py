@@ -376,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeline-dir", default=None,
                     help="write rank 0's op records of the last 3 measured pipedap iterations here (JSON per variant)")
     ap.add_argument("--cell-timeout-s", type=float, default=1500.0, help="timeout of one cell's launch (s)")
+    ap.add_argument("--weight-reader", action="store_true",
+                    help="every variant trains with Lightning's EMAWeightAveraging callback, which reads the weights "
+                         "after every step (what the strategy's observer rule costs)")
     ap.add_argument("--json", default=None, help="write all results as JSON to this path")
     ap.add_argument("--markdown", default=None, help="write the tables into this Markdown file (between markers)")
     ap.add_argument("--chart", default=None, help="write the speedup chart (PNG) to this path")
@@ -1083,6 +1086,7 @@ def _make_timer(watts: float):
 
     class StepTimer(pl.Callback):
         """Start time (perf_counter, s) and estimated energy (J) at every training-batch start and at the end;
+        reads neither weights nor gradients (``pipedap_reads_model = False``: no observer for the strategy);
         with a compressing pipedap strategy also every per-bucket compression round, as
         ``(step, bucket, CompressionStats)``.
 
@@ -1094,6 +1098,7 @@ def _make_timer(watts: float):
         def __init__(self) -> None:
             self.starts: list[float] = []
             self.joules: list[float] = []
+            self.pipedap_reads_model = False
             self.reader = EstimateReader(watts, basis="cpu")
             self.records: list = []
             self.rounds: list[tuple[int, int, Any]] = []
@@ -1141,9 +1146,14 @@ def _fit(spec: dict, strategy: Any, ds, steps: int, devices_kw: dict) -> tuple[A
     pl.seed_everything(0, verbose=False)
     module = make_module(spec["model"], spec["size"])
     timer = _make_timer(spec["watts"])
+    callbacks = [timer]
+    if spec.get("weight_reader"):
+        from lightning.pytorch.callbacks import EMAWeightAveraging
+
+        callbacks.append(EMAWeightAveraging(decay=0.999))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=[timer], **devices_kw)
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **devices_kw)
     trainer.fit(module, DataLoader(ds, batch_size=spec["batch"], shuffle=False))
     return timer, module
 
@@ -1442,7 +1452,7 @@ def run_cell(model: str, link: str, ranks: int, args: argparse.Namespace) -> Cel
                 trial_steps=QUICK_TRIAL_STEPS if args.quick else TRIAL_STEPS,
                 plan_trials=QUICK_PLAN_TRIALS if args.quick else PLAN_TRIALS,
                 threads=args.threads, watts=args.watts, timeline=bool(args.timeline), link=link,
-                timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)
+                weight_reader=bool(args.weight_reader), timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)
     rate = None if link == "none" else link
     with tempfile.TemporaryDirectory(prefix="pipedap-matrix-") as cache, Testbed(hosts=ranks, rate=rate) as tb:
         # a per-cell α-β cache: the planned schedules of this cell share one measurement of this link
@@ -1500,7 +1510,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     t_start = time.monotonic()
     cmd = "python -m lightning_pipedap.bench.matrix " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = dict(machine=machine_description(), command=cmd.strip(), date=time.strftime("%Y-%m-%d %H:%M"),
-                steps=args.steps, warmup=args.warmup, threads=args.threads, watts=args.watts)
+                steps=args.steps, warmup=args.warmup, threads=args.threads, watts=args.watts,
+                weight_reader=bool(args.weight_reader))
     cells: list[CellResult] = []
     for model in args.models:
         for ranks in args.ranks:

@@ -178,6 +178,9 @@ class EnergyMonitor(Callback):
         EnergyUnavailable: an explicitly requested ``source`` is not available (at ``setup``).
     """
 
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    pipedap_reads_model = False
+
     def __init__(
         self,
         window_steps: int = 10,
@@ -431,6 +434,9 @@ class SpeedupMonitor(Callback):
         FileNotFoundError: ``reference_file`` does not exist (at ``setup``).
     """
 
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    pipedap_reads_model = False
+
     def __init__(
         self,
         warmup_steps: int = 5,
@@ -587,6 +593,9 @@ class CommTimeline(Callback):
         history: logged metrics per sampled step.
     """
 
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    pipedap_reads_model = False
+
     def __init__(
         self,
         every_n_steps: int = 50,
@@ -739,6 +748,9 @@ class CompressionMonitor(Callback):
     Args:
         every_n_steps: logging period in optimizer steps (>= 1).
     """
+
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    pipedap_reads_model = False
 
     def __init__(self, every_n_steps: int = 20) -> None:
         self.every_n_steps = _check_positive_int("every_n_steps", every_n_steps)
