@@ -544,7 +544,8 @@ class PipeDAPStrategy(DDPStrategy):
     def _trainable_params(self) -> list[Tensor]:
         """The model's trainable parameters, checked to be the same (name, shape, dtype) on every rank."""
         model = self.model
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        wants = self._requires_grad
+        named = [(n, p) for n, p in model.named_parameters() if wants(p)]
         if not named:
             raise ValueError(f"pipedap: {type(model).__name__} has no trainable parameters (all requires_grad=False)")
         signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
@@ -560,10 +561,23 @@ class PipeDAPStrategy(DDPStrategy):
 
     def _hook_new_params(self) -> None:
         """Post-accumulate-grad hooks on every trainable parameter not hooked yet (again after unfreezing)."""
-        for p in self.model.parameters():
-            if p.requires_grad and id(p) not in self._hooked:
+        for p in self._params:
+            if id(p) not in self._hooked:
                 self._hooked.add(id(p))
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                toggled_off = not p.requires_grad  # (switched off by toggle_optimizer right now)
+                if toggled_off:
+                    p.requires_grad_(True)
+                try:
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+                finally:
+                    if toggled_off:
+                        p.requires_grad_(False)
+
+    def _requires_grad(self, p: Tensor) -> bool:
+        """``p.requires_grad`` as the user set it: ``LightningModule.toggle_optimizer`` switches the other
+        optimizers' parameters off for one optimizer's step, which is not a change of the trainable set."""
+        toggled = getattr(self.lightning_module, "_param_requires_grad_state", None) or {}
+        return bool(toggled.get(p, p.requires_grad))
 
     def _wrap_train(self, module: torch.nn.Module) -> None:
         """Apply pending updates before ``module.train(mode)`` runs (it may read weights: LoRA-style merges)."""
@@ -583,7 +597,8 @@ class PipeDAPStrategy(DDPStrategy):
     def _trainable_signature(self) -> int:
         """Hash of which parameters are trainable and of every optimizer's param groups (checked every step)."""
         lm = self.lightning_module
-        trainable = tuple(id(p) for p in lm.parameters() if p.requires_grad)
+        wants = self._requires_grad
+        trainable = tuple(id(p) for p in lm.parameters() if wants(p))
         groups = tuple(tuple(id(p) for p in g["params"]) for opt in self.optimizers for g in opt.param_groups)
         return hash((trainable, groups))
 
