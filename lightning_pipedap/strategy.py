@@ -1128,8 +1128,10 @@ class PipeDAPStrategy(DDPStrategy):
             return super().training_step(*args, **kwargs)
         if self._buffers_sync_next:
             self._sync_buffers()
-        if self._pending is not None and self._root_buckets:
-            self._apply(list(self._root_buckets))
+        if self._pending is not None:
+            self._clip_coefficient(self._pending)
+            if self._root_buckets:
+                self._apply(list(self._root_buckets))
         mode: Optional[Callable[[int], None]] = None
         tracing = self._phase == "trace" and self._sync_steps == 0 and self._trace is None
         if tracing:
@@ -1332,11 +1334,7 @@ class PipeDAPStrategy(DDPStrategy):
                 if b not in pending.remaining:
                     continue
                 t0 = time.perf_counter()
-                if pending.clip is not None and pending.clip.algorithm == "norm" and pending.coef is None:
-                    engine.wait_all_reduced()
-                    sq = shard_sum_of_squares(engine.buckets, self._comm.rank)
-                    total = C.all_reduce_scalar(sq, self.root_device) ** 0.5
-                    pending.coef = clip_coefficient(total, pending.clip.value)
+                self._clip_coefficient(pending)
                 bucket = engine.wait_done(b)
                 t1 = time.perf_counter()
                 used = engine.used_flags(b)
@@ -1348,6 +1346,16 @@ class PipeDAPStrategy(DDPStrategy):
                     self._records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))
                 pending.remaining.discard(b)
                 self.update_counts[where] += 1
+
+    def _clip_coefficient(self, pending: _Pending) -> None:
+        """Clip-by-norm: the global norm from every rank's reduced shards (one scalar all-reduce on the
+        default group). Computed at the start of ``training_step`` (or at a flush), a point every rank
+        reaches in the same order relative to other collectives, never inside a data-dependent trigger."""
+        if pending.clip is not None and pending.clip.algorithm == "norm" and pending.coef is None:
+            self._engine.wait_all_reduced()
+            sq = shard_sum_of_squares(self._engine.buckets, self._comm.rank)
+            total = C.all_reduce_scalar(sq, self.root_device) ** 0.5
+            pending.coef = clip_coefficient(total, pending.clip.value)
 
     def _apply_all(self, where: str) -> None:
         if self._pending is not None:
