@@ -85,6 +85,8 @@ def _defining_class(obj: Any, name: str) -> type | None:
 def _callback_observes(callback: Any, hook: str) -> bool:
     if getattr(callback, "pipedap_reads_model", True) is False:
         return False
+    if hook in getattr(callback, "__dict__", {}):  # set on the instance (LambdaCallback)
+        return True
     owner = _defining_class(callback, hook)
     return owner is not None and _qualname(owner) not in SAFE_CALLBACKS
 

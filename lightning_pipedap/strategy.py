@@ -60,7 +60,8 @@ from lightning_pipedap.plan import PLANNERS, CostModel, get_planner, load_cost_m
 from lightning_pipedap.plan.candidates import trial_candidates
 from lightning_pipedap.profile.alpha_beta import measure_cost_model
 from lightning_pipedap.observers import Observers, ObservationFlush, find_observers
-from lightning_pipedap.profile.consumers import ConsumerTrace, ModuleStack, consumer_order, transform_active
+from lightning_pipedap.profile.consumers import (ConsumerTrace, ModuleStack, consumer_order, eager_modules,
+                                                 transform_active)
 from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import BUILTIN_SCHEDULES, Op, OpKind, Schedule, builtin_schedule, expand_layers
 
@@ -115,6 +116,16 @@ class _Pending:
     clip: Optional[ClipRequest]
     remaining: set[int]
     coef: Optional[float] = None
+
+
+def _outside_compiled(name: str, modules: dict[str, torch.nn.Module]) -> str:
+    """The owner to trigger instead of module ``name``: the parent of the outermost ``torch.compile``d
+    module around it (hooks of modules inside a compiled region do not run eagerly), else ``name``."""
+    parts = name.split(".") if name else []
+    for k in range(1, len(parts) + 1):
+        if isinstance(modules.get(".".join(parts[:k])), torch._dynamo.eval_frame.OptimizedModule):
+            return ".".join(parts[:k - 1])
+    return name
 
 
 class _DeferredStep:
@@ -519,7 +530,7 @@ class PipeDAPStrategy(DDPStrategy):
         # `weight` from `weight_g`/`weight_v` in a pre-hook, which must see the updated values);
         # compiler.disable: under torch.compile the hook (and the optimizer step in it) runs eagerly
         on_forward = torch.compiler.disable(self._on_module_forward)
-        for m in model.modules():
+        for m in eager_modules(model):
             self._hook_handles.append(m.register_forward_pre_hook(on_forward, prepend=True))
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
                 self._wrap_train(m)  # a module that reads its weights in train()/eval() (LoRA merge)
@@ -755,6 +766,7 @@ class PipeDAPStrategy(DDPStrategy):
             plan = (order, owners)
         order, owner_names = C.broadcast_object(plan, src=0)
         modules = dict(lm.named_modules())
+        owner_names = [_outside_compiled(n, modules) for n in owner_names]
         self._order = order
         self._owners = [modules.get(n, lm) for n in owner_names]
         self._trace = None
@@ -1115,6 +1127,7 @@ class PipeDAPStrategy(DDPStrategy):
         mode = ConsumerTrace(params, stack, on_consume)
         self._stack = stack
         stack.install()
+        stack.pause_in_compiled(mode)
         try:
             with mode:
                 yield mode

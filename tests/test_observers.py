@@ -67,3 +67,11 @@ def test_between_step_hooks_of_module_and_callbacks():
 def test_finetuning_callback_counts_as_observer_of_the_epoch_start():
     found = find_observers(Plain(), [BackboneFinetuning()])
     assert found.between == {"on_train_epoch_start": ["BackboneFinetuning.on_train_epoch_start"]}
+
+
+def test_lambda_callback_hooks_set_on_the_instance_are_observers():
+    """``LambdaCallback(on_train_batch_end=fn)`` sets the hook as an instance attribute."""
+    from lightning.pytorch.callbacks import LambdaCallback
+
+    found = find_observers(Plain(), [LambdaCallback(on_train_batch_end=lambda *a: None)])
+    assert found.between == {"on_train_batch_end": ["LambdaCallback.on_train_batch_end"]}

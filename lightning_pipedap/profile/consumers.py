@@ -37,32 +37,95 @@ def transform_active() -> bool:
         return False
 
 
+def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost ``torch.compile``d submodules of ``model`` (``OptimizedModule``; their own hooks run eagerly)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    out: list[torch.nn.Module] = []
+
+    def visit(m: torch.nn.Module) -> None:
+        if isinstance(m, OptimizedModule):
+            out.append(m)
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
+def eager_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` outside every ``torch.compile``d submodule (whose hooks run eagerly).
+
+    Hooks on modules inside a compiled region are traced by dynamo; hooks that change between runs
+    would make it recompile (and, past its recompile limit, fall back to eager code with other
+    rounding), so the strategy leaves compiled regions alone.
+    """
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    out: list[torch.nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: torch.nn.Module) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if isinstance(m, OptimizedModule):
+            return
+        out.append(m)
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
 class ModuleStack:
     """The modules of one model whose forward is running now, innermost last.
 
-    Installed with :meth:`install` (global ``register_module_forward_pre_hook`` /
-    ``register_module_forward_hook(always_call=True)``) and removed with :meth:`remove`; modules
-    that are not part of ``model`` are ignored.
+    Installed with :meth:`install` (forward pre/post hooks, ``always_call=True``, on every module
+    outside compiled regions, see :func:`eager_modules`) and removed with :meth:`remove`.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self._ids = {id(m) for m in model.modules()}
+        self._modules = eager_modules(model)
+        self._compiled = compiled_modules(model)
         self.stack: list[torch.nn.Module] = []
         self._handles: list[Any] = []
 
-    def install(self) -> None:
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    def pause_in_compiled(self, mode: TorchFunctionMode) -> None:
+        """Take ``mode`` off the torch-function stack while a compiled submodule runs (call after
+        :meth:`install`): dynamo then compiles exactly what it compiles without the strategy, and the
+        compiled module's parameters are simply not seen (the strategy updates them before
+        ``training_step``)."""
+        for m in self._compiled:
+            popped: list[Any] = []
 
+            def pre(module: torch.nn.Module, args: Any, popped: list = popped) -> None:
+                n = torch._C._len_torch_function_stack()
+                if n and torch._C._get_function_stack_at(n - 1) is mode:
+                    popped.append(torch._C._pop_torch_function_stack())
+
+            def post(module: torch.nn.Module, args: Any, out: Any, popped: list = popped) -> None:
+                if popped:
+                    torch._C._push_on_torch_function_stack(popped.pop())
+
+            self._handles.append(m.register_forward_pre_hook(pre))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
+
+    def install(self) -> None:
         def pre(module: torch.nn.Module, args: Any) -> None:
-            if id(module) in self._ids:
-                self.stack.append(module)
+            self.stack.append(module)
 
         def post(module: torch.nn.Module, args: Any, out: Any) -> None:
-            if id(module) in self._ids and self.stack and self.stack[-1] is module:
+            if self.stack and self.stack[-1] is module:
                 self.stack.pop()
 
         self.stack.clear()
-        self._handles = [register_module_forward_pre_hook(pre), register_module_forward_hook(post, always_call=True)]
+        self._handles = []
+        for m in self._modules:
+            self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
+            self._handles.append(m.register_forward_hook(post, always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:

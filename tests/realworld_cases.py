@@ -1,0 +1,354 @@
+"""Real-world parity suite: each case of ``tests/realworld_models.py`` trained with a reference strategy and with
+``pipedap`` (default ``PipeDAPStrategy()`` and a many-bucket ``PipeDAPStrategy(schedule="dear",
+bucket_cap_mb=0.002)``, each twice), compared tensor by tensor.
+
+Run as a script on every rank (``tests/test_realworld_parity.py`` starts 2 ranks with Lightning's environment
+variables; every ``Trainer`` joins them)::
+
+    python -m tests.realworld_cases OUT.json [case ...]      # no case names: REALWORLD_CASES or all cases
+
+Environment: ``REALWORLD_CASES=mha,ema_weight_averaging`` (subset), ``REALWORLD_VARIANTS=dear`` (subset of
+the pipedap variants), ``REALWORLD_RUNS=1`` (one run per variant instead of two; reproducibility is then not
+measured).
+
+The ranks never use the default process group for the harness itself: after each fit every rank writes its
+status, error and tensors to ``OUT.json.xchg/`` and waits for the other's file (so an exception on one rank
+cannot leave the harness of the other blocked in a collective). After a failed fit the default process group
+is destroyed and re-created (FileStore) so the next case starts clean; the default group's timeout is
+``REALWORLD_PG_TIMEOUT_S`` (60 s), pipedap's ``wait_timeout_s`` is 60 s. Rank 0 writes OUT.json after every case.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+import warnings
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+import lightning_pipedap  # noqa: F401  (registers "pipedap")
+from lightning_pipedap import PipeDAPStrategy
+from tests.realworld_models import CASES, Case, Spec, _records
+
+warnings.filterwarnings("ignore")
+logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
+
+PG_TIMEOUT_S = float(os.environ.get("REALWORLD_PG_TIMEOUT_S", "60"))
+WAIT_TIMEOUT_S = 60.0
+SWAP_TIMEOUT_S = 3 * PG_TIMEOUT_S + 120
+RUNS = int(os.environ.get("REALWORLD_RUNS", "2"))
+PIPEDAP_VARIANTS = [v for v in os.environ.get("REALWORLD_VARIANTS", "default,dear").split(",") if v]
+RANK = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+
+# ------------------------------------------------------------------------------------------------ strategies
+def _pipedap(**kw: Any) -> PipeDAPStrategy:
+    if "wait_timeout_s" in inspect.signature(PipeDAPStrategy.__init__).parameters:
+        kw["wait_timeout_s"] = WAIT_TIMEOUT_S
+    return PipeDAPStrategy(**kw)
+
+
+STRATEGIES: dict[str, Callable[[], Any]] = {
+    "default": lambda: _pipedap(),
+    "dear": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002),
+    "ddp": lambda: "ddp",
+    "ddp_find_unused_parameters_true": lambda: "ddp_find_unused_parameters_true",
+}
+
+
+# ------------------------------------------------------------------------------------------------ union-batch reference
+class _EpochHolder:
+    def __init__(self) -> None:
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:  # Lightning calls this on batch_sampler.sampler every epoch
+        self.epoch = epoch
+
+
+class UnionBatchSampler(Sampler[list[int]]):
+    """Step i yields rank 0's i-th batch followed by rank 1's, each under ``DistributedSampler(num_replicas=2,
+    rank=r, shuffle, seed=0)`` with ``set_epoch(e)`` (what Lightning gives each DDP rank)."""
+
+    def __init__(self, n: int, batch: int, shuffle: bool, world: int = 2, seed: int = 0) -> None:
+        self.n, self.batch, self.shuffle, self.world, self.seed = n, batch, shuffle, world, seed
+        self.sampler = _EpochHolder()
+
+    def _per_rank(self) -> list[list[int]]:
+        out = []
+        for r in range(self.world):
+            s = DistributedSampler(list(range(self.n)), num_replicas=self.world, rank=r, shuffle=self.shuffle,
+                                   seed=self.seed)
+            s.set_epoch(self.sampler.epoch)
+            out.append(list(s))
+        return out
+
+    def __iter__(self):
+        per = self._per_rank()
+        for i in range(len(self)):
+            yield [j for p in per for j in p[i * self.batch:(i + 1) * self.batch]]
+
+    def __len__(self) -> int:
+        return math.ceil(math.ceil(self.n / self.world) / self.batch)
+
+
+def union_loader(dl: DataLoader) -> DataLoader:
+    shuffle = isinstance(dl.sampler, RandomSampler)
+    return DataLoader(dl.dataset, batch_sampler=UnionBatchSampler(len(dl.dataset), dl.batch_size, shuffle, WORLD))
+
+
+# ------------------------------------------------------------------------------------------------ one fit
+def fit(c: Case, strategy_name: str) -> dict[str, Any]:
+    """Train case ``c`` once; returns {status, error, error_type, global_step, state, info, update_counts}."""
+    out: dict[str, Any] = {"status": "ok", "error": None, "error_type": None, "error_msg": None, "global_step": None,
+                           "state": {}, "info": {}, "update_counts": None, "wall_s": None}
+    union = strategy_name == "union"
+    if union and RANK != 0:
+        out["status"] = "skipped"
+        return out
+    t0 = time.monotonic()
+    trainer = strategy = None
+    try:
+        pl.seed_everything(0, workers=True, verbose=False)
+        spec: Spec = c.build()
+        strategy = SingleDeviceStrategy("cpu") if union else STRATEGIES[strategy_name]()
+        kw = dict(accelerator="cpu", devices=1 if union else WORLD, max_epochs=c.epochs, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  num_sanity_val_steps=0, limit_val_batches=2)
+        kw.update(spec.trainer_kw)
+        trainer = pl.Trainer(strategy=strategy, callbacks=spec.callbacks, **kw)
+        train = spec.train
+        if union and train is not None:
+            train = union_loader(train)
+        if train is None:
+            trainer.fit(spec.model)
+        else:
+            trainer.fit(spec.model, train, spec.val)
+        state = {k: v.detach().clone() for k, v in spec.model.state_dict().items()}
+        state.update(_records(spec))
+        if spec.extra is not None:
+            state.update(spec.extra(spec))
+        out["state"] = state
+        out["info"] = spec.info(spec) if spec.info is not None else {}
+    except Exception as exc:  # reported, never raised: the next case must still run
+        out.update(status="error", error_type=type(exc).__name__, error_msg=str(exc),
+                   error=f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    finally:
+        out["wall_s"] = round(time.monotonic() - t0, 2)
+        if trainer is not None:
+            out["global_step"] = int(trainer.global_step)
+        counts = getattr(strategy, "update_counts", None)
+        out["update_counts"] = dict(counts) if isinstance(counts, dict) else None
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ rank exchange (files)
+class Exchange:
+    def __init__(self, root: str) -> None:
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+
+    def swap(self, tag: str, obj: Any) -> list[Optional[Any]]:
+        """Write ``obj`` for this rank, wait for every rank's; returns them by rank (None: a rank never reported)."""
+        mine = os.path.join(self.root, f"{tag}.r{RANK}.pt")
+        torch.save(obj, mine + ".tmp")
+        os.replace(mine + ".tmp", mine)
+        paths = [os.path.join(self.root, f"{tag}.r{r}.pt") for r in range(WORLD)]
+        deadline = time.monotonic() + SWAP_TIMEOUT_S
+        while not all(os.path.exists(p) for p in paths) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [torch.load(p, weights_only=False) if os.path.exists(p) else None for p in paths]
+
+
+_PG_GEN = [0]
+
+
+def init_pg(root: str) -> None:
+    if WORLD <= 1:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _PG_GEN[0] += 1
+    if _PG_GEN[0] == 1:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=PG_TIMEOUT_S))  # env:// from the launcher
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(root, f'pg{_PG_GEN[0]}')}", rank=RANK,
+                                world_size=WORLD, timeout=timedelta(seconds=PG_TIMEOUT_S))
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    if a.keys() != b.keys():
+        missing = sorted(set(a) ^ set(b))
+        return math.inf, f"key mismatch: {missing[:5]}"
+    worst, name = 0.0, ""
+    for k in a:
+        x, y = a[k], b[k]
+        if x.shape != y.shape:
+            return math.inf, f"{k}: shape {tuple(x.shape)} vs {tuple(y.shape)}"
+        if not x.numel():
+            continue
+        if x.is_sparse:
+            x, y = x.to_dense(), y.to_dense()
+        d = float((x.double() - y.double()).abs().max())
+        if math.isnan(d):
+            return math.inf, f"{k}: nan"
+        if d > worst or not name:
+            worst, name = d, k
+    return worst, name
+
+
+def _model_part(state: dict) -> dict:
+    return {k: v for k, v in state.items() if "rec/" not in k}
+
+
+def _rec_part(state: dict) -> dict:
+    return {k: v for k, v in state.items() if "rec/" in k}
+
+
+def _num(x: float) -> Any:
+    return "inf" if x == math.inf else x
+
+
+def _first_line(err: Optional[str]) -> Optional[str]:
+    return err.splitlines()[0][:300] if err else None
+
+
+def run_case(c: Case, xchg: Exchange) -> dict[str, Any]:
+    t0 = time.monotonic()
+    res: dict[str, Any] = {"source": c.doc, "ref": c.ref, "kind": c.kind}
+    if c.skip is not None:
+        reason = c.skip()
+        reasons = xchg.swap(f"{c.name}.skip", reason)
+        reason = next((r for r in reasons if r), None)
+        if reason:
+            res["skipped"] = reason
+            return res
+
+    def one(tag: str, strategy_name: str) -> list[Optional[dict]]:
+        outs = xchg.swap(f"{c.name}.{tag}", fit(c, strategy_name))
+        if any(o is None for o in outs):
+            raise TimeoutError(f"{c.name}/{tag}: a rank did not report within {SWAP_TIMEOUT_S:.0f} s (hung)")
+        if any(o["status"] == "error" for o in outs):
+            init_pg(xchg.root)  # a failed fit may leave collectives half-done: start the next one on a fresh group
+        return outs
+
+    pl.seed_everything(0, verbose=False)
+    init_state = {k: v.detach().clone() for k, v in c.build().model.state_dict().items()}
+
+    ref_outs = one("ref", c.ref)
+    ref = ref_outs[0]
+    res["ref_error"] = ref["error"]
+    res["ref_wall_s"] = ref["wall_s"]
+    if ref["status"] == "ok":
+        params = {k: v for k, v in ref["state"].items() if k in init_state}
+        res["ref_moved"] = _num(_diff(params, init_state)[0])
+        if c.ref != "union" and WORLD > 1:
+            res["ref_replicas"] = _num(_diff(_model_part(ref_outs[0]["state"]), _model_part(ref_outs[1]["state"]))[0])
+        info = [o["info"] for o in ref_outs if o["status"] == "ok"]
+        if info and "called" in info[0] and len(info) == 2:
+            res["ref_steps_with_per_rank_control_flow"] = sum(a != b for a, b in zip(info[0]["called"], info[1]["called"]))
+
+    variants = c.variants if c.variants is not None else PIPEDAP_VARIANTS
+    all_variants = [(v, RUNS) for v in variants] + [(v, 1) for v in c.info_variants]
+    res["variants"] = {}
+    for v, runs in all_variants:
+        vr: dict[str, Any] = {"info_only": v in c.info_variants and v not in variants}
+        states: list[list[dict]] = []
+        for i in range(runs):
+            outs = one(f"{v}.{i}", v)
+            errs = [o for o in outs if o["status"] == "error"]
+            if errs:
+                e = errs[0]
+                vr.update(error=e["error"], error_first_line=_first_line(e["error"]), error_type=e["error_type"],
+                          error_msg=e["error_msg"][:2000], global_step_at_error=e["global_step"],
+                          error_ranks=[r for r, o in enumerate(outs) if o["status"] == "error"])
+                break
+            states.append([o["state"] for o in outs])
+            vr["update_counts"] = [o["update_counts"] for o in outs]
+            vr.setdefault("wall_s", []).append(outs[0]["wall_s"])
+        if states and ref["status"] == "ok":
+            # every run, every rank against the reference's same rank (rank 0's for the single-process union run)
+            ref_states = [o["state"] if o["status"] == "ok" else ref["state"] for o in ref_outs]
+            d, worst = max((_diff(s[r], ref_states[r]) for s in states for r in range(len(s))), key=lambda t: t[0])
+            vr["vs_ref"], vr["worst"] = _num(d), worst
+            if WORLD > 1:  # replicas: parameters, buffers, extra model state; rank-local records reported apart
+                vr["replicas"] = _num(max(_diff(_model_part(s[0]), _model_part(s[1]))[0] for s in states))
+                vr["replicas_records"] = _num(max(_diff(_rec_part(s[0]), _rec_part(s[1]))[0] for s in states))
+            if len(states) > 1 and "error" not in vr:
+                vr["repro"] = _num(max(_diff(states[0][r], states[1][r])[0] for r in range(len(states[0]))))
+        res["variants"][v] = vr
+    res["wall_s"] = round(time.monotonic() - t0, 1)
+    return res
+
+
+def main(out_path: str, names: list[str]) -> None:
+    torch.set_num_threads(1)
+    if not names:
+        sel = os.environ.get("REALWORLD_CASES", "")
+        names = [n for n in sel.split(",") if n] if sel else list(CASES)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    xchg = Exchange(out_path + ".xchg")
+    init_pg(xchg.root)
+    results: dict[str, Any] = {"_meta": {"cases": names, "variants": PIPEDAP_VARIANTS, "runs": RUNS, "world": WORLD}}
+    t0 = time.monotonic()
+    for name in names:
+        try:
+            results[name] = run_case(CASES[name], xchg)
+        except TimeoutError as exc:  # the other rank hangs: report and stop (the launcher reaps the ranks)
+            results[name] = {"error": repr(exc), "source": CASES[name].doc}
+            results["_meta"]["aborted"] = repr(exc)
+            if RANK == 0:
+                _write(out_path, results, t0)
+            sys.stdout.flush()
+            os._exit(3)
+        except Exception as exc:
+            results[name] = {"error": f"{exc!r}\n{traceback.format_exc()}", "source": CASES[name].doc}
+        if RANK == 0:
+            _write(out_path, results, t0)
+            r = results[name]
+            print(f"[realworld] {name}: {_summary(r)}", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _summary(r: dict) -> str:
+    if "skipped" in r:
+        return f"skipped ({r['skipped']})"
+    if "variants" not in r:
+        return f"harness error {_first_line(r.get('error'))}"
+    parts = [f"ref moved {r.get('ref_moved')}" if not r.get("ref_error") else f"ref ERROR {_first_line(r['ref_error'])}"]
+    for v, vr in r["variants"].items():
+        if "error" in vr:
+            parts.append(f"{v}: ERROR {vr['error_first_line']}")
+        else:
+            parts.append(f"{v}: vs_ref {vr.get('vs_ref')} ({vr.get('worst')}) repro {vr.get('repro')} "
+                         f"replicas {vr.get('replicas')}")
+    return f"{r.get('wall_s')} s | " + " | ".join(parts)
+
+
+def _write(path: str, results: dict, t0: float) -> None:
+    results["_meta"]["wall_s"] = round(time.monotonic() - t0, 1)
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
