@@ -59,12 +59,12 @@ def test_wrong_type_fails_at_compose():
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("strategy.bucket_cap_mb=-1", "strategy.bucket_cap_mb=-1.0 must be a number > 0"),
-    ("strategy.bucket_cap_mb=0", "strategy.bucket_cap_mb=0.0 must be a number > 0"),
-    ("strategy.wait_timeout_s=0", "strategy.wait_timeout_s"),
-    ("strategy.warmup_steps=0", "strategy.warmup_steps=0 must be >= 1"),
+    ("strategy.bucket_cap_mb=-1", "strategy: bucket_cap_mb must be a positive number, got -1.0"),
+    ("strategy.bucket_cap_mb=0", "strategy: bucket_cap_mb must be a positive number, got 0.0"),
+    ("strategy.wait_timeout_s=0", "strategy: wait_timeout_s"),
+    ("strategy.warmup_steps=0", "strategy: warmup_steps must be an integer >= 1, got 0"),
     ("strategy.start_method=thread", "valid choices: popen, spawn, fork, forkserver"),
-    ("strategy.schedule=nope", "strategy.schedule='nope' is not valid; valid choices: allreduce, dear"),
+    ("strategy.schedule=nope", "strategy: unknown schedule 'nope'; valid: allreduce, dear"),
 ])
 def test_bad_values_fail_validation_with_choices(override, needle):
     cfg = _compose(override)
@@ -81,7 +81,7 @@ def test_schedule_choices_follow_the_installed_strategy():
         if name in lightning_pipedap.valid_schedule_names():
             validate(cfg)
         else:
-            with pytest.raises(ConfigError, match=f"'{name}' is not valid"):
+            with pytest.raises(ConfigError, match=f"unknown schedule '{name}'"):
                 validate(cfg)
 
 
@@ -168,7 +168,24 @@ def test_strategy_node_has_the_planning_options():
     obj = OmegaConf.to_object(_compose("strategy.plan_trials=2", "strategy.model_contention=false").strategy)
     assert (obj.plan_trials, obj.trial_steps, obj.model_contention, obj.calibrate_cost_model, obj.train_thread_nice) \
         == (2, 3, False, True, 0)
-    for bad, match in (("strategy.plan_trials=0", "strategy.plan_trials=0 must be >= 1"),
-                       ("strategy.train_thread_nice=25", r"strategy.train_thread_nice=25 must be in 0\.\.19")):
+    for bad, match in (("strategy.plan_trials=0", "strategy: plan_trials must be an integer >= 1, got 0"),
+                       ("strategy.train_thread_nice=25", r"strategy: train_thread_nice must be an integer in 0\.\.19")):
         with pytest.raises(ConfigError, match=match):
             validate(_compose(bad))
+
+
+def test_schema_has_every_strategy_option_with_the_same_default():
+    """The Hydra schema validates through ``PipeDAPConfig``; its fields must not drift from the options."""
+    import dataclasses
+
+    from lightning_pipedap.app.schema import PipeDAPStrategyConf
+    from lightning_pipedap.strategy.config import PipeDAPConfig
+
+    schema = {f.name: f for f in dataclasses.fields(PipeDAPStrategyConf)}
+    for f in dataclasses.fields(PipeDAPConfig):
+        if f.name == "deferrable_optimizers":  # classes: not a config value
+            continue
+        assert f.name in schema, f"schema lacks strategy option {f.name}"
+        mine = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        theirs = schema[f.name].default_factory() if schema[f.name].default is dataclasses.MISSING else schema[f.name].default
+        assert mine == theirs, (f.name, mine, theirs)

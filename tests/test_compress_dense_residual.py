@@ -46,7 +46,6 @@ def _state(rank: int) -> dict:
 def _ranks(rank: int, world: int) -> dict:
     import torch.nn as nn
 
-    from lightning_pipedap import PipeDAPStrategy
     from lightning_pipedap.compress import CompressionPipeline
     from lightning_pipedap.engine import collectives as C
     from lightning_pipedap.engine.compressed import CompressedTransport
@@ -58,12 +57,18 @@ def _ranks(rank: int, world: int) -> dict:
     model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2))
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
-    strategy = PipeDAPStrategy(compression="topk", compression_kwargs={"ratio": 1.0}, compression_mode="inline")
-    strategy._lightning_module = model  # what _param_names reads
+    from lightning_pipedap.strategy.resume import CompressionCarry
+
+    name_of = {id(p): n for n, p in model.named_parameters()}
+
+    def info(engine):
+        return {i: (name_of[id(p)], tuple(p.shape)) for b in engine.buckets for i, p in zip(b.param_indices, b.params)}
+
+    carry = CompressionCarry("topk", {"ratio": 1.0}, info, log=lambda message: None)
 
     def factory(buckets):
         pipe = CompressionPipeline([b.numel for b in buckets], "topk", {"ratio": 1.0}, threads=1, timeout_s=60,
-                                   mode="inline", layouts=strategy._compression_layouts(buckets))
+                                   mode="inline", layouts=[[(name_of[id(p)], tuple(p.shape)) for p in b.params] for b in buckets])
         return CompressedTransport(pipe, comm)
 
     # bucket 0 (0.weight, 0.bias) dense RS + AG; bucket 1 (1.weight, 1.bias) compressed at its RS slot
@@ -72,16 +77,15 @@ def _ranks(rank: int, world: int) -> dict:
     engine = CommEngine(comm, params, schedule, wait_timeout_s=60, transport_factory=factory)
     out: dict = {"names": names}
     try:
-        strategy._engine = engine
-        strategy._compression_state = _state(rank)
-        strategy._restore_compression_state()
+        carry.state = _state(rank)
+        carry.restore(engine)
         carried = engine.take_carried(clear=False)
         out["carried"] = {names[i]: v.tolist() for i, v in carried.items()}
         helper = engine.transport.pipeline.state_dict()["params"]
         out["helper_residual"] = {n: None if e["residual"] is None else e["residual"].tolist()
                                   for n, e in helper.items()}
-        out["kept_after_restore"] = strategy._compression_state
-        ckpt = strategy._compression_state_now(take=False)["params"]  # what a checkpoint would hold
+        out["kept_after_restore"] = carry.state
+        ckpt = carry.now(engine, take=False)["params"]  # what a checkpoint would hold
         out["ckpt_residual_0w"] = ckpt["0.weight"]["residual"].tolist()
         out["still_carried"] = sorted(names[i] for i in engine.take_carried(clear=False))
         rounds = []
@@ -101,8 +105,8 @@ def _ranks(rank: int, world: int) -> dict:
         engine.wait_idle()
         # a carried value not used before the engine is replaced goes back into the kept state
         engine.carry_to_next_gradient({1: torch.tensor([7.0, -7.0])})
-        strategy._keep_compression_state()
-        out["kept_0b"] = strategy._compression_state["params"]["0.bias"]["residual"].tolist()
+        carry.keep(engine)
+        out["kept_0b"] = carry.state["params"]["0.bias"]["residual"].tolist()
         out["carried_after_keep"] = len(engine.take_carried(clear=False))
         errors = []
         for bad in ({9: torch.zeros(1)}, {0: torch.zeros(5)}):

@@ -153,7 +153,7 @@ def test_strategy_load_checkpoint_keeps_rank_state_or_warns(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a matching checkpoint gives no warning
         st.load_checkpoint(path)
-    assert st._compression_state == mine and st._resume == plan
+    assert st._resume.compression == mine and st._resume.plan == plan
 
     for entry, words in [(checkpoint_entry([mine, mine], "powersgd", {}, 2), ["world size 2", "world size 1"]),
                          (checkpoint_entry([mine], "topk", {}, 1), ["'topk'", "compression='powersgd'"])]:
@@ -161,4 +161,4 @@ def test_strategy_load_checkpoint_keeps_rank_state_or_warns(tmp_path):
         with pytest.warns(UserWarning, match="compression starts with fresh error-feedback state") as rec:
             st.load_checkpoint(path)
         assert all(w in str(rec[0].message) for w in words), str(rec[0].message)
-        assert st._compression_state is None and st._resume is None
+        assert st._resume.compression is None and st._resume.plan is None

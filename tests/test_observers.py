@@ -6,7 +6,7 @@ from lightning.pytorch.callbacks import (BackboneFinetuning, EarlyStopping, EMAW
                                          ModelCheckpoint, TQDMProgressBar)
 
 from lightning_pipedap.measure import CommTimeline, SpeedupMonitor
-from lightning_pipedap.observers import find_observers
+from lightning_pipedap.strategy.observers import find_observers
 
 
 class Plain(pl.LightningModule):

@@ -96,27 +96,14 @@ class PipeDAPStrategyConf:
     process_group_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
-        from lightning_pipedap import valid_schedule_names  # noqa: PLC0415 (planners register on import)
+        """Every option is checked by :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (written once)."""
+        from lightning_pipedap.strategy.config import PipeDAPConfig  # noqa: PLC0415 (planners register on import)
 
-        _choice("strategy.schedule", self.schedule, tuple(valid_schedule_names()))
-        if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:
-            raise ConfigError(f"strategy.defer_update={self.defer_update!r} is not valid; valid choices: auto, true, false")
-        _positive("strategy.bucket_cap_mb", self.bucket_cap_mb)
-        _positive("strategy.wait_timeout_s", self.wait_timeout_s)
-        _positive("strategy.ring_chunk_mb", self.ring_chunk_mb)
-        for name, value, low in (("warmup_steps", self.warmup_steps, 1), ("profile_steps", self.profile_steps, 1),
-                                 ("replan_every", self.replan_every, 2), ("max_replans", self.max_replans, 0),
-                                 ("plan_trials", self.plan_trials, 1), ("trial_steps", self.trial_steps, 1)):
-            if value < low:
-                raise ConfigError(f"strategy.{name}={value} must be >= {low}")
-        _positive("strategy.replan_margin", self.replan_margin)
-        if not 0 <= self.train_thread_nice <= 19:
-            raise ConfigError(f"strategy.train_thread_nice={self.train_thread_nice} must be in 0..19 (0 = off)")
-        if self.compression is not None:
-            from lightning_pipedap.compress import valid_compressor_names  # noqa: PLC0415
-
-            _choice("strategy.compression", self.compression, tuple(valid_compressor_names()))
-        _choice("strategy.compression_mode", self.compression_mode, ("process", "inline"))
+        options = {name: getattr(self, name) for name in PipeDAPConfig.option_names() if hasattr(self, name)}
+        try:
+            PipeDAPConfig(**options)
+        except ValueError as exc:
+            raise ConfigError(f"strategy: {exc}") from None
         _choice("strategy.start_method", self.start_method, START_METHODS)
 
 

@@ -178,7 +178,7 @@ class EnergyMonitor(Callback):
         EnergyUnavailable: an explicitly requested ``source`` is not available (at ``setup``).
     """
 
-    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.strategy.observers)
     pipedap_reads_model = False
 
     def __init__(
@@ -434,7 +434,7 @@ class SpeedupMonitor(Callback):
         FileNotFoundError: ``reference_file`` does not exist (at ``setup``).
     """
 
-    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.strategy.observers)
     pipedap_reads_model = False
 
     def __init__(
@@ -593,7 +593,7 @@ class CommTimeline(Callback):
         history: logged metrics per sampled step.
     """
 
-    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.strategy.observers)
     pipedap_reads_model = False
 
     def __init__(
@@ -749,7 +749,7 @@ class CompressionMonitor(Callback):
         every_n_steps: logging period in optimizer steps (>= 1).
     """
 
-    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.observers)
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.strategy.observers)
     pipedap_reads_model = False
 
     def __init__(self, every_n_steps: int = 20) -> None:

@@ -1,0 +1,277 @@
+"""The run-time of one fit as an explicit state machine: trace → profile → trial → run (→ profile ...).
+
+::
+
+             warm-up steps done            profile_steps done         every candidate measured
+    TRACE ─────────────────────▶ PROFILE ─────────────────────▶ TRIAL ─────────────────────────▶ RUN
+      │  (fixed schedule) ───────────────────────────────────────────────────────────────────▶ ▲ │
+      │                            ▲  (one candidate) ─────────────────────────────────────────┘ │
+      │                            └──────────────── drift > replan_margin (re-plan) ───────────┘
+      └◀──────────── the trainable set changed (restart), from any phase
+    (resume from a checkpoint whose plan fits: straight to RUN)
+
+:class:`Controller` decides *when* to move; :class:`Effects` (implemented by the strategy's
+run-time) does *what* a transition needs: install an engine, measure, plan, flush. The controller
+has no Lightning, torch or ``torch.distributed`` import, takes an injectable clock, and every
+decision that must be identical on all ranks goes through :meth:`Effects.agree` (rank 0's value).
+Sync steps (TRACE, PROFILE) report :meth:`Controller.after_sync_step`; deferred steps (TRIAL, RUN)
+report :meth:`Controller.at_deferred_step_start`.
+"""
+
+from __future__ import annotations
+
+import enum
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+
+class Phase(enum.Enum):
+    """Where the run-time is: what the next step does."""
+
+    TRACE = "trace"  #: sync steps of the warm-up schedule; the first one traces the forward
+    PROFILE = "profile"  #: sync steps of the profiling schedule, per-layer times measured
+    TRIAL = "trial"  #: deferred steps of measured plan selection, one candidate after another
+    RUN = "run"  #: deferred steps of the installed schedule, drift checked
+
+    @property
+    def deferrable(self) -> bool:
+        """Whether steps of this phase may defer updates (a final schedule is installed)."""
+        return self in (Phase.TRIAL, Phase.RUN)
+
+
+class Effects(Protocol):
+    """What a transition needs done (the strategy's run-time implements it; tests use a fake)."""
+
+    def adopt_trace(self) -> None:
+        """Turn the traced step into the parameter order and owners (all ranks, one collective)."""
+
+    def install_fixed(self) -> None:
+        """Install the fixed (built-in) schedule over the traced order, final."""
+
+    def start_profiling(self) -> None:
+        """Install the profiling schedule and measure the cost model (first time only)."""
+
+    def take_profile_step(self, t_step_end: float) -> Optional[int]:
+        """Keep this sync step's profile; the number of profiled steps so far, None if it was not profiled."""
+
+    def plan(self) -> tuple[list[Any], list[float]]:
+        """Candidate engine schedules (the planner's first) and their no-overlap times (s); collective."""
+
+    def install_run(self, schedule: Any) -> Optional[float]:
+        """Install a planned schedule, final; returns its predicted communication busy time (s) or None."""
+
+    def flush(self) -> None:
+        """Apply every pending update (before an engine changes)."""
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a broadcast)."""
+
+    def last_busy_s(self) -> Optional[float]:
+        """The engine's communication busy time of its last round (s), or None."""
+
+    def rescale_cost_model(self, ratio: float) -> bool:
+        """Scale α and β by ``ratio`` (communication slower in training than measured); False if not allowed."""
+
+    def info(self, message: str) -> None:
+        """Log on rank 0."""
+
+
+@dataclass
+class Trial:
+    """Measured plan selection in progress.
+
+    Attributes:
+        schedules: candidate engine schedules (``name``, ``describe()``, ``predicted_iteration_s``).
+        no_overlap_s: no-overlap time of each candidate (s).
+        starts: clock at each step start of the current candidate (s).
+        measured_s: median step interval of each measured candidate (s).
+        gaps_s: every step interval of each measured candidate, the settling one first (s).
+    """
+
+    schedules: list[Any]
+    no_overlap_s: list[float]
+    starts: list[float] = field(default_factory=list)
+    measured_s: list[float] = field(default_factory=list)
+    gaps_s: list[list[float]] = field(default_factory=list)
+
+
+class Controller:
+    """Phase transitions of one fit (see the module docstring for the diagram).
+
+    Args:
+        effects: what transitions do.
+        planned: the schedule is planned (else a fixed schedule is installed after the trace).
+        warmup_steps: sync steps in TRACE (>= 1).
+        profile_steps: profiled steps in PROFILE (>= 1).
+        trial_steps: measured steps per candidate in TRIAL (each after one settling step).
+        replan_every, replan_margin, max_replans: drift check in RUN (every ``replan_every``
+            deferred steps; re-plan when the median iteration time leaves the prediction by more
+            than ``replan_margin``, at most ``max_replans`` times).
+        clock: time source in seconds (``time.perf_counter``).
+
+    Attributes (read by the strategy and the measurement callbacks):
+        phase: the current :class:`Phase`.
+        sync_steps: sync steps since TRACE began.
+        trial: the :class:`Trial` in progress (TRIAL only).
+        trial_results: one dict per measured candidate of the last selection (name, describe,
+            predicted_s, measured_s, chosen, steps_s, plus ``predictions[name]``).
+        predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
+        replans_done: re-plans triggered by drift.
+        predictions: rank 0's predictions per candidate name (filled by the planner side).
+    """
+
+    def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
+                 trial_steps: int = 3, replan_every: int = 50, replan_margin: float = 0.15, max_replans: int = 1,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.effects = effects
+        self.planned = planned
+        self.warmup_steps, self.profile_steps, self.trial_steps = warmup_steps, profile_steps, trial_steps
+        self.replan_every, self.replan_margin, self.max_replans = replan_every, replan_margin, max_replans
+        self.clock = clock
+        self.phase = Phase.TRACE
+        self.sync_steps = 0
+        self.trial: Optional[Trial] = None
+        self.trial_results: list[dict[str, Any]] = []
+        self.predictions: dict[str, dict[str, float]] = {}
+        self.predicted_iteration_s: Optional[float] = None
+        self.measured_iteration_s: Optional[float] = None
+        self.no_overlap_time_s: Optional[float] = None
+        self.replans_done = 0
+        self._planned_busy_s: Optional[float] = None
+        self._starts: deque[float] = deque(maxlen=replan_every + 1)
+        self._busy: deque[float] = deque(maxlen=replan_every)
+        self._run_steps = 0
+
+    # ------------------------------------------------------------------ transitions
+    def restart(self) -> None:
+        """Back to TRACE (the trainable set changed): the next sync steps trace and plan again."""
+        self.phase, self.sync_steps, self.trial = Phase.TRACE, 0, None
+
+    def resumed(self, predicted_s: Optional[float], no_overlap_s: Optional[float],
+                planned_busy_s: Optional[float]) -> None:
+        """A checkpoint's final schedule was installed: straight to RUN."""
+        self.predicted_iteration_s, self.no_overlap_time_s = predicted_s, no_overlap_s
+        self._planned_busy_s = planned_busy_s
+        self._reset_drift()
+        self.phase = Phase.RUN
+
+    def after_sync_step(self, t_step_end: float) -> None:
+        """A sync step ended (TRACE or PROFILE): advance warm-up identically on every rank."""
+        self.sync_steps += 1
+        if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
+            self.effects.adopt_trace()
+            if self.planned:
+                self.effects.start_profiling()
+                self.phase = Phase.PROFILE
+            else:
+                self.effects.install_fixed()
+                self.phase = Phase.RUN
+        elif self.phase is Phase.PROFILE:
+            done = self.effects.take_profile_step(t_step_end)
+            if done is not None and done >= self.profile_steps:
+                self._finish_profiling()
+
+    def at_deferred_step_start(self) -> None:
+        """A deferred step starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
+        if self.phase is Phase.TRIAL:
+            self._trial_step()
+        elif self.phase is Phase.RUN:
+            self._drift_step()
+
+    # ------------------------------------------------------------------ PROFILE -> TRIAL / RUN
+    def _finish_profiling(self) -> None:
+        schedules, no_overlap = self.effects.plan()
+        self.trial_results = []
+        if len(schedules) > 1:
+            self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.trial_steps} steps "
+                              f"each: {', '.join(s.name for s in schedules)}")
+            self.trial = Trial(list(schedules), list(no_overlap))
+            self._enter(schedules[0], no_overlap[0])
+            self.phase = Phase.TRIAL
+            self.trial.starts = [self.clock()]
+        else:
+            self._enter(schedules[0], no_overlap[0])
+            self.phase = Phase.RUN
+
+    def _enter(self, schedule: Any, no_overlap_s: float) -> None:
+        self._planned_busy_s = self.effects.install_run(schedule)
+        self.predicted_iteration_s = schedule.predicted_iteration_s
+        self.no_overlap_time_s = no_overlap_s
+        self._reset_drift()
+
+    def _reset_drift(self) -> None:
+        self._starts.clear()
+        self._busy.clear()
+        self._run_steps = 0
+
+    # ------------------------------------------------------------------ TRIAL
+    def _trial_step(self) -> None:
+        """The choice is rank 0's (its iteration time is the group's: the ranks are coupled by collectives)."""
+        tr = self.trial
+        assert tr is not None
+        tr.starts.append(self.clock())
+        if len(tr.starts) < self.trial_steps + 2:  # the first interval after a switch settles, not counted
+            return
+        gaps = [b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])]
+        tr.gaps_s.append(gaps)
+        tr.measured_s.append(statistics.median(gaps[1:]))
+        self.effects.flush()  # the previous step's updates, before the engine changes
+        if len(tr.measured_s) < len(tr.schedules):
+            nxt = len(tr.measured_s)
+            self._enter(tr.schedules[nxt], tr.no_overlap_s[nxt])
+            tr.starts = [self.clock()]
+            return
+        measured = self.effects.agree(tr.measured_s)
+        best = min(range(len(measured)), key=measured.__getitem__)
+        self.trial = None
+        self.trial_results = [
+            {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
+             "chosen": i == best, "steps_s": tr.gaps_s[i], **self.predictions.get(s.name, {})}
+            for i, (s, m) in enumerate(zip(tr.schedules, measured))
+        ]
+        self.effects.info("pipedap: measured candidates: " + "; ".join(
+            f"{r['name']} {r['measured_s'] * 1e3:.1f} ms (predicted "
+            + (f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] is not None else "-") + " ms)"
+            + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
+        if best != len(tr.schedules) - 1:  # the last candidate is the one installed now
+            self._enter(tr.schedules[best], tr.no_overlap_s[best])
+        else:
+            self._reset_drift()
+        self.phase = Phase.RUN
+
+    # ------------------------------------------------------------------ RUN: drift
+    def _drift_step(self) -> None:
+        self._starts.append(self.clock())  # bounded: the last replan_every + 1 starts
+        busy = self.effects.last_busy_s()
+        if busy is not None:
+            self._busy.append(busy)
+        self._run_steps += 1
+        n = self._run_steps
+        check = (self.predicted_iteration_s is not None and n > self.replan_every and not (n - 1) % self.replan_every
+                 and self.replans_done < self.max_replans)
+        if not check and (n < 6 or (n - 1) % 5):
+            return
+        starts = list(self._starts)
+        measured = statistics.median(b - a for a, b in zip(starts[:-1], starts[1:]))
+        self.measured_iteration_s = measured  # median of the last window, refreshed every 5 steps
+        if not check:
+            return
+        ratio = statistics.median(self._busy) / self._planned_busy_s if self._busy and self._planned_busy_s else 1.0
+        drift, ratio = self.effects.agree((abs(measured / self.predicted_iteration_s - 1.0), ratio))
+        if drift <= self.replan_margin:
+            return
+        if ratio > 1.05 and self.effects.rescale_cost_model(ratio):
+            # communication is slower during training than in the idle micro-benchmark (compute, gloo
+            # threads and the ring's additions share the cores): calibrate α-β before re-planning
+            self.effects.info(f"pipedap: communication busy {ratio:.2f}x the α-β prediction; scaling α and β")
+        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "
+                          f"{self.predicted_iteration_s * 1e3:.1f} ms (drift {drift:.0%} > "
+                          f"{self.replan_margin:.0%}): re-planning")
+        self.replans_done += 1
+        self.effects.flush()
+        self.effects.start_profiling()
+        self.phase = Phase.PROFILE
+

@@ -1,0 +1,265 @@
+"""Deferred updates: which bucket lands where, applying it, and proving no read came too early.
+
+After a deferred step the engine holds every bucket's reduced gradients (or will, when its
+all-gather lands). :class:`DeferredUpdates` keeps that step's :class:`Pending` update and applies
+it bucket by bucket:
+
+- at the forward pre-hook of the bucket's first consumer (``triggers``; owners come from the
+  op-level trace, :mod:`~lightning_pipedap.profile.consumers`), or before ``training_step``
+  (``root`` buckets: parameters read outside every module forward, in a ``torch.func``
+  transform, or not seen in the trace);
+- in a *guard* step (the first deferred steps of a schedule, a :class:`ConsumerTrace` active):
+  just before any op that reads a parameter whose update is still pending; that bucket is then
+  applied before ``training_step`` from the next step on;
+- whatever is left at the start of backward (modules not called this step); a gradient that then
+  arrives for one of those parameters proves that the forward read it stale, and is an error;
+- at flush points (validation, checkpoints, observer hooks, the end).
+
+The update of a bucket is the optimizer's step restricted to it
+(:class:`~lightning_pipedap.engine.update.BucketOptimizer`, DeAR ICDCS 2023 §III-B), with the
+hyper-parameters and clip request snapshotted when the step was recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.engine.engine import CommEngine
+from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_coefficient, shard_sum_of_squares,
+                                             snapshot_hparams, write_back_grads)
+from lightning_pipedap.measure.timeline import OpRecord
+from lightning_pipedap.profile.consumers import ModuleStack, transform_active
+
+#: where a bucket update was applied (``PipeDAPStrategy.update_counts``): in the next forward, at the
+#: start of backward (module not called), at a flush point, before an observing hook, by the guard
+UPDATE_PLACES = ("forward", "leftover", "flush", "observe", "guard")
+
+
+@dataclass
+class Pending:
+    """An update computed by communication but not yet applied.
+
+    Attributes:
+        hparams: every param group's hyper-parameters at the step (``snapshot_hparams``).
+        clip: the step's clip request, or None.
+        remaining: buckets not applied yet.
+        coef: the global clip-by-norm coefficient, once computed.
+    """
+
+    hparams: list[dict[str, Any]]
+    clip: Optional[ClipRequest]
+    remaining: set[int]
+    coef: Optional[float] = None
+
+
+class DeferredStep:
+    """Stands in for the optimizer inside Lightning's precision plugin during a deferred step.
+
+    ``step(closure)`` runs the closure (forward, backward, ``on_before_optimizer_step``, clipping)
+    and returns its result; the real update is applied later, bucket by bucket. Attribute reads
+    (``param_groups``, ``state``, ``defaults``) go to the wrapped optimizer.
+    """
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self.clip: Optional[ClipRequest] = None
+
+    def step(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        if kwargs:
+            raise TypeError(f"pipedap: extra optimizer.step arguments {sorted(kwargs)} are not supported in deferred mode")
+        return closure()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.optimizer, name)
+
+
+class DeferredUpdates:
+    """Pending update of one engine and the rules of where its buckets land (module docstring).
+
+    Args:
+        engine: the installed engine (its buckets, waits, used flags).
+        comm: the engine's group (for this rank's shard in clip-by-norm).
+        device: where the clip norm's scalar all-reduce runs.
+        name_of: ``parameter -> name`` for messages.
+        say: log once per key on rank 0 (``say(key, message)``).
+        records: the strategy's timeline list (wait/update records are appended when ``timeline()``).
+        timeline: whether op timings are recorded now.
+        counts: ``UPDATE_PLACES`` counters, incremented per applied bucket.
+    """
+
+    def __init__(self, engine: CommEngine, comm: Any, device: torch.device, name_of: Callable[[Tensor], str],
+                 say: Callable[[str, str], None], records: list[OpRecord], timeline: Callable[[], bool],
+                 counts: dict[str, int]) -> None:
+        self.engine, self.comm, self.device = engine, comm, device
+        self.name_of, self.say, self.records, self.timeline, self.counts = name_of, say, records, timeline, counts
+        self.pending: Optional[Pending] = None
+        self.updater: Optional[BucketOptimizer] = None
+        self.triggers: dict[int, list[int]] = {}  # id(module) -> buckets applied at its forward pre-hook
+        self.root: list[int] = []  # buckets applied before training_step
+        self.bucket_of = [0] * sum(len(b.param_indices) for b in engine.buckets)
+        for b in engine.buckets:
+            for i in b.param_indices:
+                self.bucket_of[i] = b.index
+        self.verify_left = 0  # guard steps still to run
+        self.stack: Optional[ModuleStack] = None  # the module stack of a guard step
+        self.applying = False
+        self._misses: dict[int, str] = {}
+        self._late: set[int] = set()
+        self._stale: list[int] = []
+
+    # ------------------------------------------------------------------ layout
+    def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module,
+                   verify_steps: int) -> None:
+        """Triggers from per-parameter owners (engine order): a bucket lands before its earliest consumer;
+        one with a parameter owned by ``root_module`` or by nobody lands before ``training_step``."""
+        self.triggers, self.root = {}, []
+        if owners is not None:
+            for b, idxs in enumerate(self.engine.schedule.buckets):
+                if any(owners[i] is None or owners[i] is root_module for i in idxs):
+                    self.root.append(b)
+                else:
+                    self.triggers.setdefault(id(owners[idxs[0]]), []).append(b)
+        self.verify_left = verify_steps
+
+    # ------------------------------------------------------------------ recording a step
+    def record(self, optimizer: Optimizer, clip: Optional[ClipRequest]) -> None:
+        """This step's gradients are being reduced: their update is pending (hyper-parameters snapshotted)."""
+        if self.updater is None:
+            self.updater = BucketOptimizer(optimizer, self.engine.buckets)
+        self.pending = Pending(snapshot_hparams(optimizer), clip, set(range(self.engine.num_buckets)))
+
+    # ------------------------------------------------------------------ where buckets land
+    def before_training_step(self) -> None:
+        """The clip coefficient (same point on every rank) and the root buckets."""
+        if self.pending is not None:
+            self._clip_coefficient(self.pending)
+            if self.root:
+                self.apply(list(self.root))
+
+    def at_module(self, module: torch.nn.Module) -> None:
+        """A module's forward pre-hook inside ``training_step``."""
+        if self.pending is not None and not self.applying:
+            buckets = self.triggers.get(id(module))
+            if buckets and not transform_active():  # (no in-place update inside vmap/grad: owned by the root)
+                self.apply(buckets)
+
+    def guarded_read(self, i: int) -> None:
+        """Guard: engine parameter ``i`` is about to be read by an op; apply its pending bucket first."""
+        pending = self.pending
+        if pending is None or self.applying:
+            return
+        b = self.bucket_of[i]
+        if b not in pending.remaining:
+            return
+        bucket = self.engine.buckets[b]
+        p = bucket.params[bucket.param_indices.index(i)]
+        top = self.stack.top() if self.stack is not None else None
+        where = type(top).__name__ if top is not None else "training_step"
+        if transform_active():
+            raise RuntimeError(f"pipedap: parameter {self.name_of(p)!r} is read inside a torch.func transform "
+                               "while its update is pending, and an update cannot be applied inside a transform; "
+                               "pass defer_update=False")
+        self._misses.setdefault(b, f"{self.name_of(p)} (read in {where})")
+        self.apply([b], "guard")
+
+    def end_guard(self) -> None:
+        """After a guarded forward: buckets read before their trigger land before ``training_step`` from now on."""
+        misses, self._misses = self._misses, {}
+        for b, what in sorted(misses.items()):
+            for buckets in self.triggers.values():
+                if b in buckets:
+                    buckets.remove(b)
+            if b not in self.root:
+                self.root.append(b)
+            self.say(f"guard:{what}", f"pipedap: {what} was read before its update's trigger module ran; the update "
+                     f"was applied just before the read, and bucket {b} is applied before training_step from now on")
+
+    def before_backward(self) -> None:
+        """Apply leftovers (modules not called); remember their parameters to catch stale reads."""
+        self._late, self._stale = set(), []
+        if self.pending is not None:
+            self._late = {i for b in self.pending.remaining for i in self.engine.buckets[b].param_indices}
+            self.apply_all("leftover")
+
+    def gradient_arrived(self, i: int) -> None:
+        if i in self._late:
+            self._stale.append(i)
+
+    @property
+    def late_applied(self) -> bool:
+        """Whether buckets were applied only at the start of this backward."""
+        return bool(self._late)
+
+    def check_stale(self) -> None:
+        """Raises:
+            RuntimeError: a parameter updated only after the forward received a gradient (it was read stale)."""
+        if self._stale:
+            stale, self._stale = self._stale, []
+            raise RuntimeError(self.stale_message(stale))
+
+    def stale_message(self, indices: Optional[list[int]] = None) -> str:
+        indices = sorted(self._late) if indices is None else indices
+        params = {i: p for b in self.engine.buckets for i, p in zip(b.param_indices, b.params)}
+        names = sorted({self.name_of(params[i]) for i in indices if i in params})
+        return (f"pipedap: the forward read {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} while its "
+                "update was still pending (it is read outside the module that first used it in the traced step, "
+                "e.g. on a data-dependent path); results would differ from DDP's. Pass defer_update=False.")
+
+    # ------------------------------------------------------------------ applying
+    def apply(self, buckets: list[int], where: str = "forward") -> None:
+        """Wait for each bucket's all-gather and run its optimizer update (``where``: see :data:`UPDATE_PLACES`).
+
+        ``where == "observe"``: also write the averaged (clipped) gradients to ``.grad``, as DDP shows them
+        after the optimizer step.
+        """
+        pending = self.pending
+        if pending is None:
+            return
+        self.applying = True
+        try:
+            with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
+                for b in buckets:
+                    if b in pending.remaining:
+                        self._apply_one(pending, b, where)
+        finally:
+            self.applying = False
+        if not pending.remaining:
+            self.pending = None
+
+    def apply_all(self, where: str) -> None:
+        if self.pending is not None:
+            self.apply(sorted(self.pending.remaining), where)
+
+    def _apply_one(self, pending: Pending, b: int, where: str) -> None:
+        engine = self.engine
+        t0 = time.perf_counter()
+        self._clip_coefficient(pending)
+        bucket = engine.wait_done(b)
+        t1 = time.perf_counter()
+        used = engine.used_flags(b)
+        self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
+        if where == "observe":
+            write_back_grads(bucket, used)
+        if self.timeline():
+            self.records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute"))
+            self.records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))
+        pending.remaining.discard(b)
+        self.counts[where] += 1
+
+    def _clip_coefficient(self, pending: Pending) -> None:
+        """Clip-by-norm: the global norm from every rank's reduced shards (one scalar all-reduce on the
+        default group). Computed before ``training_step`` (or at a flush), a point every rank reaches in
+        the same order relative to other collectives, never inside a data-dependent trigger."""
+        if pending.clip is not None and pending.clip.algorithm == "norm" and pending.coef is None:
+            with torch._C.DisableTorchFunction():
+                self.engine.wait_all_reduced()
+                sq = shard_sum_of_squares(self.engine.buckets, self.comm.rank)
+                total = C.all_reduce_scalar(sq, self.device) ** 0.5
+            pending.coef = clip_coefficient(total, pending.clip.value)

@@ -1,0 +1,708 @@
+"""``PipeDAPStrategy``: the Lightning glue around the run-time.
+
+Every method here is a Lightning hook or a public attribute; each delegates to the
+:class:`~lightning_pipedap.strategy.runtime.Runtime` of the current fit (engine, deferred updates,
+controller). Life of one training step ``t`` in deferred mode (phases TRIAL and RUN)::
+
+    optimizer_step(t) ─ closure ─ training_step: root buckets of update t-1, then forward pre-hooks apply
+                                  the others at their first consumer (each waits for its all-gather)
+                                ─ backward: leftovers of t-1, engine.begin_iteration(); post-accumulate-grad
+                                  hooks fill buckets, the worker reduce-scatters them as they complete;
+                                  engine.finish_backward() before on_after_backward
+                      ─ record update t as pending (hyper-parameters and clip request snapshotted)
+
+Warm-up and profiling steps, manual optimization, several optimizers, closure-based optimizers,
+fp16 with a grad scaler, and user hooks that read ``.grad`` use *sync mode*: the same engine, but
+backward waits for every bucket and writes the averaged gradients into ``.grad``, and the real
+optimizer step runs as with DDP.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.engine.threads import lower_current_thread_priority
+from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS, ClipRequest
+from lightning_pipedap.measure.timeline import OpRecord, as_op_records
+from lightning_pipedap.plan import CostModel
+from lightning_pipedap.profile.consumers import eager_modules
+from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
+from lightning_pipedap.strategy.controller import Phase
+from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep
+from lightning_pipedap.strategy.observers import ObservationFlush, Observers, find_observers
+from lightning_pipedap.strategy.planning import Measured
+from lightning_pipedap.strategy.resume import ResumeState
+from lightning_pipedap.strategy.runtime import Runtime
+
+_REJECTED_DDP_KWARGS = {
+    "ddp_comm_state": "pipedap does its own gradient communication; compression comes with `compression=`",
+    "ddp_comm_hook": "pipedap does its own gradient communication; compression comes with `compression=`",
+    "ddp_comm_wrapper": "pipedap does its own gradient communication",
+    "model_averaging_period": "post-local SGD is a DDP feature; use strategy='ddp'",
+    "find_unused_parameters": "not needed: pipedap detects parameters without gradients by itself",
+    "static_graph": "not needed: pipedap traces the forward order itself",
+    "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
+}
+_SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
+
+
+class PipeDAPStrategy(DDPStrategy):
+    """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
+
+    Each gradient bucket is reduce-scattered during backward and all-gathered later (for example
+    right after backward, in forward order, with ``"dear"``), and its optimizer update is
+    applied in the forward pre-hook of the module that first uses it in the next iteration, so
+    communication overlaps both backward and forward (DeAR, Zhang et al., ICDCS 2023; PipeDAP,
+    TETC 2025). Updates equal DDP's (tested to 1e-6 in fp32).
+
+    Args:
+        schedule: op-list planner. Fixed schedules with ``bucket_cap_mb`` fusion, no profiling:
+            ``"dear"`` (RS in backward, AG before the next forward) and ``"allreduce"`` (WFBP: one
+            all-reduce per bucket in backward). Planned schedules, from a profile measured during
+            ``profile_steps`` warm-up steps and the α-β model of the live group: ``"optimal"``,
+            ``"pipedap"``, ``"wfbp"``, ``"dear_tuned"`` (DeAR order, planned fusion) and
+            ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
+        bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
+        defer_update: ``"auto"`` (default): apply each bucket's update in the next forward, where its
+            first consumer (traced op by op) runs, unless user code could see the difference: with
+            a gradient hook (``on_after_backward``, ``on_before_optimizer_step``,
+            ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``) overridden
+            by the LightningModule or a callback, steps run in sync mode; before a between-step hook
+            (``on_train_batch_start``/``_end``, ``on_train_epoch_start``/``_end``) that can read
+            weights, pending updates are applied and ``.grad`` holds the averaged gradients (see
+            :mod:`lightning_pipedap.observers`; the log names the hook). ``True``: defer regardless
+            of hooks (the user vouches that they neither read weights nor ``.grad``). ``False``:
+            sync mode always (updates at the end of backward, as DDP; RS/AG still overlap backward).
+        warmup_steps: optimizer steps run in sync mode first (>= 1); the forward order is traced
+            during the first one and the buckets are rebuilt from it.
+        wait_timeout_s: timeout in seconds of every wait on communication (and of every
+            collective on the dedicated process group); errors name the operation.
+        ring_chunk_mb: piece size of the pipelined gloo ring reduce-scatter/all-gather, in MiB.
+        deferrable_optimizers: extra optimizer classes whose ``step`` is per-parameter (safe to
+            split by bucket); torch's SGD, Adam, AdamW, ... are known already.
+        profile_steps: sync-mode steps whose per-layer forward/backward times are measured (median)
+            before a planned schedule is computed (>= 1).
+        cost_model: α-β model for planning: a JSON file written by ``CostModel.save``, a
+            :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
+            process group (a few seconds; cached per backend, world size and hosts).
+        cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
+        replan_margin: re-profile and re-plan when the measured median iteration time differs from
+            the prediction by more than this fraction (checked every ``replan_every`` steps, at most
+            ``max_replans`` times). When the engine's measured communication busy time exceeds the
+            α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
+        calibrate_cost_model: before the first plan, compare the engine's measured communication busy
+            time during the profiling steps (communication running beside compute, as in training)
+            with the α-β prediction for the same operations, and when it is > 5% slower scale α and β
+            by that ratio (the micro-benchmark runs on idle cores; gloo's threads and the ring's
+            additions slow down when they share the cores with compute). Not applied to a
+            ``cost_model`` passed in by the user.
+        train_thread_nice: CPU training on Linux: nice-value increment (0..19) for the training thread
+            once the communication threads exist, so the communication worker, gloo's I/O threads and
+            the kernel's TCP work get the cores first when compute keeps every core busy (0 = off).
+            Without ``CAP_SYS_NICE`` the thread keeps the lower priority after training.
+        plan_trials: measured plan selection, for planned schedules without compression: after
+            planning, run up to this many candidate schedules (the planner's, DeAR and WFBP with
+            ``bucket_cap_mb`` fusion, then the other planners; see
+            :func:`~lightning_pipedap.plan.candidates.trial_candidates`) for ``trial_steps`` measured
+            steps each (plus one settling step) and keep the one with the lowest median measured
+            iteration time on rank 0. 1 = install the planner's schedule directly. The α-β model does
+            not see the CPU that communication takes from compute, so the model's favourite can be
+            slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
+        trial_steps: measured steps per candidate (>= 1).
+        model_contention: before the first plan, measure how much communication and compute slow
+            each other down when they overlap (:func:`~lightning_pipedap.profile.contention.
+            measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
+            and predict iteration times with the contention-aware simulator
+            (:func:`~lightning_pipedap.plan.contention.simulate_contended`); the planners still
+            search with the plain α-β simulator. :attr:`contention` holds the fit.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
+            (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
+
+    Raises:
+        ValueError: unknown ``schedule``, non-positive ``bucket_cap_mb``/``ring_chunk_mb``/
+            ``wait_timeout_s``, ``warmup_steps < 1``, ``defer_update`` not ``"auto"``/True/False; at
+            set-up: world size 1, a model without trainable parameters, parameters that differ
+            between ranks, sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU.
+        RuntimeError: during training, when a forward read a parameter while its update was
+            pending (a data-dependent path the trace and the guard steps did not see); the message
+            names the parameter.
+        TypeError: DDP-only keyword arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "pipedap"
+
+    def __init__(
+        self,
+        schedule: str = "optimal",
+        bucket_cap_mb: float = 25.0,
+        defer_update: DeferUpdate = "auto",
+        warmup_steps: int = 1,
+        wait_timeout_s: float = 300.0,
+        ring_chunk_mb: float = 2.0,
+        deferrable_optimizers: tuple[type, ...] = (),
+        profile_steps: int = 3,
+        cost_model: Optional[Union[str, CostModel]] = None,
+        cost_model_cache: bool = True,
+        replan_margin: float = 0.15,
+        calibrate_cost_model: bool = True,
+        train_thread_nice: int = 0,
+        replan_every: int = 50,
+        max_replans: int = 1,
+        compression: Optional[str] = None,
+        compression_kwargs: Optional[dict[str, Any]] = None,
+        compression_mode: str = "process",
+        compression_threads: int = 1,
+        plan_trials: int = 4,
+        trial_steps: int = 3,
+        model_contention: bool = True,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            _refuse_kwargs(sorted(kwargs))
+        self.config = PipeDAPConfig(
+            schedule=schedule, bucket_cap_mb=bucket_cap_mb, defer_update=defer_update, warmup_steps=warmup_steps,
+            wait_timeout_s=wait_timeout_s, ring_chunk_mb=ring_chunk_mb, deferrable_optimizers=deferrable_optimizers,
+            profile_steps=profile_steps, cost_model=cost_model, cost_model_cache=cost_model_cache,
+            replan_margin=replan_margin, calibrate_cost_model=calibrate_cost_model, train_thread_nice=train_thread_nice,
+            replan_every=replan_every, max_replans=max_replans, compression=compression,
+            compression_kwargs=compression_kwargs or {}, compression_mode=compression_mode,
+            compression_threads=compression_threads, plan_trials=plan_trials, trial_steps=trial_steps,
+            model_contention=model_contention)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method)
+        self._measured = Measured()
+        #: how many bucket updates of the last ``fit`` were applied where: "forward" (at their first consumer
+        #: in the next forward, the goal), "leftover" (start of backward: the module was not called), "flush"
+        #: (validation, checkpoint, engine change, end), "observe" (before a hook that can read them), "guard"
+        #: (a read before the trigger, caught in a guard step)
+        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
+        self._rt: Optional[Runtime] = None
+        self._last: Optional[Runtime] = None  # the last fit's run-time, for its results after teardown
+        self._resume = ResumeState()
+        self._comm: Optional[C.CommGroup] = None
+        self._records: list[OpRecord] = []
+        self._timeline_enabled = False
+        self._aborted = False
+        self._hook_handles: list[Any] = []
+        self._wrapped_train: list[torch.nn.Module] = []
+        self._orig_clip: Optional[Callable] = None
+        self._restore_priority: Optional[Callable[[], bool]] = None
+        self._observers = Observers()
+        self._observed_for: Optional[tuple[int, ...]] = None
+        self._flush_callback: Optional[ObservationFlush] = None
+
+    # ------------------------------------------------------------------ options and results
+    def __getattr__(self, name: str) -> Any:
+        """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.compression``, ...)."""
+        if name != "config" and name in PipeDAPConfig.option_names():
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def schedule_name(self) -> str:
+        """The configured schedule (``config.schedule``)."""
+        return self.config.schedule
+
+    def _result(self, name: str, default: Any = None) -> Any:
+        rt = self._rt or self._last
+        if rt is None:
+            return default
+        return getattr(rt.controller, name) if hasattr(rt.controller, name) else getattr(rt, name)
+
+    @property
+    def phase(self) -> Optional[Phase]:
+        """The run-time's :class:`~lightning_pipedap.strategy.controller.Phase` (None outside a fit)."""
+        return self._rt.controller.phase if self._rt is not None else None
+
+    @property
+    def trial_results(self) -> list[dict[str, Any]]:
+        """Measured plan selection of the last plan: one dict per candidate (name, describe, steps_s,
+        predicted_s, measured_s, chosen, and the predictions); empty when no trial ran."""
+        return self._result("trial_results", [])
+
+    @property
+    def predictions(self) -> dict[str, dict[str, float]]:
+        """Rank 0: every prediction of each planned candidate, by schedule name (s)."""
+        return self._result("predictions", {})
+
+    @property
+    def predicted_iteration_s(self) -> Optional[float]:
+        """The installed plan's predicted iteration time (s)."""
+        return self._result("predicted_iteration_s")
+
+    @property
+    def measured_iteration_s(self) -> Optional[float]:
+        """Median measured iteration time of the last drift window (s, refreshed every 5 deferred steps)."""
+        return self._result("measured_iteration_s")
+
+    @property
+    def no_overlap_time_s(self) -> Optional[float]:
+        """Compute + update + all-reduce of every bucket of the installed plan (s)."""
+        return self._result("no_overlap_time_s")
+
+    @property
+    def replans_done(self) -> int:
+        """Re-plans triggered by drift in the last fit."""
+        return self._result("replans_done", 0)
+
+    @property
+    def installed_schedule(self) -> Optional[str]:
+        """``Schedule.describe()`` of the last final schedule training ran with (None before the first)."""
+        return self._result("installed_schedule")
+
+    @property
+    def profile(self) -> Optional[dict]:
+        """The merged per-layer profile the plan came from (plain dict), once planned."""
+        rt = self._rt or self._last
+        return rt.planning.profile if rt is not None else None
+
+    @property
+    def contention(self) -> Optional[Any]:
+        """The measured :class:`~lightning_pipedap.plan.contention.Contention` (None before, or when off)."""
+        return self._measured.contention
+
+    @property
+    def calibration_ratio(self) -> float:
+        """Measured / predicted communication busy time of the profiling steps (1.0 = not calibrated)."""
+        return self._measured.calibration_ratio
+
+    @override
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(super().__getstate__())  # Lightning's Strategy drops its optimizer wrappers
+        for k in ("_rt", "_last", "_comm", "_orig_clip", "_flush_callback"):
+            state[k] = None
+        state["_hook_handles"], state["_wrapped_train"] = [], []
+        return state
+
+    # ------------------------------------------------------------------ registration
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
+        for name, start_method in (("pipedap", "popen"), ("pipedap_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, start_method=start_method,
+                    description=("PipeDAP: scheduled decoupled reduce-scatter/all-gather gradient sync (DeAR/PipeDAP), "
+                                 f"start_method '{start_method}'"))
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def set_world_ranks(self) -> None:
+        super().set_world_ranks()
+        if self.cluster_environment is not None and self.world_size < 2:
+            raise ValueError(f"strategy 'pipedap' needs at least 2 processes, got world size {self.world_size} "
+                             "(devices x num_nodes); use strategy='auto' for a single device")
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        if self._layer_sync is not None and self.root_device.type == "cpu":
+            raise ValueError("pipedap: Trainer(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
+                             "CPU implementation); remove sync_batchnorm=True on CPU, or train on GPUs")
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        for opt in self.optimizers:
+            if type(opt).__name__ in _SELF_COMMUNICATING_OPTIMIZERS:
+                raise ValueError(f"pipedap: optimizer {type(opt).__name__} communicates by itself and cannot run under "
+                                 "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
+        lm = self.lightning_module
+        if not lm.automatic_optimization or len(self.optimizers) != 1:
+            rank_zero_info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
+        self._rt.trainable_key = self._rt.trainable_signature()  # (the optimizers exist now)
+        self._flush_callback = ObservationFlush(self)
+        trainer.callbacks.insert(0, self._flush_callback)
+        self._find_observers(trainer)
+        self._intercept_clipping()
+
+    def _intercept_clipping(self) -> None:
+        """In deferred steps Lightning's clipping request is recorded and applied to the reduced gradients."""
+        plugin = self.precision_plugin
+        original = self._orig_clip = plugin.clip_gradients
+
+        def clip_gradients(optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = None) -> None:
+            if isinstance(optimizer, DeferredStep):
+                if clip_val and clip_val > 0:
+                    algo = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
+                    optimizer.clip = ClipRequest(float(clip_val), algo)
+                return None
+            return original(optimizer, clip_val, gradient_clip_algorithm)
+
+        plugin.clip_gradients = clip_gradients
+
+    @override
+    def configure_ddp(self) -> None:
+        """Replace DDP wrapping: broadcast rank 0's states, build the run-time (buckets, engine), install hooks.
+
+        Raises:
+            ValueError: no trainable parameter, parameters that differ between ranks, a sparse embedding
+                (its name is given) or a SyncBatchNorm module on CPU.
+        """
+        model = self.model
+        assert isinstance(model, torch.nn.Module)
+        self._refuse_unsupported_modules(model)
+        with torch.no_grad():
+            C.broadcast_coalesced_(list(model.parameters()) + list(model.buffers()), src=0)
+        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
+        self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
+        self._rt = rt = Runtime(self.config, model, lambda: self.optimizers, self._comm, self.world_size,
+                                self.global_rank, self.root_device, self._measured, self._resume, rank_zero_info,
+                                rank_zero_warn, self.update_counts, self._records, lambda: self._timeline_enabled)
+        rt.hook_params(self._on_grad_ready)
+        # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
+        # from `weight_g`/`weight_v` in a pre-hook, which must see the updated values); not inside compiled
+        # regions, whose hooks dynamo would trace (their parameters are updated before training_step)
+        for m in eager_modules(model):
+            self._hook_handles.append(m.register_forward_pre_hook(self._on_module_forward, prepend=True))
+            if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
+                self._wrap_train(m)  # a module that reads its weights in train()/eval() (LoRA merge)
+        rt.install_warmup()
+        if self.config.train_thread_nice and self.root_device.type == "cpu" and self._restore_priority is None:
+            self._restore_priority = lower_current_thread_priority(self.config.train_thread_nice)
+        rt.resume_plan()  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
+
+    def _refuse_unsupported_modules(self, model: torch.nn.Module) -> None:
+        """Sparse embeddings and CPU SyncBatchNorm are refused before any collective, naming the module."""
+        for name, m in model.named_modules():
+            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+                raise ValueError(
+                    f"pipedap: parameter {name + '.weight' if name else 'weight'!r} has sparse gradients "
+                    f"({type(m).__name__}(sparse=True)); pipedap reduces dense buckets only. Use sparse=False "
+                    "or strategy='ddp'")
+            if isinstance(m, torch.nn.SyncBatchNorm) and self.root_device.type == "cpu":
+                raise ValueError(f"pipedap: module {name!r} is a SyncBatchNorm, which needs CUDA; on CPU use BatchNorm")
+
+    def _wrap_train(self, module: torch.nn.Module) -> None:
+        """Apply pending updates before ``module.train(mode)`` runs (it may read weights: LoRA-style merges)."""
+        original = module.train
+        strategy = self
+
+        def train(mode: bool = True) -> torch.nn.Module:
+            rt = strategy._rt
+            if rt is not None and rt.deferred is not None and rt.deferred.pending is not None:
+                rt.say(f"train:{type(module).__name__}", f"pipedap: {type(module).__name__}.train() can read its "
+                       "weights; pending updates are applied before it")
+                strategy.flush()
+            return original(mode)
+
+        module.train = train  # instance attribute: found before the class's method
+        self._wrapped_train.append(module)
+
+    # ------------------------------------------------------------------ observers (strategy/observers.py)
+    def _find_observers(self, trainer: Any) -> None:
+        """Find the hooks that can observe a deferred update (again whenever the callback list changes)."""
+        ids = tuple(id(cb) for cb in trainer.callbacks)
+        if ids == self._observed_for:
+            return
+        self._observed_for = ids
+        self._observers = find_observers(self.lightning_module, trainer.callbacks)
+        if self.config.defer_update != "auto" or self._rt is None:
+            return
+        if self._observers.grads:
+            names = ", ".join(self._observers.grads)
+            self._rt.say("grads:" + names, f"pipedap: {names} can read or write .grad: steps run in sync mode "
+                         "(averaged gradients in .grad at the end of backward, the optimizer steps as with DDP; the "
+                         "reduce-scatter/all-gather still overlap backward). Pass defer_update=True if they do not.")
+        for hook, found in self._observers.between.items():
+            names = ", ".join(found)
+            self._rt.say(f"between:{hook}:{names}", f"pipedap: {names} can read parameters or .grad: pending updates "
+                         f"are applied before {hook} (their all-gathers no longer overlap the next forward). Pass "
+                         "defer_update=True if they do not.")
+
+    def observe(self, hook: str, trainer: Any) -> None:
+        """Called by :class:`~lightning_pipedap.strategy.observers.ObservationFlush` before the other ``hook`` calls.
+
+        Applies pending updates (and writes the averaged, clipped gradients to ``.grad``) when a hook of the
+        user's can observe them, or always at ``on_train_end``.
+        """
+        if hook == "on_train_batch_start":
+            self._find_observers(trainer)
+        rt = self._rt
+        if rt is None or rt.deferred is None or rt.deferred.pending is None or self._aborted or trainer.interrupted:
+            return
+        if hook == "on_train_end" or self.config.defer_update == "auto" and hook in self._observers.between:
+            rt.deferred.apply_all("observe")
+
+    # ------------------------------------------------------------------ hooks on parameters and modules
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if self._rt is not None:
+            self._rt.grad_ready(p)
+
+    @torch.compiler.disable
+    def _on_module_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if self._rt is not None:
+            self._rt.module_forward(module)
+
+    # ------------------------------------------------------------------ training step
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rt is None:
+            return super().training_step(*args, **kwargs)
+        return self._rt.training_step(lambda: super(PipeDAPStrategy, self).training_step(*args, **kwargs))
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._rt is not None:
+            self._rt.buffers_sync_next = False  # as DDP: a no-grad forward turns the next buffer sync off
+        return super().validation_step(*args, **kwargs)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batches (all but the last) keep gradients local: no communication."""
+        rt = self._rt
+        if rt is None:
+            yield
+            return
+        prev, rt.sync_grads = rt.sync_grads, False
+        try:
+            yield
+        finally:
+            rt.sync_grads = prev
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._rt is not None:
+            self._rt.before_backward()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward, with the gradient reduction finished *before* ``on_after_backward``.
+
+        In sync mode ``.grad`` holds the averaged gradients when ``on_after_backward`` runs, as with DDP
+        (whose reducer finishes inside backward). A forward that read a parameter before its pending update
+        landed is reported by name instead of autograd's in-place error.
+        """
+        lm = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
+        try:
+            self.precision_plugin.backward(closure_loss, lm, optimizer, *args, **kwargs)
+        except RuntimeError as exc:
+            rt = self._rt
+            if rt is not None and rt.deferred.late_applied and "modified by an inplace operation" in str(exc):
+                raise RuntimeError(rt.deferred.stale_message()) from exc
+            raise
+        if self._rt is not None:
+            self._rt.finish_backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        """Nothing: the reduction is finished in :meth:`backward`, before ``on_after_backward``."""
+
+    def _can_defer(self, optimizer: Optimizer) -> bool:
+        cfg, rt = self.config, self._rt
+        return (
+            (cfg.defer_update is True or cfg.defer_update == "auto" and not self._observers.grads)
+            and rt.controller.phase.deferrable
+            and self.lightning_module.automatic_optimization
+            and len(self.optimizers) == 1
+            and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + cfg.deferrable_optimizers)
+            and getattr(self.precision_plugin, "scaler", None) is None
+        )
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: Optional[Union[Any, torch.nn.Module]] = None, **kwargs: Any) -> Any:
+        rt = self._rt
+        if rt is not None:
+            rt.retrain_if_changed(self._on_grad_ready)
+        if rt is None or not self._can_defer(optimizer):
+            if rt is not None:
+                rt.t_backward_done = None
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            if rt is not None:
+                rt.after_sync_step()
+            return out
+        rt.controller.at_deferred_step_start()
+        step = DeferredStep(optimizer)
+        engine = rt.engine
+        rounds_before = engine.iteration
+        rt.deferring = True
+        try:
+            out = self.precision_plugin.optimizer_step(step, model=model or self.lightning_module, closure=closure,
+                                                       **kwargs)
+        finally:
+            rt.deferring = False
+        if engine.collecting:  # backward did not run (e.g. training_step returned None)
+            engine.finish_backward()
+        if engine.iteration != rounds_before:  # this step's gradients are being reduced
+            rt.deferred.record(optimizer, step.clip)
+        return out
+
+    # ------------------------------------------------------------------ flush points
+    def flush(self) -> None:
+        """Apply every pending update now (all ranks must call it). No-op after an exception."""
+        rt = self._rt
+        if self._aborted or rt is None:
+            return
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if trainer is not None and trainer.interrupted:
+            return
+        rt.flush()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.flush()
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.flush()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self.flush()
+        return super().optimizer_state(optimizer)
+
+    # ------------------------------------------------------------------ checkpoints: plan and compression state
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Add the final schedule and every rank's compression state, then let rank 0 write.
+
+        Lightning calls this on every rank (``Trainer.save_checkpoint``), so the compression state of all
+        ranks is gathered here to rank 0 with one ``all_gather_object``: a user who calls
+        ``strategy.save_checkpoint`` on rank 0 only, while compressing, blocks until the process group's
+        timeout. Keys: ``strategy.resume.PLAN_KEY`` (schedule, parameter order, owners; identical on all
+        ranks) and ``compress.state.CHECKPOINT_KEY`` (``{"version", "compressor", "kwargs", "world_size",
+        "per_rank"}``; per rank, per parameter name: error-feedback residual slice, PowerSGD ``q``, step
+        counter). The compression state costs one fp32 copy of the model per rank for methods with error
+        feedback.
+        """
+        if self._rt is not None and not self._aborted:
+            self._rt.add_resume_state(checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load as Lightning does, and keep this rank's compression state and the plan for set-up.
+
+        Lightning loads the checkpoint before ``setup`` (``configure_ddp``), so the plan is installed there
+        directly and the compression state is applied when compression starts. A checkpoint of another
+        compressor or world size gives a warning naming both values, and compression starts with fresh state.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        cfg = self.config
+        for note in self._resume.load_state_dict(checkpoint, cfg.compression, cfg.compression_kwargs,
+                                                 self.world_size, self.global_rank):
+            (rank_zero_warn if "fresh" in note else rank_zero_info)(note)
+        return checkpoint
+
+    # ------------------------------------------------------------------ timeline
+    def compression_stats(self) -> dict[int, Any]:
+        """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not compressing)."""
+        engine = self._rt.engine if self._rt is not None else None
+        transport = engine.transport if engine is not None else None
+        return dict(transport.stats) if transport is not None else {}
+
+    @property
+    def timeline_enabled(self) -> bool:
+        """Record op timings (engine ops, waits on them, bucket updates) for :meth:`take_timeline`."""
+        return self._timeline_enabled
+
+    @timeline_enabled.setter
+    def timeline_enabled(self, value: bool) -> None:
+        self._timeline_enabled = bool(value)
+        if self._rt is not None and self._rt.engine is not None:
+            self._rt.engine.timeline_enabled = self._timeline_enabled
+
+    def take_timeline(self) -> list[OpRecord]:
+        """Return and clear the records taken while :attr:`timeline_enabled` was set.
+
+        RS/AG/AR records (lane ``comm``) come from the communication worker; ``wait`` records are the time the
+        training thread blocked on communication; ``update`` records are per-bucket optimizer steps. Times are
+        ``time.perf_counter()`` seconds (host issue times on CUDA).
+        """
+        out = list(self._records)
+        self._records.clear()
+        if self._rt is not None and self._rt.engine is not None:
+            out = as_op_records(self._rt.engine.take_timings()) + out
+        return sorted(out, key=lambda r: r.start_s)
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._aborted = True
+        if self._rt is not None and self._rt.engine is not None:
+            self._rt.engine.close(abort=True)
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        rt, comm, aborted = self._rt, self._comm, self._aborted
+        if rt is not None:
+            try:
+                if not aborted:
+                    self.flush()
+            finally:
+                rt.close()
+        for h in self._hook_handles:
+            h.remove()
+        for m in self._wrapped_train:
+            m.__dict__.pop("train", None)
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if trainer is not None and self._flush_callback in trainer.callbacks:
+            trainer.callbacks.remove(self._flush_callback)
+        if self._orig_clip is not None:
+            self.precision_plugin.clip_gradients = self._orig_clip
+        if self._restore_priority is not None:
+            self._restore_priority()
+        self._last, self._rt, self._comm, self._aborted = rt or self._last, None, None, False
+        self._hook_handles, self._wrapped_train, self._orig_clip, self._restore_priority = [], [], None, None
+        self._observers, self._observed_for, self._flush_callback = Observers(), None, None
+        if comm is not None and not aborted:
+            C.destroy_comm_group(comm)
+        super().teardown()
+
+
+def _refuse_kwargs(bad: list[str]) -> None:
+    """Raises:
+        TypeError: naming each unsupported keyword argument, why, and the valid arguments."""
+    valid = [n for n in inspect.signature(PipeDAPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+
+    def why(k: str) -> str:
+        if _REJECTED_DDP_KWARGS.get(k):
+            return _REJECTED_DDP_KWARGS[k]
+        close = difflib.get_close_matches(k, valid, n=1)
+        return f"unknown argument{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+
+    reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
+    raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons}); "
+                    f"valid arguments: {', '.join(valid)}")

@@ -1,0 +1,243 @@
+"""Profiling steps and rank 0's plan: layers, the α-β model, calibration, predictions, candidates.
+
+:class:`Planning` holds what one fit measures before it plans — the layers (consecutive parameters
+with one owner), the profiled steps, the α-β model of the live group (PipeDAP TETC 2025 §III: per
+primitive ``T = α + β·bytes``), the contention fit and the compressor's cost — and turns them into
+candidate schedules. The planners themselves are pure (:mod:`lightning_pipedap.plan`); what
+happens here is measuring their inputs and choosing which of their outputs to try.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
+from lightning_pipedap.plan.candidates import trial_candidates
+from lightning_pipedap.profile.alpha_beta import measure_cost_model
+from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
+from lightning_pipedap.schedule import Schedule, expand_layers
+from lightning_pipedap.strategy.config import PLANNED, PipeDAPConfig
+
+
+@dataclass
+class Measured:
+    """Measurements that outlive one fit (kept on the strategy).
+
+    Attributes:
+        contention: the :class:`~lightning_pipedap.plan.contention.Contention` fit, or None.
+        calibration_ratio: measured / predicted communication busy time of the profiling steps (1.0 = none).
+    """
+
+    contention: Optional[Any] = None
+    calibration_ratio: float = 1.0
+
+
+def predicted_busy_s(cm: CostModel, engine: Any) -> float:
+    """α-β prediction of ``engine``'s communication busy time per round (s), dense costs."""
+    return sum(cm.cost(op.kind, engine.buckets[op.bucket].nbytes) for op in engine.schedule.ops)
+
+
+class Planning:
+    """Profiling state and planning of one fit.
+
+    Args:
+        config: the strategy's options.
+        comm: the engine's process group (micro-benchmarks run on it).
+        device: the training device.
+        world_size, rank: of the default group (rank 0 plans; the plan is broadcast).
+        measured: the strategy's :class:`Measured` (contention measured once per strategy).
+        info, warn: rank-0 loggers.
+    """
+
+    def __init__(self, config: PipeDAPConfig, comm: Any, device: torch.device, world_size: int, rank: int,
+                 measured: Measured, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
+        self.config, self.comm, self.device, self.world_size, self.rank = config, comm, device, world_size, rank
+        self.measured, self.info, self.warn = measured, info, warn
+        self.layers: list[list[int]] = []
+        self.layer_of_param: list[int] = []
+        self.layer_of_module: dict[int, list[int]] = {}
+        self.cost_model: Optional[CostModel] = None
+        self.raw_cost_model: Optional[CostModel] = None  # the α-β fit before calibration (rank 0)
+        self.compression_cost: Optional[Any] = None
+        self.profile: Optional[dict] = None
+        self.predictions: dict[str, dict[str, float]] = {}
+        self._profiled: list[tuple[list[float], list[float]]] = []
+        self._t_updates: list[float] = []
+        self._profile_busy: list[float] = []
+
+    # ------------------------------------------------------------------ profiling steps
+    def start(self, params: list[torch.Tensor], owners: list[Any]) -> None:
+        """Layers from the owners (engine order), the α-β model (once per fit), the contention (once)."""
+        cfg = self.config
+        self.layers = group_layers([id(o) if o is not None else None for o in owners])
+        self.layer_of_param = [k for k, layer in enumerate(self.layers) for _ in layer]
+        self.layer_of_module = {}
+        for k, layer in enumerate(self.layers):
+            if owners[layer[0]] is not None:
+                self.layer_of_module.setdefault(id(owners[layer[0]]), []).append(k)
+        if self.cost_model is None:
+            if isinstance(cfg.cost_model, str):
+                self.cost_model = load_cost_model(cfg.cost_model)
+            elif cfg.cost_model is not None:
+                self.cost_model = cfg.cost_model
+            else:
+                largest = max(p.numel() * p.element_size() for p in params)
+                self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
+                                                     use_cache=cfg.cost_model_cache)
+        if cfg.model_contention and self.measured.contention is None and not cfg.compression:
+            from lightning_pipedap.profile.contention import measure_contention  # noqa: PLC0415
+
+            c = measure_contention(self.comm, self.device, nbytes=8 << 20, repeats=5, timeout_s=cfg.wait_timeout_s)
+            self.measured.contention = c
+            self.info(f"pipedap: contention: communication {c.comm_slowdown:.2f} and compute "
+                      f"{c.compute_slowdown:.2f} extra slowdown while they overlap")
+        cm = self.cost_model
+        poor = [k for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)) if ab.r2 is not None and ab.r2 < 0.5]
+        if poor:
+            self.warn(f"pipedap: the α-β fit of {poor} is poor (R² < 0.5; typical on an uncontended loopback where "
+                      "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False "
+                      "to re-measure.")
+        self.info("pipedap: α-β model " + ", ".join(
+            f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 1e9 / 8:.3f} ns/bit "
+            f"R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
+        self._profiled, self._t_updates, self._profile_busy = [], [], []
+
+    def recorder(self) -> StepRecorder:
+        """A recorder for one profiling step."""
+        return StepRecorder(self.layer_of_param, len(self.layers))
+
+    def keep_step(self, rec: StepRecorder, busy_s: Optional[float], t_backward_done: Optional[float],
+                  t_step_end: float) -> int:
+        """Keep one profiled step (when complete); returns the number kept."""
+        if busy_s is not None:
+            self._profile_busy.append(busy_s)
+        if rec.complete:
+            self._profiled.append(rec.times())
+            if t_backward_done is not None:
+                self._t_updates.append(max(0.0, t_step_end - t_backward_done))
+        return len(self._profiled)
+
+    # ------------------------------------------------------------------ planning (rank 0) and broadcast
+    def plan(self, model_name: str, layer_names: list[str], params: list[torch.Tensor],
+             engine: Any) -> tuple[list[Schedule], list[float]]:
+        """Rank 0 plans from the median profile and picks candidates; every rank gets engine schedules.
+
+        Args:
+            model_name: for the profile.
+            layer_names: owner module name of each layer.
+            params: the trainable parameters in engine order.
+            engine: the profiling engine (its busy-time prediction calibrates the α-β model).
+
+        Returns:
+            Candidate engine schedules (the planner's first, with their predictions) and the no-overlap
+            time of each (compute + update + all-reduce of every bucket, s).
+        """
+        cfg = self.config
+        plan = None
+        if self.rank == 0:
+            self.predictions = {}
+            self._calibrate(engine)
+            layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self.layers]
+            profile = merge_steps(model_name, layer_names, layer_bytes, self._profiled, self._t_updates)
+            planner = get_planner(PLANNED[cfg.schedule])
+            schedule = planner(profile, self.cost_model, self.world_size)
+            candidates = [schedule]
+            if cfg.compression:
+                shapes = [[tuple(params[i].shape) for i in l] for l in self.layers]
+                candidates = [self._plan_compression(planner, profile, schedule, shapes)]
+            elif cfg.plan_trials > 1:
+                candidates = trial_candidates(profile, self.cost_model, self.world_size, schedule,
+                                              cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=cfg.plan_trials)
+            candidates = [self._predict(profile, c) for c in candidates]
+            no_overlap = [profile.t_compute + profile.t_update + sum(
+                self.cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in c.buckets) for c in candidates]
+            plan = (candidates, no_overlap, profile.to_dict(), self.cost_model)
+        candidates, no_overlap, self.profile, self.cost_model = C.broadcast_object(plan, src=0)
+        keys = [(p.dtype, p.device) for p in params]
+        return [expand_layers(c, self.layers, keys) for c in candidates], no_overlap
+
+    def _predict(self, profile: Any, schedule: Schedule) -> Schedule:
+        """Rank 0: ``schedule`` with the prediction training is checked against, and every prediction in
+        :attr:`predictions` (s): α-β as fitted (``ab_s``), α-β calibrated (``calibrated_s``), and each of
+        those through the contention-aware simulator (``contended_s``, ``contended_calibrated_s``).
+
+        The prediction kept is the contention-aware one on the *uncalibrated* α-β when the contention was
+        measured (the profiling-step calibration already contains some of the same slowdown), else the
+        planner's own (calibrated when calibration applied).
+        """
+        from lightning_pipedap.plan.contention import simulate_contended  # noqa: PLC0415
+        from lightning_pipedap.plan.simulator import simulate  # noqa: PLC0415
+
+        if self.config.compression:
+            return schedule  # compressed plans: the planner's compression-aware prediction
+        raw = self.raw_cost_model or self.cost_model
+        pred = {"ab_s": simulate(profile, raw, schedule).iteration_s,
+                "calibrated_s": simulate(profile, self.cost_model, schedule).iteration_s}
+        keep = schedule.predicted_iteration_s
+        contention = self.measured.contention
+        if contention is not None:
+            pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s
+            pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule, contention).iteration_s
+            keep = pred["contended_s"]
+        self.predictions[schedule.name] = pred
+        return dataclasses.replace(schedule, predicted_iteration_s=keep)
+
+    def _plan_compression(self, planner: Callable[..., Schedule], profile: Any, dense: Schedule,
+                          layer_shapes: list[list[tuple[int, ...]]]) -> Schedule:
+        """Rank 0: plan again with the measured compression cost; log what is compressed and what it buys.
+
+        The compressor is timed once per fit (:func:`~lightning_pipedap.profile.compression_cost.
+        measure_compression_cost`, about a second at most) with the helper's thread count. ``optimal``
+        compresses only the buckets where it pays; the other planners compress every bucket.
+        """
+        from lightning_pipedap.profile.compression_cost import measure_compression_cost  # noqa: PLC0415
+
+        cfg = self.config
+        cost = self.compression_cost
+        if cost is None:
+            process = cfg.compression_mode == "process"
+            cost = measure_compression_cost(cfg.compression, cfg.compression_kwargs, layer_shapes,
+                                            world_size=self.world_size, where="helper" if process else "inline",
+                                            threads=cfg.compression_threads if process else None)
+            self.compression_cost = cost
+            self.info(f"pipedap: compression cost of {cost.method}: {cost.alpha_c_s * 1e6:.0f} µs + "
+                      f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/byte ({cost.post_share:.0%} after the collective, "
+                      f"R²={cost.meta.get('r2')}), payload via {cost.collective} x{cost.rounds}")
+        schedule = planner(profile, self.cost_model, self.world_size, compression=cost)
+        self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
+                  f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
+                  f"{dense.predicted_iteration_s * 1e3:.1f} ms without compression")
+        return schedule
+
+    def _calibrate(self, engine: Any) -> None:
+        """Scale the measured α-β model by the profiling steps' measured / predicted busy time (rank 0).
+
+        Only for a model measured by the strategy (not one the user passed), only once per strategy, and
+        only when communication was > 5% slower during training than the idle micro-benchmark predicts.
+        """
+        if not (self.config.calibrate_cost_model and self.config.cost_model is None and self._profile_busy
+                and self.measured.calibration_ratio == 1.0 and self.cost_model is not None):
+            return
+        predicted = predicted_busy_s(self.cost_model, engine)
+        if predicted <= 0:
+            return
+        ratio = statistics.median(self._profile_busy) / predicted
+        if ratio > 1.05:
+            self.measured.calibration_ratio = ratio
+            self.raw_cost_model = self.cost_model
+            self.cost_model = self.cost_model.scaled(alpha_factor=ratio, beta_factor=ratio)
+            self.info(f"pipedap: communication during the profiling steps took {ratio:.2f}x the α-β prediction "
+                      "(compute shares the cores); planning with α and β scaled by it")
+
+    def rescale(self, ratio: float) -> bool:
+        """Scale α and β by ``ratio`` before a re-plan (not with compression: its cost model is separate)."""
+        if self.config.compression or self.cost_model is None:
+            return False
+        self.cost_model = self.cost_model.scaled(alpha_factor=ratio, beta_factor=ratio)
+        return True

@@ -1,0 +1,159 @@
+"""What a checkpoint carries for an exact resume: the final schedule and the compression state.
+
+- The *plan* (:data:`PLAN_KEY`): schedule, parameter order, owners by module name, the cost model;
+  identical on all ranks, plain data (``torch.load(weights_only=True)`` reads it). A resumed run
+  whose world size, parameters, schedule and fusion cap match installs it directly (no trace or
+  profiling steps, so a compressing run compresses from its first resumed step).
+- The *compression state* (``compress.state.CHECKPOINT_KEY``): every rank's error-feedback
+  residuals, PowerSGD factors and step counters, per parameter name (independent of the bucket
+  layout). :class:`CompressionCarry` keeps it across engines (re-plans, warm-up) and hands it to
+  the next compressing engine.
+
+:class:`ResumeState` is what :meth:`PipeDAPStrategy.load_checkpoint` reads, used once at set-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from lightning_pipedap.plan import CostModel
+from lightning_pipedap.schedule import Op, OpKind, Schedule
+
+#: checkpoint key of the installed final schedule
+PLAN_KEY = "pipedap_plan"
+PLAN_VERSION = 1
+
+#: engine parameter index -> (parameter name, shape)
+ParamInfo = dict[int, tuple[str, tuple[int, ...]]]
+
+
+@dataclass
+class ResumeState:
+    """A loaded checkpoint's plan and this rank's compression state, until set-up uses them.
+
+    Attributes:
+        plan: the :data:`PLAN_KEY` entry, or None.
+        compression: this rank's compression state (``compress.state`` format), or None.
+    """
+
+    plan: Optional[dict[str, Any]] = None
+    compression: Optional[dict[str, Any]] = None
+
+    def load_state_dict(self, checkpoint: dict[str, Any], method: Optional[str], kwargs: dict[str, Any],
+                        world_size: int, rank: int) -> list[str]:
+        """Read ``checkpoint``; returns the reasons (warnings) for not restoring the compression state.
+
+        A checkpoint of another compressor or world size restores no compression state (the reason names
+        both values); other ``compression_kwargs`` restore it anyway (factors of another shape start afresh).
+        """
+        from lightning_pipedap.compress.state import CHECKPOINT_KEY, state_for_rank  # noqa: PLC0415
+
+        self.plan = checkpoint.get(PLAN_KEY)
+        entry = checkpoint.get(CHECKPOINT_KEY)
+        state, reason = state_for_rank(entry, method, world_size, rank)
+        notes = [f"pipedap: {reason}; compression starts with fresh error-feedback state"] if reason else []
+        if not reason and state is not None and entry.get("kwargs") != kwargs:
+            notes.append(f"pipedap: the checkpoint's compression_kwargs {entry.get('kwargs')} differ from this run's "
+                         f"{kwargs}; restoring the state anyway (factors of another shape start afresh)")
+        self.compression = state
+        return notes
+
+
+def plan_state(*, world_size: int, schedule_name: str, bucket_cap_mb: float, signature: list[list[Any]],
+               order: list[int], owner_names: list[Optional[str]], schedule: Schedule,
+               no_overlap_time_s: Optional[float], cost_model: Optional[CostModel]) -> dict[str, Any]:
+    """The installed final schedule as plain data (the :data:`PLAN_KEY` entry)."""
+    return {
+        "version": PLAN_VERSION, "world_size": world_size, "schedule": schedule_name,
+        "bucket_cap_mb": bucket_cap_mb, "params": signature, "order": list(order), "owners": list(owner_names),
+        "buckets": [list(b) for b in schedule.buckets], "ops": [[op.kind.value, op.bucket] for op in schedule.ops],
+        "compressed": None if schedule.compressed is None else list(schedule.compressed),
+        "name": schedule.name, "predicted_iteration_s": schedule.predicted_iteration_s,
+        "no_overlap_time_s": no_overlap_time_s,
+        "cost_model": None if cost_model is None else cost_model.to_dict(),
+    }
+
+
+def plan_mismatch(plan: dict[str, Any], *, world_size: int, schedule_name: str, bucket_cap_mb: float,
+                  signature: list[list[Any]]) -> list[str]:
+    """The keys in which a checkpoint's plan does not fit this run (empty: it fits)."""
+    mine = {"version": PLAN_VERSION, "world_size": world_size, "schedule": schedule_name,
+            "bucket_cap_mb": bucket_cap_mb, "params": signature}
+    return [k for k, v in mine.items() if plan.get(k) != v]
+
+
+def plan_schedule(plan: dict[str, Any]) -> Schedule:
+    """The :class:`Schedule` stored in a plan entry."""
+    compressed = plan.get("compressed")
+    return Schedule(tuple(tuple(b) for b in plan["buckets"]), tuple(Op(OpKind(k), b) for k, b in plan["ops"]),
+                    plan["name"], plan["predicted_iteration_s"],
+                    None if compressed is None else tuple(bool(c) for c in compressed))
+
+
+class CompressionCarry:
+    """One rank's compression state across engines, by parameter name.
+
+    Args:
+        method, kwargs: the configured compressor.
+        info: ``info()`` -> the installed engine's parameter names and shapes (:data:`ParamInfo`).
+        log: rank-0 logger.
+
+    Attributes:
+        state: the kept state while no compressing engine holds it (``compress.state`` format), or None.
+    """
+
+    def __init__(self, method: str, kwargs: dict[str, Any], info: Callable[[Any], ParamInfo],
+                 log: Callable[[str], None]) -> None:
+        self.method, self.kwargs, self.info, self.log = method, kwargs, info, log
+        self.state: Optional[dict[str, Any]] = None
+
+    def now(self, engine: Any, take: bool) -> Optional[dict[str, Any]]:
+        """This rank's state: the helper's (or the kept one while no compressing engine runs) plus the
+        residuals ``engine`` still has to add to a dense gradient (``CommEngine.carry_to_next_gradient``).
+        ``take``: remove those from the engine."""
+        from lightning_pipedap.compress.state import add_residuals  # noqa: PLC0415
+
+        transport = engine.transport
+        state = transport.pipeline.state_dict() if transport is not None else self.state
+        carried = engine.take_carried(clear=take)
+        if carried:
+            info = self.info(engine)
+            state = add_residuals(state, {info[i][0]: v for i, v in carried.items()},
+                                  {n: s for n, s in info.values()}, self.method, self.kwargs)
+        return state
+
+    def keep(self, engine: Any) -> None:
+        """Before ``engine`` is replaced: keep its state, including residuals not yet added to a gradient."""
+        self.state = self.now(engine, take=True)
+
+    def restore(self, engine: Any) -> None:
+        """After ``engine`` is installed: hand it the kept state.
+
+        Error-feedback residuals of parameters in buckets the engine sends dense (warm-up and profiling
+        steps, or a plan that stopped compressing them) are added once to their next gradient (same units,
+        local gradient / world size, as the compressors' residuals) and cleared from the state, so what
+        earlier compressions left out reaches the other ranks exactly once. The rest goes into the helper
+        (compressed buckets), or waits for the next compressing engine (step counters, PowerSGD factors).
+        """
+        from lightning_pipedap.compress.state import split_residuals  # noqa: PLC0415
+
+        if self.state is None:
+            return
+        transport = engine.transport
+        info = self.info(engine)
+        dense = {i for b in engine.buckets if transport is None or not engine.schedule.is_compressed(b.index)
+                 for i in b.param_indices}
+        index_of = {info[i][0]: i for i in dense}
+        self.state, moved = split_residuals(self.state, index_of)
+        if moved:
+            engine.carry_to_next_gradient({index_of[n]: r for n, r in moved.items()})
+            self.log(f"pipedap: error-feedback residuals of {len(moved)} parameters now sent dense are added once "
+                     "to their next gradient")
+        if transport is None:
+            return
+        state, self.state = self.state, None
+        fresh = transport.pipeline.load_state_dict(state)
+        if fresh:
+            self.log(f"pipedap: no saved compression state for {len(fresh)} parameters "
+                     f"({', '.join(fresh[:5])}{', ...' if len(fresh) > 5 else ''}); they start from zero")

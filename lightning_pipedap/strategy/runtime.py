@@ -1,0 +1,507 @@
+"""The strategy's run-time for one fit: parameters, the engine, hooks' reactions, and the controller's effects.
+
+:class:`Runtime` is created when the strategy sets the model up and lives until teardown. It owns
+
+- the trainable parameters (checked identical on every rank) and their hooks' reactions
+  (:meth:`grad_ready`, :meth:`module_forward`);
+- the installed :class:`~lightning_pipedap.engine.engine.CommEngine` and its
+  :class:`~lightning_pipedap.strategy.deferred.DeferredUpdates`;
+- the :class:`~lightning_pipedap.strategy.controller.Controller` (phases) and, as its
+  :class:`~lightning_pipedap.strategy.controller.Effects`, what each transition does: adopt the
+  trace, install schedules, profile and plan (:class:`~lightning_pipedap.strategy.planning.Planning`);
+- the compression state across engines and the checkpoint's plan (``resume``).
+
+It imports no Lightning: the strategy passes in the module, the optimizers and loggers.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
+
+import torch
+from torch import Tensor
+
+import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.engine.engine import CommEngine
+from lightning_pipedap.engine.update import write_back_grads
+from lightning_pipedap.measure.timeline import OpRecord
+from lightning_pipedap.profile.consumers import ConsumerTrace, ModuleStack
+from lightning_pipedap.schedule import Schedule, builtin_schedule
+from lightning_pipedap.strategy import resume as R
+from lightning_pipedap.strategy.config import PipeDAPConfig
+from lightning_pipedap.strategy.controller import Controller, Phase
+from lightning_pipedap.strategy.deferred import DeferredUpdates
+from lightning_pipedap.strategy.planning import Measured, Planning, predicted_busy_s
+from lightning_pipedap.strategy.tracing import owner_modules, plan_owners
+
+
+class Runtime:
+    """One fit's run-time state (module docstring).
+
+    Args:
+        config: the strategy's options.
+        module: the LightningModule (an ``nn.Module``).
+        optimizers: ``optimizers()`` -> the strategy's optimizers (they exist only after set-up).
+        comm: the dedicated process group of the engine.
+        world_size, rank, device: of this process.
+        measured: measurements kept across fits (contention, calibration).
+        resume: a loaded checkpoint's plan and compression state (used by :meth:`start`).
+        info, warn: rank-0 loggers.
+        counts: ``update_counts`` of the strategy (incremented per applied bucket).
+        records: the strategy's timeline records; ``timeline()`` says whether to record.
+
+    Raises:
+        ValueError: no trainable parameter, or trainable parameters that differ between ranks.
+    """
+
+    def __init__(self, config: PipeDAPConfig, module: torch.nn.Module, optimizers: Callable[[], list],
+                 comm: Any, world_size: int, rank: int, device: torch.device, measured: Measured,
+                 resume: R.ResumeState, info: Callable[[str], None], warn: Callable[[str], None],
+                 counts: dict[str, int], records: list[OpRecord], timeline: Callable[[], bool]) -> None:
+        self.config, self.module, self.optimizers, self.comm = config, module, optimizers, comm
+        self.world_size, self.rank, self.device = world_size, rank, device
+        self.info, self.warn, self.counts, self.records, self.timeline = info, warn, counts, records, timeline
+        self.resume = resume
+        self.params: list[Tensor] = []
+        self.engine: Optional[CommEngine] = None
+        self.deferred: Optional[DeferredUpdates] = None
+        self.order: list[int] = []
+        self.owners: list[Optional[torch.nn.Module]] = []
+        self.installed_schedule: Optional[str] = None
+        self.controller = Controller(self, planned=config.planned, warmup_steps=config.warmup_steps,
+                                     profile_steps=config.profile_steps, trial_steps=config.trial_steps,
+                                     replan_every=config.replan_every, replan_margin=config.replan_margin,
+                                     max_replans=config.max_replans)
+        self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
+        self.carry = (R.CompressionCarry(config.compression, config.compression_kwargs, self.engine_param_info, info)
+                      if config.compression else None)
+        if self.carry is not None:
+            self.carry.state = resume.compression
+        # per-step flags and measurements
+        self.sync_grads = True  # False inside accumulation micro-batches (block_backward_sync)
+        self.deferring = False  # inside a deferred optimizer_step
+        self.in_train_forward = False
+        self.buffers_sync_next = True
+        self.recorder: Optional[Any] = None
+        self.t_backward_done: Optional[float] = None
+        self.t_step_end: Optional[float] = None
+        self._trace: Optional[ConsumerTrace] = None
+        self._tracing = False
+        self._index_of: dict[int, int] = {}
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+        self._said: set[str] = set()
+        self.params = self.trainable_params()
+        self.trainable_key = 0
+
+    # ------------------------------------------------------------------ parameters
+    def requires_grad(self, p: Tensor) -> bool:
+        """``p.requires_grad`` as the user set it: ``LightningModule.toggle_optimizer`` switches the other
+        optimizers' parameters off for one optimizer's step, which is not a change of the trainable set."""
+        toggled = getattr(self.module, "_param_requires_grad_state", None) or {}
+        return bool(toggled.get(p, p.requires_grad))
+
+    def trainable_params(self) -> list[Tensor]:
+        """The trainable parameters, checked to be the same (name, shape, dtype) on every rank."""
+        named = [(n, p) for n, p in self.module.named_parameters() if self.requires_grad(p)]
+        if not named:
+            raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters (all requires_grad=False)")
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        ref = C.broadcast_object(signature, src=0)
+        if ref != signature:
+            diff = next((f"{a} here vs {b} on rank 0" for a, b in zip(signature, ref) if a != b),
+                        f"{len(signature)} here vs {len(ref)} on rank 0")
+            raise ValueError(f"pipedap: rank {self.rank}'s trainable parameters differ from rank 0's (first "
+                             f"difference: {diff}); every rank must build the same model and freeze the same parameters")
+        return [p for _, p in named]
+
+    def hook_params(self, on_grad: Callable[[Tensor], None]) -> None:
+        """Post-accumulate-grad hooks on every trainable parameter not hooked yet (again after unfreezing)."""
+        for p in self.params:
+            if id(p) in self._hooked:
+                continue
+            self._hooked.add(id(p))
+            toggled_off = not p.requires_grad  # (switched off by toggle_optimizer right now)
+            if toggled_off:
+                p.requires_grad_(True)
+            try:
+                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+            finally:
+                if toggled_off:
+                    p.requires_grad_(False)
+
+    def trainable_signature(self) -> int:
+        """Hash of which parameters are trainable and of every optimizer's param groups (checked every step)."""
+        trainable = tuple(id(p) for p in self.module.parameters() if self.requires_grad(p))
+        groups = tuple(tuple(id(p) for p in g["params"]) for opt in self.optimizers() for g in opt.param_groups)
+        return hash((trainable, groups))
+
+    def retrain_if_changed(self, on_grad: Callable[[Tensor], None]) -> None:
+        """At a step's start: if parameters were (un)frozen or a param group added, rebuild buckets and plan.
+
+        Every rank checks the same thing at the same step; the new trainable set is compared across
+        ranks. Pending updates are applied first; training then traces, profiles and plans again as at
+        the start (sync steps), and every param group is stepped.
+        """
+        key = self.trainable_signature()
+        if key == self.trainable_key:
+            return
+        self.trainable_key = key
+        self.flush()
+        before = len(self.params)
+        self.params = self.trainable_params()
+        self.hook_params(on_grad)
+        self.recorder, self._tracing = None, False
+        self.controller.restart()
+        self.install_warmup()
+        self.info(f"pipedap: the trainable parameters or the optimizer's param groups changed ({before} -> "
+                  f"{len(self.params)} trainable tensors): buckets rebuilt, tracing and planning again")
+
+    def name_of(self, p: Tensor) -> str:
+        return next((n for n, q in self.module.named_parameters() if q is p), "<unnamed parameter>")
+
+    def engine_param_info(self, engine: Optional[CommEngine] = None) -> R.ParamInfo:
+        """Engine parameter index -> ``(name, shape)``."""
+        engine = engine or self.engine
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return {i: (names.get(id(p), f"<parameter {i}>"), tuple(p.shape))
+                for b in engine.buckets for i, p in zip(b.param_indices, b.params)}
+
+    def signature(self) -> list[list[Any]]:
+        """``[name, shape]`` of every trainable parameter, in ``params`` order."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names.get(id(p), f"<parameter {i}>"), list(p.shape)] for i, p in enumerate(self.params)]
+
+    # ------------------------------------------------------------------ engines
+    def builtin(self, order: list[int], name: str, compress_all: bool = False) -> Schedule:
+        params = [self.params[i] for i in order]
+        return builtin_schedule(name, [p.numel() * p.element_size() for p in params],
+                                int(self.config.bucket_cap_mb * 2**20), [(p.dtype, p.device) for p in params],
+                                compress_all=compress_all)
+
+    def install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]],
+                final: bool = False) -> None:
+        """Replace the engine: parameters in ``order``, ``schedule`` over their indices, triggers from ``owners``.
+
+        ``final``: the schedule training runs with (compression, if configured, starts here; warm-up and
+        profiling steps communicate uncompressed); its first two deferred steps are guarded.
+        """
+        if self.engine is not None:
+            self.engine.wait_idle()
+            if self.carry is not None:
+                self.carry.keep(self.engine)
+            self.engine.close()
+        params = [self.params[i] for i in order]
+        self._index_of = {id(p): k for k, p in enumerate(params)}
+        factory = self._compression_factory() if final and self.config.compression else None
+        self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory)
+        self.engine.timeline_enabled = self.timeline()
+        if self.carry is not None and self.resume.plan is None:  # (a checkpoint's plan is installed next)
+            self.carry.restore(self.engine)
+        self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
+                                        self.timeline, self.counts)
+        self.deferred.set_owners(owners, self.module, verify_steps=2 if final else 0)
+        if final:
+            self.installed_schedule = schedule.describe()
+        what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
+        self.info(f"pipedap: {what} {schedule.describe()[:300]}")
+
+    def install_warmup(self) -> None:
+        """Registration order, one all-reduce per bucket (WFBP), sync mode."""
+        order = list(range(len(self.params)))
+        self.install(order, self.builtin(order, "allreduce"), owners=None)
+
+    def _compression_factory(self) -> Callable[[list], Any]:
+        from lightning_pipedap.compress import CompressionPipeline  # noqa: PLC0415
+        from lightning_pipedap.compress.compressors import compressor_kwargs  # noqa: PLC0415
+        from lightning_pipedap.engine.compressed import CompressedTransport  # noqa: PLC0415
+
+        cfg = self.config
+        if self.device.type != "cpu":
+            raise ValueError("pipedap: compression= runs on CPU/gloo in this version; on CUDA use compression=None")
+        kwargs = dict(cfg.compression_kwargs)
+        if "rank" in compressor_kwargs(cfg.compression) and cfg.compression != "powersgd":
+            kwargs["rank"] = self.rank  # per-rank random streams (QSGD, DGC sampling)
+
+        def factory(buckets: list) -> Any:
+            layouts = self.compression_layouts(buckets)
+            pipe = CompressionPipeline([b.numel for b in buckets], cfg.compression, kwargs, layouts=layouts,
+                                       threads=cfg.compression_threads, timeout_s=cfg.wait_timeout_s,
+                                       mode=cfg.compression_mode)
+            return CompressedTransport(pipe, self.comm)
+
+        return factory
+
+    def compression_layouts(self, buckets: list) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """Per bucket, ``(parameter name, shape)`` in buffer order: what the compression state is keyed by."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
+                for b in buckets]
+
+    # ------------------------------------------------------------------ Effects of the controller
+    def adopt_trace(self) -> None:
+        """Rank 0's trace (order of first consumption, owners by module name) on every rank."""
+        first = self._trace.first if self._trace is not None else {}
+        self._trace = None
+        plan = None
+        if self.rank == 0:
+            plan = plan_owners(first, len(self.params), {id(m): n for n, m in self.module.named_modules()})
+        self.order, owner_names = C.broadcast_object(plan, src=0)
+        self.owners = owner_modules(owner_names, self.module)
+
+    def install_fixed(self) -> None:
+        cfg = self.config
+        self.install(self.order, self.builtin(self.order, cfg.schedule, bool(cfg.compression)), self.owners, final=True)
+
+    def start_profiling(self) -> None:
+        """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group."""
+        self.install(self.order, self.builtin(self.order, "allreduce"), self.owners)
+        self.planning.start([self.params[i] for i in self.order], self.owners)
+
+    def take_profile_step(self, t_step_end: float) -> Optional[int]:
+        rec, self.recorder = self.recorder, None
+        if rec is None:
+            return None
+        return self.planning.keep_step(rec, self.engine.last_round_busy_s, self.t_backward_done, t_step_end)
+
+    def plan(self) -> tuple[list[Schedule], list[float]]:
+        names = {id(m): n or "<root>" for n, m in self.module.named_modules()}
+        layer_names = [names.get(id(self.owners[layer[0]]), "<unused>") for layer in self.planning.layers]
+        out = self.planning.plan(type(self.module).__name__, layer_names, [self.params[i] for i in self.order],
+                                 self.engine)
+        self.controller.predictions = self.planning.predictions
+        return out
+
+    def install_run(self, schedule: Schedule) -> Optional[float]:
+        self.install(self.order, schedule, self.owners, final=True)
+        cm = self.planning.cost_model
+        return None if cm is None else predicted_busy_s(cm, self.engine)
+
+    def flush(self) -> None:
+        if self.deferred is not None:
+            self.deferred.apply_all("flush")
+
+    def agree(self, value: Any) -> Any:
+        return C.broadcast_object(value if self.rank == 0 else None, src=0)
+
+    def last_busy_s(self) -> Optional[float]:
+        return self.engine.last_round_busy_s
+
+    def rescale_cost_model(self, ratio: float) -> bool:
+        return self.planning.rescale(ratio)
+
+    def say(self, key: str, message: str) -> None:
+        """Log ``message`` on rank 0 once per fit."""
+        if key not in self._said:
+            self._said.add(key)
+            self.info(message)
+
+    # ------------------------------------------------------------------ resume
+    def resume_plan(self) -> None:
+        """Install a checkpoint's final schedule directly when it fits this run (same world size, parameters,
+        schedule and fusion cap): no trace or profiling steps, so a resumed run with compression compresses
+        from its first step, as the uninterrupted run did."""
+        plan, self.resume.plan = self.resume.plan, None
+        if plan is None:
+            return
+        cfg = self.config
+        differ = R.plan_mismatch(plan, world_size=self.world_size, schedule_name=cfg.schedule,
+                                 bucket_cap_mb=cfg.bucket_cap_mb, signature=self.signature())
+        if differ:
+            self.info(f"pipedap: the checkpoint's schedule does not fit this run ({', '.join(differ)} differ); "
+                      "tracing and planning again")
+            return  # (the compression state goes to the next engine)
+        self.order = list(plan["order"])
+        self.owners = owner_modules(plan["owners"], self.module)
+        schedule = R.plan_schedule(plan)
+        if plan["cost_model"] is not None:
+            from lightning_pipedap.plan import CostModel  # noqa: PLC0415
+
+            self.planning.cost_model = CostModel.from_dict(plan["cost_model"])
+        self.install(self.order, schedule, self.owners, final=True)
+        cm = self.planning.cost_model
+        self.controller.resumed(schedule.predicted_iteration_s, plan["no_overlap_time_s"],
+                                None if cm is None else predicted_busy_s(cm, self.engine))
+        self.info("pipedap: resumed with the checkpoint's schedule (no trace or profiling steps)")
+
+    def plan_state(self) -> dict[str, Any]:
+        modules = {id(m): n for n, m in self.module.named_modules()}
+        return R.plan_state(world_size=self.world_size, schedule_name=self.config.schedule,
+                            bucket_cap_mb=self.config.bucket_cap_mb, signature=self.signature(), order=self.order,
+                            owner_names=[None if o is None else modules.get(id(o)) for o in self.owners],
+                            schedule=self.engine.schedule, no_overlap_time_s=self.controller.no_overlap_time_s,
+                            cost_model=self.planning.cost_model)
+
+    def add_resume_state(self, checkpoint: dict[str, Any]) -> None:
+        """Put :data:`~lightning_pipedap.strategy.resume.PLAN_KEY` and the gathered compression state into
+        ``checkpoint`` (every rank calls it: the compression state is gathered with one ``all_gather_object``)."""
+        self.flush()
+        if self.engine.collecting:  # inside a step (a user call from training_step): the state is in flux
+            return
+        self.engine.wait_idle()
+        if self.carry is not None:
+            from lightning_pipedap.compress.state import CHECKPOINT_KEY, checkpoint_entry  # noqa: PLC0415
+
+            per_rank = C.all_gather_object(self.carry.now(self.engine, take=False))
+            if any(s is not None for s in per_rank):
+                cfg = self.config
+                checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, cfg.compression, cfg.compression_kwargs,
+                                                              self.world_size)
+        if self.controller.phase is Phase.RUN:  # mid-trial: no final plan yet, a resume plans again
+            checkpoint[R.PLAN_KEY] = self.plan_state()
+
+    # ------------------------------------------------------------------ hooks' reactions
+    def grad_ready(self, p: Tensor) -> None:
+        engine = self.engine
+        if engine is None or not engine.collecting or p.grad is None:
+            return
+        i = self._index_of.get(id(p))
+        if i is None:  # not trainable when the buckets were built (see retrain_if_changed)
+            return
+        if p.grad.layout != torch.strided:
+            raise ValueError(f"pipedap: parameter {self.name_of(p)!r} got a {p.grad.layout} gradient; pipedap "
+                             "reduces dense gradients only (use strategy='ddp' for sparse gradients)")
+        self.deferred.gradient_arrived(i)
+        engine.grad_ready(i, p.grad)
+        if self.recorder is not None:
+            self.sync_device()
+            self.recorder.param_ready(i)
+
+    def module_forward(self, module: torch.nn.Module) -> None:
+        deferred = self.deferred
+        if deferred is None:
+            return
+        if not self.in_train_forward:
+            # a forward outside training_step (an RL agent acting in the data loader, a metric computed
+            # in a hook) must see the updated weights, as under DDP
+            if deferred is not None and deferred.pending is not None and not deferred.applying:
+                self.say("outside", f"pipedap: {type(module).__name__} ran a forward outside training_step while "
+                         "updates were pending; they are applied first")
+                deferred.apply_all("flush")
+            return
+        if self.recorder is not None:
+            for k in self.planning.layer_of_module.get(id(module), ()):
+                self.sync_device()
+                self.recorder.layer_used(k)
+        deferred.at_module(module)
+
+    def sync_device(self) -> None:
+        """On CUDA, synchronise before a profiling timestamp (only called while profiling)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ one step
+    def training_step(self, call: Callable[[], Any]) -> Any:
+        """Run Lightning's ``training_step`` (``call``): trace it, guard it or just time it."""
+        if self.buffers_sync_next:
+            bufs = list(self.module.buffers())
+            if bufs:
+                with torch.no_grad():
+                    C.broadcast_coalesced_(bufs, src=0)
+        deferred = self.deferred
+        deferred.before_training_step()
+        ctl = self.controller
+        tracing = ctl.phase is Phase.TRACE and ctl.sync_steps == 0 and not self._tracing
+        guard = None
+        if tracing:
+            self._tracing = True
+        elif deferred.verify_left > 0 and deferred.pending is not None:
+            deferred.verify_left -= 1
+            guard = deferred.guarded_read
+        if not tracing and guard is None:
+            return self._timed_step(call)
+        with self._consumer_mode(guard) as trace:
+            if tracing:
+                self._trace = trace
+            try:
+                return self._timed_step(call)
+            finally:
+                if guard is not None:
+                    deferred.end_guard()
+
+    def _timed_step(self, call: Callable[[], Any]) -> Any:
+        if self.controller.phase is Phase.PROFILE and self.sync_grads:
+            self.sync_device()
+            self.recorder = self.planning.recorder()
+            self.recorder.forward_start()
+            if self.t_step_end is not None:
+                self.recorder.pre_gap = self.recorder.t_fwd0 - self.t_step_end
+            for k in self.planning.layer_of_module.get(id(self.module), ()):
+                self.recorder.layer_used(k)
+        self.in_train_forward = True
+        try:
+            out = call()
+        finally:
+            self.in_train_forward = False
+        if self.recorder is not None:
+            self.sync_device()
+            self.recorder.forward_end()
+        # DDP's rule: buffers are broadcast before a forward that follows a grad-syncing forward
+        self.buffers_sync_next = torch.is_grad_enabled() and self.sync_grads
+        return out
+
+    @contextmanager
+    def _consumer_mode(self, on_consume: Optional[Callable[[int], None]]) -> Generator[ConsumerTrace, None, None]:
+        """Module stack + :class:`ConsumerTrace` over the engine's parameters for one forward."""
+        stack = ModuleStack(self.module)
+        params: list[Any] = [None] * len(self._index_of)
+        for p in self.params:
+            k = self._index_of.get(id(p))
+            if k is not None:
+                params[k] = p
+        mode = ConsumerTrace(params, stack, on_consume)
+        self.deferred.stack = stack
+        stack.install()
+        stack.pause_in_compiled(mode)
+        try:
+            with mode:
+                yield mode
+        finally:
+            stack.remove()
+            self.deferred.stack = None
+
+    def before_backward(self) -> None:
+        self.deferred.before_backward()
+        if self.sync_grads:
+            self.engine.begin_iteration()
+            if self.recorder is not None:
+                self.sync_device()
+                self.recorder.backward_start()
+
+    def finish_backward(self) -> None:
+        """End of backward: in sync mode wait for every bucket and write the averaged gradients to ``.grad``."""
+        self.deferred.check_stale()
+        engine = self.engine
+        if not engine.collecting:
+            return
+        if self.recorder is not None:
+            self.sync_device()
+            self.recorder.backward_end()
+        engine.finish_backward()
+        if self.deferring:
+            return
+        t0 = time.perf_counter()
+        engine.wait_idle()
+        if self.timeline():
+            self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
+        with torch.no_grad():
+            for b in range(engine.num_buckets):
+                write_back_grads(engine.wait_done(b), engine.used_flags(b))
+        self.sync_device()
+        self.t_backward_done = time.perf_counter()
+
+    def after_sync_step(self) -> None:
+        self.sync_device()
+        self.t_step_end = time.perf_counter()
+        self.controller.after_sync_step(self.t_step_end)
+        self._tracing = self._tracing and self.controller.phase is Phase.TRACE
+
+    def close(self, abort: bool = False) -> None:
+        """Close the engine and remove the parameter hooks."""
+        if self.engine is not None:
+            self.engine.close(abort=abort)
+        for h in self._handles:
+            h.remove()
+        self._handles = []

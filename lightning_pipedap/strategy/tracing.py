@@ -1,0 +1,55 @@
+"""From the traced step to the parameter order and the owner (trigger module) of each parameter.
+
+The trace (:class:`~lightning_pipedap.profile.consumers.ConsumerTrace`, first sync step) records
+each parameter's first consuming op. Rank 0 turns it into plain data, module *names*, which every
+rank maps back to its own module objects, so the layout and the triggers are identical everywhere
+even when control flow differs between ranks (experts that get no tokens on one rank).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_pipedap.profile.consumers import Consumption, consumer_order
+
+
+def plan_owners(first: dict[int, Consumption], num_params: int,
+                module_names: dict[int, str]) -> tuple[list[int], list[str]]:
+    """Rank 0: parameter order (first consumption) and the owner's module name of each, in that order.
+
+    Args:
+        first: parameter index -> its first :class:`Consumption` (indices into the trainable list).
+        num_params: number of trainable parameters.
+        module_names: ``id(module) -> name`` of the LightningModule's modules (``""`` is the root).
+
+    Returns:
+        ``(order, owners)``; an owner ``""`` (the root: applied before ``training_step``) for parameters
+        read outside every module forward, inside a ``torch.func`` transform, or not read at all.
+    """
+    order = consumer_order(num_params, first)
+    owners = []
+    for i in order:
+        c = first.get(i)
+        module = None if c is None or c.in_transform else c.module
+        owners.append(module_names.get(id(module), "") if module is not None else "")
+    return order, owners
+
+
+def outside_compiled(name: str, modules: dict[str, torch.nn.Module]) -> str:
+    """The owner to trigger instead of module ``name``: the parent of the outermost ``torch.compile``d
+    module around it (hooks of modules inside a compiled region do not run eagerly), else ``name``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    parts = name.split(".") if name else []
+    for k in range(1, len(parts) + 1):
+        if isinstance(modules.get(".".join(parts[:k])), OptimizedModule):
+            return ".".join(parts[:k - 1])
+    return name
+
+
+def owner_modules(owner_names: list[Optional[str]], root: torch.nn.Module) -> list[torch.nn.Module]:
+    """Each rank's own module objects for rank 0's owner names (unknown or ``None`` names: the root)."""
+    modules = dict(root.named_modules())
+    return [root if n is None else modules.get(outside_compiled(n, modules), root) for n in owner_names]
