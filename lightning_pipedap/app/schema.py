@@ -33,11 +33,6 @@ def _choice(what: str, value: Any, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{what}={value!r} is not valid; valid choices: {', '.join(choices)}")
 
 
-def _positive(what: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{what}={value!r} must be a number > 0")
-
-
 @dataclass
 class SchedulerConf:
     """``scheduler`` group: which communication schedule the pipedap strategy runs.

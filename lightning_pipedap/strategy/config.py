@@ -44,31 +44,78 @@ def _boolean(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class PipeDAPConfig:
-    """Options of :class:`~lightning_pipedap.PipeDAPStrategy`; see its docstring for the full meaning.
+    """Options of :class:`~lightning_pipedap.PipeDAPStrategy` (validated once, here).
 
     Attributes:
-        schedule: op-list planner, one of :func:`valid_schedule_names`.
-        bucket_cap_mb: tensor-fusion cap of the fixed schedules (MiB, > 0).
-        defer_update: ``"auto"``, True or False (deferred updates and the hooks that observe them).
-        warmup_steps: sync steps first (>= 1); the forward is traced in the first.
-        wait_timeout_s: timeout of every wait on communication (s, > 0).
-        ring_chunk_mb: piece size of the gloo ring RS/AG (MiB, > 0).
-        deferrable_optimizers: extra per-parameter optimizer classes (safe to step bucket by bucket).
-        profile_steps: planned schedules: profiled sync steps (>= 1).
-        cost_model: α-β model (JSON path or ``CostModel``), None = measure on the live group.
-        cost_model_cache: cache the measured model in ``~/.cache/lightning_pipedap``.
-        replan_margin: relative drift of the measured iteration time that re-plans (> 0).
-        calibrate_cost_model: scale α-β by the profiling steps' measured/predicted busy time.
-        train_thread_nice: CPU: nice increment of the training thread (0..19, 0 = off).
+        schedule: op-list planner. Fixed schedules with ``bucket_cap_mb`` fusion, no profiling:
+            ``"dear"`` (RS in backward, AG before the next forward) and ``"allreduce"`` (WFBP: one
+            all-reduce per bucket in backward). Planned schedules, from a profile measured during
+            ``profile_steps`` warm-up steps and the α-β model of the live group: ``"optimal"``,
+            ``"pipedap"``, ``"wfbp"``, ``"dear_tuned"`` (DeAR order, planned fusion) and
+            ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
+        bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
+        defer_update: ``"auto"`` (default): apply each bucket's update in the next forward, where its
+            first consumer (traced op by op) runs, unless user code could see the difference: with
+            a gradient hook (``on_after_backward``, ``on_before_optimizer_step``,
+            ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``) overridden
+            by the LightningModule or a callback, steps run in sync mode; before a between-step hook
+            (``on_train_batch_start``/``_end``, ``on_train_epoch_start``/``_end``) that can read
+            weights, pending updates are applied and ``.grad`` holds the averaged gradients (see
+            :mod:`lightning_pipedap.observers`; the log names the hook). ``True``: defer regardless
+            of hooks (the user vouches that they neither read weights nor ``.grad``). ``False``:
+            sync mode always (updates at the end of backward, as DDP; RS/AG still overlap backward).
+        warmup_steps: optimizer steps run in sync mode first (>= 1); the forward order is traced
+            during the first one and the buckets are rebuilt from it.
+        wait_timeout_s: timeout in seconds of every wait on communication (and of every
+            collective on the dedicated process group); errors name the operation.
+        ring_chunk_mb: piece size of the pipelined gloo ring reduce-scatter/all-gather, in MiB.
+        deferrable_optimizers: extra optimizer classes whose ``step`` is per-parameter (safe to
+            split by bucket); torch's SGD, Adam, AdamW, ... are known already.
+        profile_steps: sync-mode steps whose per-layer forward/backward times are measured (median)
+            before a planned schedule is computed (>= 1).
+        cost_model: α-β model for planning: a JSON file written by ``CostModel.save``, a
+            :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
+            process group (a few seconds; cached per backend, world size and hosts).
+        cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
+        replan_margin: re-profile and re-plan when the measured median iteration time differs from
+            the prediction by more than this fraction (checked every ``replan_every`` steps, at most
+            ``max_replans`` times). When the engine's measured communication busy time exceeds the
+            α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
+        calibrate_cost_model: before the first plan, compare the engine's measured communication busy
+            time during the profiling steps (communication running beside compute, as in training)
+            with the α-β prediction for the same operations, and when it is > 5% slower scale α and β
+            by that ratio (the micro-benchmark runs on idle cores; gloo's threads and the ring's
+            additions slow down when they share the cores with compute). Not applied to a
+            ``cost_model`` passed in by the user.
+        train_thread_nice: CPU training on Linux: nice-value increment (0..19) for the training thread
+            once the communication threads exist, so the communication worker, gloo's I/O threads and
+            the kernel's TCP work get the cores first when compute keeps every core busy (0 = off).
+            Without ``CAP_SYS_NICE`` the thread keeps the lower priority after training.
+        plan_trials: measured plan selection, for planned schedules without compression: after
+            planning, run up to this many candidate schedules (the planner's, DeAR and WFBP with
+            ``bucket_cap_mb`` fusion, then the other planners; see
+            :func:`~lightning_pipedap.plan.candidates.trial_candidates`) for ``trial_steps`` measured
+            steps each (plus one settling step) and keep the one with the lowest median measured
+            iteration time on rank 0. 1 = install the planner's schedule directly. The α-β model does
+            not see the CPU that communication takes from compute, so the model's favourite can be
+            slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
+        trial_steps: measured steps per candidate (>= 1).
+        model_contention: before the first plan, measure how much communication and compute slow
+            each other down when they overlap (:func:`~lightning_pipedap.profile.contention.
+            measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
+            and predict iteration times with the contention-aware simulator
+            (:func:`~lightning_pipedap.plan.contention.simulate_contended`); the planners still
+            search with the plain α-β simulator. :attr:`contention` holds the fit.
         replan_every: deferred steps between drift checks (>= 2).
         max_replans: re-plans per fit (>= 0).
-        compression: compressor name (see ``lightning_pipedap.compress``) or None.
-        compression_kwargs: the compressor's keyword arguments.
-        compression_mode: ``"process"`` (helper process, pipelined) or ``"inline"``.
-        compression_threads: torch threads of the helper (>= 1).
-        plan_trials: candidates measured by plan selection (>= 1; 1 = install the plan).
-        trial_steps: measured steps per candidate (>= 1).
-        model_contention: measure the communication/compute contention before planning.
+        compression: gradient compressor (``"fp16"``, ``"powersgd"``, ``"topk"``, ...; see
+            :func:`lightning_pipedap.compress.valid_compressor_names`) with error feedback where the
+            method needs it, once the final schedule runs; None = dense.
+        compression_kwargs: the compressor's keyword arguments (``{"rank": 4}`` for PowerSGD).
+        compression_mode: ``"process"``: a per-rank helper process compresses each bucket as soon as
+            its gradients are complete (PipeCompress, ICC 2022); ``"inline"``: in the communication
+            worker, at the bucket's slot in the op list.
+        compression_threads: torch threads of the helper process (>= 1).
 
     Raises:
         ValueError: any value out of range or not among the choices; the message names the option

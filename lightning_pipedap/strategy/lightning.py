@@ -46,10 +46,10 @@ from lightning_pipedap.profile.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
 from lightning_pipedap.strategy.controller import Phase
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep
-from lightning_pipedap.strategy.observers import ObservationFlush, Observers, find_observers
+from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.planning import Measured
 from lightning_pipedap.strategy.resume import ResumeState
-from lightning_pipedap.strategy.runtime import Runtime
+from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
 _REJECTED_DDP_KWARGS = {
     "ddp_comm_state": "pipedap does its own gradient communication; compression comes with `compression=`",
@@ -63,6 +63,21 @@ _REJECTED_DDP_KWARGS = {
 _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
 
+class _FromRun:
+    """A result attribute of the current (or last) fit's run-time: its controller's or its own."""
+
+    def __init__(self, name: str, default: Any, doc: str) -> None:
+        self.name, self.default, self.__doc__ = name, default, doc
+
+    def __get__(self, strategy: Any, owner: type) -> Any:
+        if strategy is None:
+            return self
+        rt = strategy._rt or strategy._last
+        if rt is None:
+            return self.default
+        return getattr(rt.controller, self.name) if hasattr(rt.controller, self.name) else getattr(rt, self.name)
+
+
 class PipeDAPStrategy(DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 
@@ -73,65 +88,13 @@ class PipeDAPStrategy(DDPStrategy):
     TETC 2025). Updates equal DDP's (tested to 1e-6 in fp32).
 
     Args:
-        schedule: op-list planner. Fixed schedules with ``bucket_cap_mb`` fusion, no profiling:
-            ``"dear"`` (RS in backward, AG before the next forward) and ``"allreduce"`` (WFBP: one
-            all-reduce per bucket in backward). Planned schedules, from a profile measured during
-            ``profile_steps`` warm-up steps and the α-β model of the live group: ``"optimal"``,
-            ``"pipedap"``, ``"wfbp"``, ``"dear_tuned"`` (DeAR order, planned fusion) and
-            ``"no_overlap"`` (:func:`valid_schedule_names` lists all).
-        bucket_cap_mb: tensor-fusion cap of the fixed schedules, in MiB (> 0).
-        defer_update: ``"auto"`` (default): apply each bucket's update in the next forward, where its
-            first consumer (traced op by op) runs, unless user code could see the difference: with
-            a gradient hook (``on_after_backward``, ``on_before_optimizer_step``,
-            ``configure_gradient_clipping``, ``optimizer_step``, ``on_before_zero_grad``) overridden
-            by the LightningModule or a callback, steps run in sync mode; before a between-step hook
-            (``on_train_batch_start``/``_end``, ``on_train_epoch_start``/``_end``) that can read
-            weights, pending updates are applied and ``.grad`` holds the averaged gradients (see
-            :mod:`lightning_pipedap.observers`; the log names the hook). ``True``: defer regardless
-            of hooks (the user vouches that they neither read weights nor ``.grad``). ``False``:
-            sync mode always (updates at the end of backward, as DDP; RS/AG still overlap backward).
-        warmup_steps: optimizer steps run in sync mode first (>= 1); the forward order is traced
-            during the first one and the buckets are rebuilt from it.
-        wait_timeout_s: timeout in seconds of every wait on communication (and of every
-            collective on the dedicated process group); errors name the operation.
-        ring_chunk_mb: piece size of the pipelined gloo ring reduce-scatter/all-gather, in MiB.
-        deferrable_optimizers: extra optimizer classes whose ``step`` is per-parameter (safe to
-            split by bucket); torch's SGD, Adam, AdamW, ... are known already.
-        profile_steps: sync-mode steps whose per-layer forward/backward times are measured (median)
-            before a planned schedule is computed (>= 1).
-        cost_model: α-β model for planning: a JSON file written by ``CostModel.save``, a
-            :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
-            process group (a few seconds; cached per backend, world size and hosts).
-        cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
-        replan_margin: re-profile and re-plan when the measured median iteration time differs from
-            the prediction by more than this fraction (checked every ``replan_every`` steps, at most
-            ``max_replans`` times). When the engine's measured communication busy time exceeds the
-            α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
-        calibrate_cost_model: before the first plan, compare the engine's measured communication busy
-            time during the profiling steps (communication running beside compute, as in training)
-            with the α-β prediction for the same operations, and when it is > 5% slower scale α and β
-            by that ratio (the micro-benchmark runs on idle cores; gloo's threads and the ring's
-            additions slow down when they share the cores with compute). Not applied to a
-            ``cost_model`` passed in by the user.
-        train_thread_nice: CPU training on Linux: nice-value increment (0..19) for the training thread
-            once the communication threads exist, so the communication worker, gloo's I/O threads and
-            the kernel's TCP work get the cores first when compute keeps every core busy (0 = off).
-            Without ``CAP_SYS_NICE`` the thread keeps the lower priority after training.
-        plan_trials: measured plan selection, for planned schedules without compression: after
-            planning, run up to this many candidate schedules (the planner's, DeAR and WFBP with
-            ``bucket_cap_mb`` fusion, then the other planners; see
-            :func:`~lightning_pipedap.plan.candidates.trial_candidates`) for ``trial_steps`` measured
-            steps each (plus one settling step) and keep the one with the lowest median measured
-            iteration time on rank 0. 1 = install the planner's schedule directly. The α-β model does
-            not see the CPU that communication takes from compute, so the model's favourite can be
-            slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
-        trial_steps: measured steps per candidate (>= 1).
-        model_contention: before the first plan, measure how much communication and compute slow
-            each other down when they overlap (:func:`~lightning_pipedap.profile.contention.
-            measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
-            and predict iteration times with the contention-aware simulator
-            (:func:`~lightning_pipedap.plan.contention.simulate_contended`); the planners still
-            search with the plain α-β simulator. :attr:`contention` holds the fit.
+        schedule, bucket_cap_mb, defer_update, warmup_steps, wait_timeout_s, ring_chunk_mb,
+            deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
+            calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
+            compression_kwargs, compression_mode, compression_threads, plan_trials, trial_steps,
+            model_contention: the options, validated into :attr:`config`, a
+            :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
+            readable as an attribute: ``strategy.bucket_cap_mb``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
@@ -212,11 +175,8 @@ class PipeDAPStrategy(DDPStrategy):
         self._timeline_enabled = False
         self._aborted = False
         self._hook_handles: list[Any] = []
-        self._wrapped_train: list[torch.nn.Module] = []
         self._orig_clip: Optional[Callable] = None
         self._restore_priority: Optional[Callable[[], bool]] = None
-        self._observers = Observers()
-        self._observed_for: Optional[tuple[int, ...]] = None
         self._flush_callback: Optional[ObservationFlush] = None
 
     # ------------------------------------------------------------------ options and results
@@ -231,52 +191,20 @@ class PipeDAPStrategy(DDPStrategy):
         """The configured schedule (``config.schedule``)."""
         return self.config.schedule
 
-    def _result(self, name: str, default: Any = None) -> Any:
-        rt = self._rt or self._last
-        if rt is None:
-            return default
-        return getattr(rt.controller, name) if hasattr(rt.controller, name) else getattr(rt, name)
+    trial_results = _FromRun("trial_results", [], "Measured plan selection of the last plan: one dict per "
+                             "candidate (name, describe, steps_s, predicted_s, measured_s, chosen, predictions).")
+    predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
+    predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
+    measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
+                                    "window (s, refreshed every 5 deferred steps).")
+    no_overlap_time_s = _FromRun("no_overlap_time_s", None, "Compute + update + all-reduce of every bucket (s).")
+    replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
+    installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
 
     @property
     def phase(self) -> Optional[Phase]:
         """The run-time's :class:`~lightning_pipedap.strategy.controller.Phase` (None outside a fit)."""
         return self._rt.controller.phase if self._rt is not None else None
-
-    @property
-    def trial_results(self) -> list[dict[str, Any]]:
-        """Measured plan selection of the last plan: one dict per candidate (name, describe, steps_s,
-        predicted_s, measured_s, chosen, and the predictions); empty when no trial ran."""
-        return self._result("trial_results", [])
-
-    @property
-    def predictions(self) -> dict[str, dict[str, float]]:
-        """Rank 0: every prediction of each planned candidate, by schedule name (s)."""
-        return self._result("predictions", {})
-
-    @property
-    def predicted_iteration_s(self) -> Optional[float]:
-        """The installed plan's predicted iteration time (s)."""
-        return self._result("predicted_iteration_s")
-
-    @property
-    def measured_iteration_s(self) -> Optional[float]:
-        """Median measured iteration time of the last drift window (s, refreshed every 5 deferred steps)."""
-        return self._result("measured_iteration_s")
-
-    @property
-    def no_overlap_time_s(self) -> Optional[float]:
-        """Compute + update + all-reduce of every bucket of the installed plan (s)."""
-        return self._result("no_overlap_time_s")
-
-    @property
-    def replans_done(self) -> int:
-        """Re-plans triggered by drift in the last fit."""
-        return self._result("replans_done", 0)
-
-    @property
-    def installed_schedule(self) -> Optional[str]:
-        """``Schedule.describe()`` of the last final schedule training ran with (None before the first)."""
-        return self._result("installed_schedule")
 
     @property
     def profile(self) -> Optional[dict]:
@@ -299,7 +227,7 @@ class PipeDAPStrategy(DDPStrategy):
         state = dict(super().__getstate__())  # Lightning's Strategy drops its optimizer wrappers
         for k in ("_rt", "_last", "_comm", "_orig_clip", "_flush_callback"):
             state[k] = None
-        state["_hook_handles"], state["_wrapped_train"] = [], []
+        state["_hook_handles"] = []
         return state
 
     # ------------------------------------------------------------------ registration
@@ -340,7 +268,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._rt.trainable_key = self._rt.trainable_signature()  # (the optimizers exist now)
         self._flush_callback = ObservationFlush(self)
         trainer.callbacks.insert(0, self._flush_callback)
-        self._find_observers(trainer)
+        self._flush_callback.find(trainer)
         self._intercept_clipping()
 
     def _intercept_clipping(self) -> None:
@@ -368,7 +296,7 @@ class PipeDAPStrategy(DDPStrategy):
         """
         model = self.model
         assert isinstance(model, torch.nn.Module)
-        self._refuse_unsupported_modules(model)
+        refuse_unsupported_modules(model, self.root_device)
         with torch.no_grad():
             C.broadcast_coalesced_(list(model.parameters()) + list(model.buffers()), src=0)
         self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
@@ -383,73 +311,11 @@ class PipeDAPStrategy(DDPStrategy):
         for m in eager_modules(model):
             self._hook_handles.append(m.register_forward_pre_hook(self._on_module_forward, prepend=True))
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
-                self._wrap_train(m)  # a module that reads its weights in train()/eval() (LoRA merge)
+                rt.wrap_train(m, self.flush)  # a module that reads its weights in train()/eval() (LoRA merge)
         rt.install_warmup()
         if self.config.train_thread_nice and self.root_device.type == "cpu" and self._restore_priority is None:
             self._restore_priority = lower_current_thread_priority(self.config.train_thread_nice)
         rt.resume_plan()  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
-
-    def _refuse_unsupported_modules(self, model: torch.nn.Module) -> None:
-        """Sparse embeddings and CPU SyncBatchNorm are refused before any collective, naming the module."""
-        for name, m in model.named_modules():
-            if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-                raise ValueError(
-                    f"pipedap: parameter {name + '.weight' if name else 'weight'!r} has sparse gradients "
-                    f"({type(m).__name__}(sparse=True)); pipedap reduces dense buckets only. Use sparse=False "
-                    "or strategy='ddp'")
-            if isinstance(m, torch.nn.SyncBatchNorm) and self.root_device.type == "cpu":
-                raise ValueError(f"pipedap: module {name!r} is a SyncBatchNorm, which needs CUDA; on CPU use BatchNorm")
-
-    def _wrap_train(self, module: torch.nn.Module) -> None:
-        """Apply pending updates before ``module.train(mode)`` runs (it may read weights: LoRA-style merges)."""
-        original = module.train
-        strategy = self
-
-        def train(mode: bool = True) -> torch.nn.Module:
-            rt = strategy._rt
-            if rt is not None and rt.deferred is not None and rt.deferred.pending is not None:
-                rt.say(f"train:{type(module).__name__}", f"pipedap: {type(module).__name__}.train() can read its "
-                       "weights; pending updates are applied before it")
-                strategy.flush()
-            return original(mode)
-
-        module.train = train  # instance attribute: found before the class's method
-        self._wrapped_train.append(module)
-
-    # ------------------------------------------------------------------ observers (strategy/observers.py)
-    def _find_observers(self, trainer: Any) -> None:
-        """Find the hooks that can observe a deferred update (again whenever the callback list changes)."""
-        ids = tuple(id(cb) for cb in trainer.callbacks)
-        if ids == self._observed_for:
-            return
-        self._observed_for = ids
-        self._observers = find_observers(self.lightning_module, trainer.callbacks)
-        if self.config.defer_update != "auto" or self._rt is None:
-            return
-        if self._observers.grads:
-            names = ", ".join(self._observers.grads)
-            self._rt.say("grads:" + names, f"pipedap: {names} can read or write .grad: steps run in sync mode "
-                         "(averaged gradients in .grad at the end of backward, the optimizer steps as with DDP; the "
-                         "reduce-scatter/all-gather still overlap backward). Pass defer_update=True if they do not.")
-        for hook, found in self._observers.between.items():
-            names = ", ".join(found)
-            self._rt.say(f"between:{hook}:{names}", f"pipedap: {names} can read parameters or .grad: pending updates "
-                         f"are applied before {hook} (their all-gathers no longer overlap the next forward). Pass "
-                         "defer_update=True if they do not.")
-
-    def observe(self, hook: str, trainer: Any) -> None:
-        """Called by :class:`~lightning_pipedap.strategy.observers.ObservationFlush` before the other ``hook`` calls.
-
-        Applies pending updates (and writes the averaged, clipped gradients to ``.grad``) when a hook of the
-        user's can observe them, or always at ``on_train_end``.
-        """
-        if hook == "on_train_batch_start":
-            self._find_observers(trainer)
-        rt = self._rt
-        if rt is None or rt.deferred is None or rt.deferred.pending is None or self._aborted or trainer.interrupted:
-            return
-        if hook == "on_train_end" or self.config.defer_update == "auto" and hook in self._observers.between:
-            rt.deferred.apply_all("observe")
 
     # ------------------------------------------------------------------ hooks on parameters and modules
     def _on_grad_ready(self, p: Tensor) -> None:
@@ -524,7 +390,8 @@ class PipeDAPStrategy(DDPStrategy):
     def _can_defer(self, optimizer: Optimizer) -> bool:
         cfg, rt = self.config, self._rt
         return (
-            (cfg.defer_update is True or cfg.defer_update == "auto" and not self._observers.grads)
+            (cfg.defer_update is True or cfg.defer_update == "auto" and not self._flush_callback.observers.grads)
+            and self._flush_callback is not None
             and rt.controller.phase.deferrable
             and self.lightning_module.automatic_optimization
             and len(self.optimizers) == 1
@@ -675,8 +542,6 @@ class PipeDAPStrategy(DDPStrategy):
                 rt.close()
         for h in self._hook_handles:
             h.remove()
-        for m in self._wrapped_train:
-            m.__dict__.pop("train", None)
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         if trainer is not None and self._flush_callback in trainer.callbacks:
             trainer.callbacks.remove(self._flush_callback)
@@ -685,8 +550,8 @@ class PipeDAPStrategy(DDPStrategy):
         if self._restore_priority is not None:
             self._restore_priority()
         self._last, self._rt, self._comm, self._aborted = rt or self._last, None, None, False
-        self._hook_handles, self._wrapped_train, self._orig_clip, self._restore_priority = [], [], None, None
-        self._observers, self._observed_for, self._flush_callback = Observers(), None, None
+        self._hook_handles, self._orig_clip, self._restore_priority = [], None, None
+        self._flush_callback = None
         if comm is not None and not aborted:
             C.destroy_comm_group(comm)
         super().teardown()

@@ -121,35 +121,73 @@ def find_observers(module: Any, callbacks: Iterable[Any]) -> Observers:
 class ObservationFlush(Callback):
     """A Lightning callback, first in ``trainer.callbacks``, that makes the next hooks see DDP's values.
 
-    Before the other callbacks' and the LightningModule's between-step hooks that observe
-    (:func:`find_observers`), it asks the strategy to apply the pending update and write the
-    averaged gradients to ``.grad``; before ``on_validation_start`` and ``on_train_end`` it always
-    applies pending updates (weight averaging callbacks copy their average into the model in
-    ``on_train_end``; a pending update landing after that would overwrite it).
+    It finds the observers (:func:`find_observers`) at set-up and again whenever the callback list
+    changes, and logs once which hook costs what. Before the other callbacks' and the
+    LightningModule's between-step hooks that observe, it applies the pending update and writes
+    the averaged gradients to ``.grad`` (``defer_update="auto"``); before ``on_validation_start``
+    and ``on_train_end`` it always applies pending updates (weight averaging callbacks copy their
+    average into the model in ``on_train_end``; a pending update landing after that would
+    overwrite it).
 
     Args:
-        strategy: the :class:`~lightning_pipedap.PipeDAPStrategy` (its ``observe(hook)`` and ``flush()``).
+        strategy: the :class:`~lightning_pipedap.PipeDAPStrategy` (its ``config``, ``flush()`` and the
+            current run-time ``_rt``).
+
+    Attributes:
+        observers: the :class:`Observers` found last.
     """
 
     pipedap_reads_model = False
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
+        self.observers = Observers()
+        self._found_for: tuple[int, ...] | None = None
+
+    def find(self, trainer: Any) -> None:
+        """Find the observers of ``trainer``'s module and callbacks (a no-op when the callbacks did not change)."""
+        ids = tuple(id(cb) for cb in trainer.callbacks)
+        if ids == self._found_for:
+            return
+        self._found_for = ids
+        self.observers = find_observers(trainer.lightning_module, trainer.callbacks)
+        rt = self.strategy._rt
+        if self.strategy.config.defer_update != "auto" or rt is None:
+            return
+        if self.observers.grads:
+            names = ", ".join(self.observers.grads)
+            rt.say("grads:" + names, f"pipedap: {names} can read or write .grad: steps run in sync mode (averaged "
+                   "gradients in .grad at the end of backward, the optimizer steps as with DDP; the reduce-scatter/"
+                   "all-gather still overlap backward). Pass defer_update=True if they do not.")
+        for hook, found in self.observers.between.items():
+            names = ", ".join(found)
+            rt.say(f"between:{hook}:{names}", f"pipedap: {names} can read parameters or .grad: pending updates are "
+                   f"applied before {hook} (their all-gathers no longer overlap the next forward). Pass "
+                   "defer_update=True if they do not.")
+
+    def _observe(self, hook: str, trainer: Any) -> None:
+        rt = self.strategy._rt
+        if rt is None or rt.deferred is None or rt.deferred.pending is None or self.strategy._aborted \
+                or trainer.interrupted:
+            return
+        if hook == "on_train_end" or self.strategy.config.defer_update == "auto" and hook in self.observers.between:
+            rt.deferred.apply_all("observe")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.strategy.observe("on_train_batch_start", trainer)
+        self.find(trainer)
+        self._observe("on_train_batch_start", trainer)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.strategy.observe("on_train_batch_end", trainer)
+        self._observe("on_train_batch_end", trainer)
 
     def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy.observe("on_train_epoch_start", trainer)
+        self._observe("on_train_epoch_start", trainer)
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy.observe("on_train_epoch_end", trainer)
+        self._observe("on_train_epoch_end", trainer)
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.strategy.flush()
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        self.strategy.observe("on_train_end", trainer)
+        self._observe("on_train_end", trainer)

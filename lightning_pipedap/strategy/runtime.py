@@ -37,6 +37,21 @@ from lightning_pipedap.strategy.planning import Measured, Planning, predicted_bu
 from lightning_pipedap.strategy.tracing import owner_modules, plan_owners
 
 
+def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
+    """Sparse embeddings and CPU SyncBatchNorm are refused before any collective, naming the module.
+
+    Raises:
+        ValueError: naming the parameter or module.
+    """
+    for name, m in model.named_modules():
+        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            raise ValueError(f"pipedap: parameter {name + '.weight' if name else 'weight'!r} has sparse gradients "
+                             f"({type(m).__name__}(sparse=True)); pipedap reduces dense buckets only. Use "
+                             "sparse=False or strategy='ddp'")
+        if isinstance(m, torch.nn.SyncBatchNorm) and device.type == "cpu":
+            raise ValueError(f"pipedap: module {name!r} is a SyncBatchNorm, which needs CUDA; on CPU use BatchNorm")
+
+
 class Runtime:
     """One fit's run-time state (module docstring).
 
@@ -92,6 +107,7 @@ class Runtime:
         self._index_of: dict[int, int] = {}
         self._hooked: set[int] = set()
         self._handles: list[Any] = []
+        self._wrapped: list[torch.nn.Module] = []
         self._said: set[str] = set()
         self.params = self.trainable_params()
         self.trainable_key = 0
@@ -158,6 +174,20 @@ class Runtime:
         self.install_warmup()
         self.info(f"pipedap: the trainable parameters or the optimizer's param groups changed ({before} -> "
                   f"{len(self.params)} trainable tensors): buckets rebuilt, tracing and planning again")
+
+    def wrap_train(self, module: torch.nn.Module, flush: Callable[[], None]) -> None:
+        """Apply pending updates before ``module.train(mode)`` runs (it may read weights: LoRA-style merges)."""
+        original = module.train
+
+        def train(mode: bool = True) -> torch.nn.Module:
+            if self.deferred is not None and self.deferred.pending is not None:
+                self.say(f"train:{type(module).__name__}", f"pipedap: {type(module).__name__}.train() can read its "
+                         "weights; pending updates are applied before it")
+                flush()
+            return original(mode)
+
+        module.train = train  # instance attribute: found before the class's method
+        self._wrapped.append(module)
 
     def name_of(self, p: Tensor) -> str:
         return next((n for n, q in self.module.named_parameters() if q is p), "<unnamed parameter>")
@@ -499,9 +529,11 @@ class Runtime:
         self._tracing = self._tracing and self.controller.phase is Phase.TRACE
 
     def close(self, abort: bool = False) -> None:
-        """Close the engine and remove the parameter hooks."""
+        """Close the engine, remove the parameter hooks and the ``train()`` wrappers."""
         if self.engine is not None:
             self.engine.close(abort=abort)
         for h in self._handles:
             h.remove()
-        self._handles = []
+        for m in self._wrapped:
+            m.__dict__.pop("train", None)
+        self._handles, self._wrapped = [], []

@@ -1,0 +1,184 @@
+"""The run-time state machine (``lightning_pipedap.strategy.controller``) with a fake engine and clock.
+
+Every transition of the diagram in the module docstring, in process and in milliseconds: no
+Lightning, no processes, no torch.
+"""
+
+from dataclasses import dataclass
+
+import pytest
+
+from lightning_pipedap.strategy.controller import Controller, Phase
+
+
+@dataclass
+class Sched:
+    name: str
+    predicted_iteration_s: float
+
+    def describe(self) -> str:
+        return f"<{self.name}>"
+
+
+class FakeEffects:
+    """Records what the controller asks for; ``agree`` returns the value as rank 0 would."""
+
+    def __init__(self, candidates=None, profiled=(1, 2, 3), busy=None, rescale_ok=True):
+        self.calls: list = []
+        self.candidates = candidates or [Sched("plan", 1.0)]
+        self._profiled = iter(profiled)
+        self.busy = busy
+        self.rescale_ok = rescale_ok
+
+    def adopt_trace(self):
+        self.calls.append("adopt_trace")
+
+    def install_fixed(self):
+        self.calls.append("install_fixed")
+
+    def start_profiling(self):
+        self.calls.append("start_profiling")
+
+    def take_profile_step(self, t):
+        return next(self._profiled)
+
+    def plan(self):
+        self.calls.append("plan")
+        return list(self.candidates), [2.0 + i for i in range(len(self.candidates))]
+
+    def install_run(self, schedule):
+        self.calls.append(("install_run", schedule.name))
+        return 0.5
+
+    def flush(self):
+        self.calls.append("flush")
+
+    def agree(self, value):
+        self.calls.append(("agree", value))
+        return value
+
+    def last_busy_s(self):
+        return self.busy
+
+    def rescale_cost_model(self, ratio):
+        self.calls.append(("rescale", round(ratio, 3)))
+        return self.rescale_ok
+
+    def info(self, message):
+        self.calls.append(("info", message))
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _ctl(effects, clock=None, **kw):
+    kw.setdefault("planned", True)
+    return Controller(effects, clock=clock or Clock(), **kw)
+
+
+def _names(calls):
+    return [c for c in calls if not (isinstance(c, tuple) and c[0] == "info")]
+
+
+def test_fixed_schedule_goes_from_trace_to_run_after_the_warmup_steps():
+    fx = FakeEffects()
+    ctl = _ctl(fx, planned=False, warmup_steps=2)
+    assert ctl.phase is Phase.TRACE and not ctl.phase.deferrable
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.TRACE and fx.calls == []
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.RUN and ctl.phase.deferrable
+    assert fx.calls == ["adopt_trace", "install_fixed"]
+
+
+def test_planned_schedule_profiles_then_runs_the_single_candidate():
+    fx = FakeEffects(profiled=(None, 1, 2))  # the first profiling step was not profiled (no recorder)
+    ctl = _ctl(fx, profile_steps=2)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.PROFILE and fx.calls == ["adopt_trace", "start_profiling"]
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.PROFILE  # 1 of 2 profiled
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.RUN
+    assert _names(fx.calls)[-2:] == ["plan", ("install_run", "plan")]
+    assert (ctl.predicted_iteration_s, ctl.no_overlap_time_s) == (1.0, 2.0)
+
+
+def test_trial_measures_every_candidate_and_keeps_the_fastest():
+    clock = Clock()
+    cands = [Sched("a", 1.0), Sched("b", 0.9), Sched("c", 0.8)]
+    fx = FakeEffects(candidates=cands, profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.TRIAL and ("install_run", "a") in fx.calls
+    step_s = {"a": 0.30, "b": 0.10, "c": 0.20}
+    for name in ("a", "b", "c"):
+        for k in range(3):  # the settling interval, then trial_steps measured ones (the last one switches)
+            clock.t += step_s[name] if k else 5.0  # the settling interval is long and must not count
+            ctl.at_deferred_step_start()
+    assert ctl.phase is Phase.RUN and ctl.trial is None
+    installs = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "install_run"]
+    assert installs == ["a", "b", "c", "b"]  # b measured fastest, installed again at the end
+    assert [round(r["measured_s"], 6) for r in ctl.trial_results] == [0.3, 0.1, 0.2]
+    assert [r["chosen"] for r in ctl.trial_results] == [False, True, False]
+    assert ctl.predicted_iteration_s == 0.9 and ctl.no_overlap_time_s == 3.0
+    assert fx.calls.count("flush") == 3  # before every engine change
+    assert ("agree", [pytest.approx(0.3), pytest.approx(0.1), pytest.approx(0.2)]) in fx.calls
+
+
+def _run_phase(fx, clock, **kw):
+    ctl = _ctl(fx, clock, profile_steps=1, **kw)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.RUN
+    return ctl
+
+
+def test_drift_beyond_the_margin_rescales_and_replans_once():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,), busy=0.8)  # busy 0.8 vs planned 0.5
+    ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=1)
+    for _ in range(5):
+        clock.t += 1.5  # 50% slower than predicted
+        ctl.at_deferred_step_start()
+    assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
+    assert ("rescale", 1.6) in fx.calls
+    assert _names(fx.calls)[-2:] == ["flush", "start_profiling"]
+    assert ctl.measured_iteration_s == pytest.approx(1.5)
+
+
+def test_no_replan_within_the_margin_or_past_max_replans():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
+    ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=0)
+    for _ in range(20):
+        clock.t += 3.0
+        ctl.at_deferred_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0
+    fx2 = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
+    ctl2 = _run_phase(fx2, clock, replan_every=4, replan_margin=0.15, max_replans=1)
+    for _ in range(20):
+        clock.t += 1.1  # 10% off: inside the margin
+        ctl2.at_deferred_step_start()
+    assert ctl2.phase is Phase.RUN and "start_profiling" not in fx2.calls[2:]
+    assert ctl2.measured_iteration_s == pytest.approx(1.1)  # refreshed every 5 steps
+
+
+def test_restart_returns_to_trace_and_resume_goes_straight_to_run():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
+    ctl = _run_phase(fx, clock)
+    ctl.restart()
+    assert ctl.phase is Phase.TRACE and ctl.sync_steps == 0
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.PROFILE
+    ctl2 = _ctl(FakeEffects())
+    ctl2.resumed(0.7, 1.2, 0.3)
+    assert ctl2.phase is Phase.RUN and (ctl2.predicted_iteration_s, ctl2.no_overlap_time_s) == (0.7, 1.2)
