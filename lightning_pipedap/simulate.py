@@ -39,8 +39,8 @@ near-square matrix plus a 1-D remainder, since a profile has no parameter shapes
 ``--compression-budget`` seconds. ``--compression-where helper`` (default) puts the compression on a
 helper lane beside compute (drawn in the Gantt chart and the trace), ``inline`` on the channel.
 
-``--sweep`` reproduces Validation 1 of the planning issue (:func:`run_sweep`): every shared profile
-x {2, 4, 8} workers x beta x {1, 10, 30} with the reference convention (``alpha_beta.json``,
+``--sweep`` runs the Validation 1 grid of ``docs/PLANNERS.md`` (:func:`run_sweep`): every shared
+profile x {2, 4, 8} workers x beta x {1, 10, 30} with the reference convention (``alpha_beta.json``,
 RS = AG = T_AR / 2, no start-up sharing, fp32, one channel); it prints a Markdown table and, with
 ``--out``, writes it into a file between the markers :data:`SWEEP_BEGIN` and :data:`SWEEP_END`.
 """
@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from lightning_pipedap.compress.compressors import get_compressor, valid_compressor_names
+from lightning_pipedap.markdown import replace_between_markers
 from lightning_pipedap.measure.timeline import chrome_trace, gantt_panels_png
 from lightning_pipedap.plan.compression import WHERE, CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel, load_cost_model
@@ -379,7 +380,8 @@ def sweep_markdown(rows: Sequence[SweepRow]) -> str:
 
 
 def write_between_markers(path: str | Path, block: str) -> Path:
-    """Put ``block`` between :data:`SWEEP_BEGIN` and :data:`SWEEP_END` in ``path``.
+    """Put ``block`` between :data:`SWEEP_BEGIN` and :data:`SWEEP_END` in ``path``
+    (:func:`~lightning_pipedap.markdown.replace_between_markers`).
 
     A new file gets just the markers and the block; an existing file keeps everything outside the
     markers (the hand-written explanation of ``docs/PLANNERS.md``).
@@ -388,17 +390,16 @@ def write_between_markers(path: str | Path, block: str) -> Path:
         ValueError: the file exists but lacks the markers (it is not overwritten).
     """
     p = Path(path)
-    wrapped = f"{SWEEP_BEGIN}\n{block.rstrip()}\n{SWEEP_END}"
-    if not p.exists():
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(wrapped + "\n")
-        return p
-    text = p.read_text()
-    i, j = text.find(SWEEP_BEGIN), text.find(SWEEP_END)
-    if i < 0 or j < i:
+    exists = p.exists()
+    try:
+        text = replace_between_markers(p.read_text() if exists else "", block, SWEEP_BEGIN, SWEEP_END,
+                                       append=not exists)
+    except ValueError:
         raise ValueError(f"{p} exists but has no '{SWEEP_BEGIN}' ... '{SWEEP_END}' block; add the two marker "
-                         f"lines where the table goes, or give another --out")
-    p.write_text(text[:i] + wrapped + text[j + len(SWEEP_END):])
+                         f"lines where the table goes, or give another --out") from None
+    if not exists:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
     return p
 
 

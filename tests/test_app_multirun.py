@@ -44,7 +44,7 @@ def _processes_with(marker):
 def test_bad_value_fails_before_any_process(tmp_path):
     proc, marker = _run(["strategy.bucket_cap_mb=-1", f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "strategy.bucket_cap_mb=-1.0 must be a number > 0" in proc.stderr
+    assert "strategy: bucket_cap_mb must be a positive number, got -1.0" in proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert not os.path.exists(tmp_path / "run" / "results.json")
 

@@ -431,3 +431,39 @@ def test_testbed_cleans_up_on_sigterm():
             p.kill()
     assert prefix not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix not in subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
+
+
+def test_quiet_worker_is_scoped_and_filters_only_its_warnings():
+    import logging
+    import warnings
+
+    lg = logging.getLogger("lightning.pytorch")
+    before_level, before_filters = lg.level, list(warnings.filters)
+    with M.quiet_worker():
+        assert lg.level == logging.ERROR
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")  # would override the quiet filters: check them without it
+        for message, category in M.worker.QUIET_WARNINGS:
+            assert any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message and f[2] is category
+                       for f in warnings.filters)
+        assert not any(f[0] == "ignore" and f[1] is None and f[2] is Warning for f in warnings.filters[:2])
+    assert lg.level == before_level and warnings.filters == before_filters
+    assert logging.getLogger("lightning.pytorch.utilities.rank_zero").propagate
+
+
+def test_plan_record_reads_the_strategy_attributes():
+    from types import SimpleNamespace
+
+    s = SimpleNamespace(installed_schedule="dear@25MiB: 1 buckets: RS0 AG0", predicted_iteration_s=0.0047,
+                        no_overlap_time_s=0.0052, calibration_ratio=1.2, replans_done=0,
+                        contention=SimpleNamespace(comm_slowdown=1.5, compute_slowdown=1.25),
+                        trial_results=[{"name": "optimal", "measured_s": 0.009, "chosen": False},
+                                       {"name": "dear@25MiB", "measured_s": 0.004, "chosen": True}])
+    assert M.plan_record(s) == [
+        "schedule dear@25MiB: 1 buckets: RS0 AG0", "predicted iteration 4.7 ms", "no-overlap iteration 5.2 ms",
+        "α-β model scaled by 1.20 (measured / predicted communication of the profiling steps)",
+        "contention: communication 1.50 and compute 1.25 extra slowdown while they overlap",
+        "measured candidates: optimal 9.0 ms; dear@25MiB 4.0 ms (chosen)"]
+    fresh = SimpleNamespace(installed_schedule=None, predicted_iteration_s=None, no_overlap_time_s=None,
+                            calibration_ratio=1.0, contention=None, trial_results=[], replans_done=0)
+    assert M.plan_record(fresh) == []

@@ -490,11 +490,8 @@ class CompressionPipeline:
         self._send(flight, (op, t.id, t.bucket, t.slot, desc))
 
     def _payload_from_desc(self, ticket: Ticket, desc: tuple) -> Payload:
-        stage, final, meta, names, local_names = desc
-        out = self._slots[ticket.bucket][ticket.slot]["out"]
-        return Payload(self.compressor_name, self.bucket_numels[ticket.bucket],
-                       {k: out[k][:c] for k, c in names.items()}, dict(meta), stage, final,
-                       {k: out[k][:c] for k, c in local_names.items()})
+        return _read_payload(self._slots[ticket.bucket][ticket.slot]["out"], desc, self.compressor_name,
+                             self.bucket_numels[ticket.bucket])
 
     def _send(self, flight: _Flight, msg: tuple) -> None:
         """Send a request (caller holds the lock); a broken pipe means the helper died."""
@@ -605,6 +602,14 @@ def _write_payload(out: dict[str, torch.Tensor], payload: Payload) -> tuple:
     return payload.stage, payload.final, dict(payload.meta), names, local
 
 
+def _read_payload(out: dict[str, torch.Tensor], desc: tuple, method: str, numel: int) -> Payload:
+    """Inverse of :func:`_write_payload`: the :class:`Payload` of ``method`` for a bucket of ``numel``
+    elements that descriptor ``desc`` describes, its tensors views into the slot tensors ``out``."""
+    stage, final, meta, names, local_names = desc
+    return Payload(method, numel, {k: out[k][:c] for k, c in names.items()}, dict(meta), stage, final,
+                   {k: out[k][:c] for k, c in local_names.items()})
+
+
 def _shutdown(proc, req, res, timeout_s: float = 10.0) -> int | None:
     """Stop the helper: polite ``stop``, then terminate, then kill; close the pipes and the process
     handle (its sentinel fd). Returns the helper's exit code (negative: killed by that signal)."""
@@ -685,11 +690,10 @@ def _helper_main(req, res, bucket_numels, compressor_name, compressor_kwargs, la
                 slot = slots[b][s]
                 value = _write_payload(slot["out"], rt.compress(b, slot["grad"]))
             elif op in ("round", "decompress"):
-                b, s, (stage, final, meta, names, local_names) = msg[2], msg[3], msg[4]
+                b, s = msg[2], msg[3]
                 slot = slots[b][s]
                 out = slot["out"]
-                payload = Payload(compressor_name, bucket_numels[b], {k: out[k][:c] for k, c in names.items()},
-                                  dict(meta), stage, final, {k: out[k][:c] for k, c in local_names.items()})
+                payload = _read_payload(out, msg[4], compressor_name, bucket_numels[b])
                 if op == "round":
                     value = _write_payload(out, rt.next_round(b, payload))
                 else:

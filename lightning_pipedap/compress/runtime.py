@@ -9,8 +9,9 @@ PowerSGD warm-start Q, step counter) and exposes the three calls of a step::
         payload = rt.next_round(b, summed)    # summed = payload with data summed over ranks
     grad_out = rt.decompress(b, summed)       # final payload summed over ranks (summable methods)
 
-Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` (issue 4 item 5), per parameter name
-(:mod:`.state`), so the state survives a change of buckets.
+Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` save and restore the bucket states
+(residuals, method tensors, step counters) per parameter name (:mod:`.state`), so the state
+survives a change of buckets.
 """
 
 from __future__ import annotations

@@ -19,33 +19,24 @@ hand-offs carry CUDA events, so the main thread never synchronises the host on t
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.measure.timeline import OpTiming
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+
+__all__ = ["CommEngine", "EngineError", "OpTiming"]
 
 
 class EngineError(RuntimeError):
     """Raised in the training process when the communication worker failed or a wait timed out."""
-
-
-@dataclass
-class OpTiming:
-    """Host-clock start/end of one executed op (``time.perf_counter()`` seconds).
-
-    On CUDA these are the times the op was *issued* and its issue returned, not device times.
-    """
-
-    op: Op
-    start_s: float
-    end_s: float
 
 
 class CommEngine:
@@ -333,7 +324,7 @@ class CommEngine:
             self._idle.set()
 
     def _run_round(self) -> None:
-        ctx = torch.cuda.stream(self._stream) if self._cuda else _nullcontext()
+        ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         busy = 0.0
         with ctx:
             for pos, op in enumerate(self.schedule.ops):
@@ -389,10 +380,3 @@ class CommEngine:
                 self._all_reduced.set()
         self.last_round_busy_s = busy
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

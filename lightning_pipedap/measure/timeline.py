@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
+
+if TYPE_CHECKING:
+    from lightning_pipedap.schedule import Op
 
 KINDS = ("RS", "AG", "AR", "compress", "decompress", "forward", "backward", "update", "wait")
 LANES = ("compute", "comm", "compress")
@@ -92,12 +95,25 @@ def lane_of_kind(kind: str) -> str:
         raise ValueError(f"kind={kind!r}; valid choices: {KINDS}") from None
 
 
+@dataclass
+class OpTiming:
+    """Host-clock start/end of one op executed by the communication engine (``time.perf_counter()``
+    seconds); :func:`as_op_records` turns it into an :class:`OpRecord` on lane ``"comm"``.
+
+    On CUDA these are the times the op was *issued* and its issue returned, not device times.
+    """
+
+    op: Op
+    start_s: float
+    end_s: float
+
+
 def as_op_records(items: Iterable[Any]) -> list[OpRecord]:
     """Normalise a strategy's timeline to :class:`OpRecord`.
 
     Accepts :class:`OpRecord` as is, and op-timing objects with attributes ``op`` (having ``kind``,
     an enum whose ``value`` or a string is ``"RS"``/``"AG"``/``"AR"``, and ``bucket``), ``start_s``
-    and ``end_s`` (the engine's ``OpTiming``), which become records on lane ``"comm"``.
+    and ``end_s`` (such as :class:`OpTiming`), which become records on lane ``"comm"``.
 
     Raises:
         TypeError: an item is neither.
@@ -479,7 +495,3 @@ def gantt_rgb(records: Iterable[OpRecord], title: str = "", origin_s: Optional[f
     fig.canvas.draw()
     return np.asarray(fig.canvas.buffer_rgba())[..., :3].copy()
 
-
-def to_dicts(records: Iterable[OpRecord]) -> list[dict[str, Any]]:
-    """Records as plain dicts (for JSON or callback state)."""
-    return [asdict(r) for r in records]

@@ -2,8 +2,8 @@
 
 Plain data, no ``torch``: the planners and the timeline simulator read a :class:`CompressionCost`
 like the :class:`~lightning_pipedap.plan.cost_model.CostModel`, and decide per bucket whether
-compressing pays (issue 4, item 4: "the planner sees compression and decompression as operations
-with measured costs").
+compressing pays: compression and decompression are operations with measured costs, placed on the
+timeline like the collectives.
 
 Model of one compressed bucket of ``n`` dense bytes (the pipelined helper is PipeCompress, Wu et al.,
 ICC 2022; the collectives follow the alpha-beta model of the cost model):

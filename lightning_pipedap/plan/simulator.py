@@ -74,14 +74,19 @@ if TYPE_CHECKING:
 __all__ = ["Evaluator", "Interval", "LowerBounds", "OpTiming", "SimResult", "lower_bounds", "simulate",
            "op_code", "code_op", "to_op_records"]
 
-_K_RS, _K_AG, _K_AR = 0, 1, 2
-_K_SKIP = 3  # effective kind of the AG of a compressed bucket: no operation
-_KIND_OF_CODE = (OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE)
+# The fast form of an :class:`Op` (the evaluator's and the planners' op lists): the integer
+# ``3 * bucket + k``, where ``k`` is the position of the op's kind in :class:`OpKind`.
+_KIND_OF_CODE: tuple[OpKind, ...] = tuple(OpKind)
 _CODE_OF_KIND = {k: i for i, k in enumerate(_KIND_OF_CODE)}
+_K_RS, _K_AG, _K_AR = (_CODE_OF_KIND[k] for k in (OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE))
+# the planners' code arithmetic needs AG(b) == RS(b) + 1 and AR(b) == RS(b) + 2
+assert (_K_RS, _K_AG, _K_AR) == (0, 1, 2), "OpKind must list RS, AG, AR in this order"
+_K_SKIP = len(_KIND_OF_CODE)  # effective kind of the AG of a compressed bucket: no operation
 
 
 def op_code(op: Op) -> int:
-    """Integer code ``3 * bucket + k`` (k: 0 RS, 1 AG, 2 AR) used by the fast evaluator."""
+    """Integer code ``3 * bucket + k`` (k: position of ``op.kind`` in :class:`OpKind`: 0 RS, 1 AG,
+    2 AR) used by the fast evaluator and the planners."""
     return 3 * op.bucket + _CODE_OF_KIND[op.kind]
 
 
@@ -310,11 +315,6 @@ class Evaluator:
             steps[-1][3].append(i)
         self.steps = [(s[0], s[1], s[2], tuple(s[3])) for s in steps]
         self._fast_steps = [(s[0], s[1] + s[2]) for s in steps]
-
-    # ----------------------------------------------------------------- costs
-    def op_cost(self, op: Op) -> float:
-        """Seconds of ``op`` on its bucket (a compressed bucket's RS/AR: the whole channel op; its AG: 0)."""
-        return self.cost[op_code(op)]
 
     # ------------------------------------------------------------ evaluation
     def period_codes(self, codes: Sequence[int]) -> float:

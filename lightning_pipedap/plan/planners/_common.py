@@ -2,8 +2,9 @@
 
 Fusions here are *contiguous*: a fusion is given by the sorted start layers of its buckets
 (``starts[0] == 0``); bucket ``b`` holds layers ``starts[b] .. starts[b+1]-1`` (forward order).
-Op lists are built as integer codes (``3 * bucket + k``, k: 0 RS, 1 AG, 2 AR; see
-:func:`lightning_pipedap.plan.simulator.op_code`) and evaluated with
+Op lists are built as the simulator's integer codes of :class:`~lightning_pipedap.schedule.Op`
+(``3 * bucket + k``, k: 0 RS, 1 AG, 2 AR; see :func:`lightning_pipedap.plan.simulator.op_code`;
+``RS``, ``AG`` and ``AR`` here are the simulator's ``k``) and evaluated with
 :class:`~lightning_pipedap.plan.simulator.Evaluator`.
 
 Compression: every planner takes an optional
@@ -21,10 +22,12 @@ from typing import Any, Callable, Iterable, Sequence
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.simulator import _K_AG as AG
+from lightning_pipedap.plan.simulator import _K_AR as AR
+from lightning_pipedap.plan.simulator import _K_RS as RS
 from lightning_pipedap.plan.simulator import Evaluator, code_op
 from lightning_pipedap.schedule import Schedule, fuse_by_size
 
-RS, AG, AR = 0, 1, 2
 Starts = tuple[int, ...]
 OpsBuilder = Callable[[Evaluator], list[int]]
 
@@ -272,3 +275,38 @@ def best_over_fusions(profile: ModelProfile, cost_model: CostModel, channels: in
             best = (p, ev, codes)
     assert best is not None
     return best
+
+
+def plan_over_fusions(name: str, builder: OpsBuilder, profile: ModelProfile, cost_model: CostModel,
+                      world_size: int, fusion: Any, channels: int, compression: CompressionCost | None,
+                      auto_first: Callable[[ModelProfile, CostModel], Starts] | None = None) -> Schedule:
+    """The ``plan()`` of the fixed-order planners (``wfbp``, ``dear``, ``pipedap``): check the
+    arguments, evaluate the op list of ``builder`` on every fusion of :func:`resolve_fusion` and
+    return the fastest as a schedule.
+
+    Args:
+        name: the schedule's name (the planner's).
+        builder: op list (integer codes) for an evaluator's fusion.
+        profile: layers in forward order.
+        cost_model: op costs.
+        world_size: number of data-parallel workers (checked against ``cost_model.meta``).
+        fusion: ``"auto"``, ``"none"``, ``"single"``, a cap in bytes or explicit buckets
+            (see :func:`resolve_fusion`).
+        channels: 1 or 2 communication channels for the prediction.
+        compression: optional compression cost; when given every bucket is compressed.
+        auto_first: with ``fusion="auto"``, a fusion evaluated before the candidates (ties keep it).
+
+    Returns:
+        The validated schedule, named ``name``, with ``predicted_iteration_s`` set.
+
+    Raises:
+        ValueError: for a bad ``fusion``, ``world_size`` or ``channels``.
+        TypeError: see :func:`check_common`.
+    """
+    check_common(profile, cost_model, world_size, channels, compression)
+    fusions = resolve_fusion(fusion, profile, cost_model)
+    if auto_first is not None and fusion == "auto":
+        fusions = [auto_first(profile, cost_model)] + fusions
+    p, ev, codes = best_over_fusions(profile, cost_model, channels, fusions, builder, compression=compression,
+                                     world_size=world_size)
+    return finish(name, profile, ev, codes, p)

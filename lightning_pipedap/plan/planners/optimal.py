@@ -58,7 +58,7 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
@@ -229,6 +229,17 @@ class _FusionSearch:
     def work(self) -> int:
         """Buckets summed over the evaluated fusions (one structured search costs O(buckets))."""
         return sum(len(st) for st in self.cache)
+
+    def best_fusion(self, seeds: Sequence[Starts], climb: bool, max_evals: int, max_work: int) -> Starts:
+        """Stage 2 on every seed, then, with ``climb``, stage 3 from the best three (at most
+        ``max_evals`` more fusions and ``max_work`` more buckets); the best fusion evaluated."""
+        scored = sorted({st: self.evaluate(st)[0] for st in seeds}.items(), key=lambda kv: (kv[1], kv[0]))
+        if climb:
+            budget = len(self.cache) + max_evals
+            work_budget = self.work() + max_work
+            for st, _ in scored[:3]:
+                self.climb(st, budget, work_budget)
+        return min(self.cache, key=lambda st: (self.cache[st][0], st))
 
     def climb(self, start: Starts, max_evals: int, max_work: int) -> tuple[float, Starts]:
         cur = start
@@ -421,19 +432,24 @@ class _BnB:
         return best_box[0], found[0]
 
 
-def exact_search(profile: ModelProfile, cost_model: CostModel, channels: int, upper: float,
-                 node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
-    """Stage 5 over every contiguous fusion. Returns ``(best s, evaluator, codes, complete)``.
+def _all_contiguous_fusions(L: int) -> Iterator[Starts]:
+    """Every contiguous fusion of ``L`` layers (``2^(L-1)``), as bucket start layers."""
+    for mask in range(1 << (L - 1)):
+        yield (0,) + tuple(i for i in range(1, L) if (mask >> (i - 1)) & 1)
 
-    ``codes`` is ``None`` when nothing beat ``upper``; ``complete`` is False when the node budget
-    ran out (the result is then the best found, not a proof of optimality).
+
+def branch_and_bound(evaluators: Iterable[Evaluator], upper: float,
+                     node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
+    """Stage 5 on each evaluator in turn (its fusion and compression flags), sharing one node budget;
+    each search is bounded by the best found so far (initially ``upper``).
+
+    Returns ``(best s, evaluator, codes, complete)``: ``evaluator`` and ``codes`` are ``None`` when
+    nothing beat ``upper``; ``complete`` is False when the node budget ran out (the result is then
+    the best found, not a proof of optimality; later evaluators are not built).
     """
-    L = profile.num_layers
     best, best_ev, best_codes = upper, None, None
     nodes = 0
-    for mask in range(1 << (L - 1)):
-        starts = (0,) + tuple(i for i in range(1, L) if (mask >> (i - 1)) & 1)
-        ev = Evaluator(profile, cost_model, buckets_of(starts, L), channels)
+    for ev in evaluators:
         bnb = _BnB(ev, node_budget - nodes)
         p, codes = bnb.search(best)
         nodes += bnb.nodes
@@ -442,6 +458,26 @@ def exact_search(profile: ModelProfile, cost_model: CostModel, channels: int, up
         if bnb.aborted:
             return best, best_ev, best_codes, False
     return best, best_ev, best_codes, True
+
+
+def exact_search(profile: ModelProfile, cost_model: CostModel, channels: int, upper: float,
+                 node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
+    """Stage 5 over every contiguous fusion. Returns ``(best s, evaluator, codes, complete)`` as
+    :func:`branch_and_bound`."""
+    L = profile.num_layers
+    return branch_and_bound((Evaluator(profile, cost_model, buckets_of(st, L), channels)
+                             for st in _all_contiguous_fusions(L)), upper, node_budget)
+
+
+# ------------------------------------------------------------------------ known planners (stage 1)
+def _known_plans(profile: ModelProfile, cost_model: CostModel, world_size: int, fusion: Any, channels: int,
+                 compression: CompressionCost | None = None) -> list[Schedule]:
+    """The schedules of ``no_overlap`` (with ``fusion="auto"`` only), ``wfbp``, ``dear`` and ``pipedap``."""
+    kw = {"channels": channels, "compression": compression}
+    known = [_no_overlap.plan(profile, cost_model, world_size, **kw)] if fusion == "auto" else []
+    for mod in (_wfbp, _dear, _pipedap):
+        known.append(mod.plan(profile, cost_model, world_size, fusion=fusion, **kw))
+    return known
 
 
 # ------------------------------------------------------------------- compression flags (stage 6)
@@ -503,26 +539,14 @@ def exact_compressed_search(profile: ModelProfile, cost_model: CostModel, channe
     """Stage 5 with compression: branch and bound for every fusion (``None``: every contiguous one)
     and every flag vector with at least one compressed bucket.
 
-    Returns ``(best s, evaluator, codes, complete)`` as :func:`exact_search`.
+    Returns ``(best s, evaluator, codes, complete)`` as :func:`branch_and_bound`.
     """
     L = profile.num_layers
-    if fusions is None:
-        fusions = [(0,) + tuple(i for i in range(1, L) if (mask >> (i - 1)) & 1) for mask in range(1 << (L - 1))]
-    best, best_ev, best_codes = upper, None, None
-    nodes = 0
-    for starts in fusions:
-        B = len(starts)
-        for fm in range(1, 1 << B):
-            flags = tuple(bool((fm >> b) & 1) for b in range(B))
-            ev = evaluator(profile, cost_model, buckets_of(starts, L), channels, world_size, compression, flags)
-            bnb = _BnB(ev, node_budget - nodes)
-            p, codes = bnb.search(best)
-            nodes += bnb.nodes
-            if codes is not None and p < best:
-                best, best_ev, best_codes = p, ev, codes
-            if bnb.aborted:
-                return best, best_ev, best_codes, False
-    return best, best_ev, best_codes, True
+    evaluators = (evaluator(profile, cost_model, buckets_of(starts, L), channels, world_size, compression,
+                            tuple(bool((fm >> b) & 1) for b in range(len(starts))))
+                  for starts in (_all_contiguous_fusions(L) if fusions is None else fusions)
+                  for fm in range(1, 1 << len(starts)))
+    return branch_and_bound(evaluators, upper, node_budget)
 
 
 def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
@@ -536,21 +560,12 @@ def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size:
     L = profile.num_layers
     fixed = fusion != "auto"
     best_p, _, _ = incumbent
-    kw = {"channels": channels, "compression": compression}
-    known = [_no_overlap.plan(profile, cost_model, world_size, **kw)] if not fixed else []
-    for mod in (_wfbp, _dear, _pipedap):
-        known.append(mod.plan(profile, cost_model, world_size, fusion=fusion, **kw))
-    known = [k for k in known if k.buckets and k.buckets[0][0] == 0]
+    known = [k for k in _known_plans(profile, cost_model, world_size, fusion, channels, compression)
+             if k.buckets and k.buckets[0][0] == 0]
     # the best fusion when every bucket is compressed (stages 2-3)
     search = _FusionSearch(profile, cost_model, channels, cut_window, compression, world_size)
     seeds = list(fusions) + [starts_of(k.buckets) for k in known] + [starts_of(incumbent[1].buckets)]
-    scored = sorted({st: search.evaluate(st)[0] for st in seeds}.items(), key=lambda kv: (kv[1], kv[0]))
-    if not fixed:
-        budget = len(search.cache) + max_fusion_evals
-        work_budget = search.work() + max_fusion_work
-        for st, _ in scored[:3]:
-            search.climb(st, budget, work_budget)
-    st_c = min(search.cache, key=lambda st: (search.cache[st][0], st))
+    st_c = search.best_fusion(seeds, not fixed, max_fusion_evals, max_fusion_work)
     # greedy flag flips from several starts, best start first
     flags_search = _FlagSearch(profile, cost_model, channels, cut_window, compression, world_size)
     st_d = starts_of(incumbent[1].buckets)
@@ -634,10 +649,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     fusions = resolve_fusion(fusion, profile, cost_model)
 
     # stage 1: the known planners
-    kw = {"channels": channels}
-    known = [_no_overlap.plan(profile, cost_model, world_size, **kw)] if not fixed else []
-    for mod in (_wfbp, _dear, _pipedap):
-        known.append(mod.plan(profile, cost_model, world_size, fusion=fusion, **kw))
+    known = _known_plans(profile, cost_model, world_size, fusion, channels)
     best_sched = min(known, key=lambda s: s.predicted_iteration_s)
     best_p = best_sched.predicted_iteration_s
     best_ev = Evaluator(profile, cost_model, best_sched.buckets, channels)
@@ -648,13 +660,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     seeds = list(fusions) + [starts_of(s.buckets) for s in known if len(s.buckets) and s.buckets[0][0] == 0]
     if not fixed:
         seeds.append(dp_backward_fusion(profile, cost_model.all_reduce))
-    scored = sorted({st: search.evaluate(st)[0] for st in seeds}.items(), key=lambda kv: (kv[1], kv[0]))
-    if not fixed:
-        budget = len(search.cache) + max_fusion_evals
-        work_budget = search.work() + max_fusion_work
-        for st, _ in scored[:3]:
-            search.climb(st, budget, work_budget)
-    st_best = min(search.cache, key=lambda s: (search.cache[s][0], s))
+    st_best = search.best_fusion(seeds, not fixed, max_fusion_evals, max_fusion_work)
     p, codes, ev = search.cache[st_best]
     if p < best_p * (1 - _TOL):
         best_p, best_ev, best_codes = p, ev, codes
@@ -676,10 +682,8 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     # stage 5
     if L <= exact_max_layers:
         if fixed:
-            ev = Evaluator(profile, cost_model, buckets_of(fusions[0], L), channels)
-            bnb = _BnB(ev, max_exact_nodes)
-            p, codes = bnb.search(best_p)
-            complete = not bnb.aborted
+            p, ev, codes, complete = branch_and_bound(
+                [Evaluator(profile, cost_model, buckets_of(fusions[0], L), channels)], best_p, max_exact_nodes)
         else:
             p, ev, codes, complete = exact_search(profile, cost_model, channels, best_p, max_exact_nodes)
         if codes is not None and p < best_p:

@@ -26,9 +26,7 @@ from typing import Any
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
-from lightning_pipedap.plan.planners._common import (
-    AG, RS, best_over_fusions, check_common, finish, merge_adjacent, resolve_fusion,
-)
+from lightning_pipedap.plan.planners._common import AG, RS, merge_adjacent, plan_over_fusions
 from lightning_pipedap.plan.profile import ModelProfile
 from lightning_pipedap.plan.simulator import Evaluator
 from lightning_pipedap.schedule import Schedule
@@ -69,27 +67,14 @@ def pipedap_codes(ev: Evaluator, gap_fill: bool = True, merge: bool = True) -> l
 
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
          channels: int = 1, compression: CompressionCost | None = None, gap_fill: bool = True, merge: bool = True) -> Schedule:
-    """PipeDAP schedule with consistent costs.
+    """PipeDAP schedule with consistent costs on the fastest fusion, named ``"pipedap"``.
 
     Args:
-        profile: layers in forward order.
-        cost_model: op costs.
-        world_size: number of data-parallel workers (checked against ``cost_model.meta``).
-        fusion: ``"auto"``, ``"none"``, ``"single"``, a cap in bytes or explicit buckets.
-        channels: 1 or 2 communication channels for the prediction.
-        compression: optional compression cost; when given every bucket is compressed.
         gap_fill: move all-gathers into idle gaps of the backward-time channel (step 1).
         merge: merge adjacent RS + AG into an all-reduce where cheaper (step 3).
 
-    Returns:
-        The schedule, ``name="pipedap"``, with ``predicted_iteration_s`` set.
-
-    Raises:
-        ValueError: for a bad ``fusion``, ``world_size`` or ``channels``.
+    The other arguments (``fusion``, ``channels``, ``compression``, ...), the result and the errors:
+    see :func:`~lightning_pipedap.plan.planners._common.plan_over_fusions`.
     """
-    check_common(profile, cost_model, world_size, channels, compression)
-    fusions = resolve_fusion(fusion, profile, cost_model)
-    p, ev, codes = best_over_fusions(profile, cost_model, channels, fusions,
-                                     lambda e: pipedap_codes(e, gap_fill, merge), compression=compression,
-                                     world_size=world_size)
-    return finish("pipedap", profile, ev, codes, p)
+    return plan_over_fusions("pipedap", lambda ev: pipedap_codes(ev, gap_fill, merge), profile, cost_model,
+                             world_size, fusion, channels, compression)

@@ -1,0 +1,134 @@
+"""The benchmark models: network presets (:data:`~lightning_pipedap.bench.matrix.spec.PRESETS`) built by
+:func:`build_net`, and the lean LightningModule every strategy trains (:class:`BenchModule`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import lightning.pytorch as pl
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lightning_pipedap.bench.matrix.spec import MODELS, PRESETS, SIZES
+
+#: ``make_batch(n, generator) -> (inputs, targets)`` of a preset
+BatchMaker = Callable[[int, torch.Generator], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def _mlp(p: dict) -> tuple[nn.Module, list, BatchMaker]:
+    layers: list[nn.Module] = []
+    for i in range(p["depth"]):
+        layers += [nn.Linear(p["features"] if i == 0 else p["width"], p["width"]), nn.ReLU()]
+    net = nn.Sequential(*layers, nn.Linear(p["width"], 10))
+
+    def make_batch(n: int, g: torch.Generator):
+        return torch.randn(n, p["features"], generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    return net, [m for m in net if isinstance(m, nn.Linear)], make_batch
+
+
+def _resnet(p: dict) -> tuple[nn.Module, list, BatchMaker]:
+    from lightning_pipedap.models import ResNet
+
+    net = ResNet("basic", p["layers"], 10, p["width"], 3)
+
+    def make_batch(n: int, g: torch.Generator):
+        return torch.randn(n, 3, p["image"], p["image"], generator=g), torch.randint(0, 10, (n,), generator=g)
+
+    return net, [net.stem] + [b for stage in net.stages for b in stage] + [net.fc], make_batch
+
+
+def _gpt(p: dict) -> tuple[nn.Module, list, BatchMaker]:
+    from lightning_pipedap.models import GPT
+
+    net = GPT(256, p["block"], p["n_layer"], p["n_head"], p["n_embd"], 0.0)
+
+    def make_batch(n: int, g: torch.Generator):
+        seq = torch.randint(0, 256, (n, p["block"] + 1), generator=g)
+        return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+    return net, [m for m in net.modules() if type(m).__name__ == "Block"], make_batch
+
+
+_BUILDERS = {"mlp": _mlp, "resnet": _resnet, "gpt": _gpt}
+
+
+def build_net(model: str, size: str) -> tuple[nn.Module, list, BatchMaker]:
+    """``(net, shard_units, make_batch)`` for a model preset.
+
+    ``shard_units`` are the modules FSDP2 shards one by one (then the whole net); ``make_batch(n, g)``
+    returns ``n`` samples ``(inputs, targets)`` drawn from generator ``g``: mlp ``(n, features)`` floats and
+    ``(n,)`` class ids; resnet ``(n, 3, H, W)`` images and ``(n,)`` class ids; gpt ``(n, T)`` token ids and
+    ``(n, T)`` next-token targets.
+
+    Raises:
+        ValueError: unknown model or size (naming the valid choices).
+    """
+    if model not in PRESETS:
+        raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
+    if size not in PRESETS[model]:
+        raise ValueError(f"unknown size {size!r}; valid: {', '.join(SIZES)}")
+    return _BUILDERS[model](PRESETS[model][size])
+
+
+class BenchModule(pl.LightningModule):
+    """A lean LightningModule around a network: cross-entropy loss, SGD (momentum 0.9), no logging;
+    ``configure_model`` applies FSDP2 ``fully_shard(reshard_after_forward=False)`` to each of ``units`` and
+    then to the network when the trainer's strategy is Lightning's ``ModelParallelStrategy``.
+
+    Args:
+        net: the network (``net(inputs)`` -> logits, last dimension = classes).
+        units: the modules FSDP2 shards one by one (kept as a plain list, not registered twice).
+        lr: SGD learning rate.
+    """
+
+    def __init__(self, net: nn.Module, units: list, lr: float = 0.01) -> None:
+        super().__init__()
+        self.net = net
+        self._units = list(units)
+        self._lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        out = self.net(x)
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+    def configure_model(self) -> None:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        if not isinstance(self.trainer.strategy, ModelParallelStrategy):
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for m in self._units:
+            fully_shard(m, mesh=mesh, reshard_after_forward=False)
+        fully_shard(self.net, mesh=mesh, reshard_after_forward=False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self._lr, momentum=0.9)
+
+
+def make_module(model: str, size: str, lr: float = 0.01) -> BenchModule:
+    """:class:`BenchModule` around :func:`build_net`'s network of the preset.
+
+    Raises:
+        ValueError: unknown model or size.
+    """
+    net, units, _ = build_net(model, size)
+    return BenchModule(net, units, lr)
+
+
+def first_layer_numel(net: nn.Module) -> int:
+    """Parameters of the first module (registration order, which is forward order for the bench models)
+    that owns parameters: its gradient is finished last in backward and needed first in the next forward.
+
+    Raises:
+        ValueError: the network has no parameters.
+    """
+    for m in net.modules():
+        own = list(m.parameters(recurse=False))
+        if own:
+            return sum(p.numel() for p in own)
+    raise ValueError(f"{type(net).__name__} has no parameters")

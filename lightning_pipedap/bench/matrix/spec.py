@@ -1,0 +1,234 @@
+"""Strategy names of the benchmark matrix and the constants shared by its parts.
+
+A strategy name is taken apart by :func:`parse_strategy` into a :class:`StrategySpec`; the lists of valid
+names come from the strategy and compress packages themselves (:func:`pipedap_schedules`,
+:func:`compressor_names`), so new planners and compressors appear here without edits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+MODELS = ("mlp", "resnet", "gpt")
+LINKS = ("1gbit", "10gbit", "none")
+SIZES = ("bench", "tiny")
+BASE_STRATEGIES = ("ddp", "ddp_tuned", "fsdp2")
+#: DDP with a PyTorch communication hook -> the hook's description (registered on CPU by the matrix)
+DDP_HOOKS = {
+    "ddp+fp16hook": "fp16_compress_hook",
+    "ddp+powersgdhook": "powerSGD_hook rank=4 start_iter=2, one DDP bucket (gloo)",
+}
+#: PowerSGD settings shared by ``ddp+powersgdhook`` and ``pipedap-...+powersgd``
+POWERSGD_RANK = 4
+POWERSGD_START = 2
+#: DDP bucket cap for ``ddp+powersgdhook`` on gloo: large enough for every bench model's gradients
+POWERSGD_ONE_BUCKET_MB = 4096
+#: measured plan selection of ``pipedap-optimal``: candidates and measured steps per candidate
+#: (the strategy's defaults)
+PLAN_TRIALS, TRIAL_STEPS = 4, 3
+#: ``--quick``: measured steps per candidate (the 60 s budget of the headline cell)
+QUICK_TRIAL_STEPS = 2
+#: ``--quick``: candidates of the measured plan selection (the plan, DeAR and WFBP at 25 MiB)
+QUICK_PLAN_TRIALS = 3
+#: ``--quick``: warm-up steps of ``ddp`` (no warm-up phases; two steps settle its buckets, as in the cap sweep)
+QUICK_DDP_WARMUP = 2
+PIPEDAP_PREFIX = "pipedap-"
+COMPRESS_SEP = "+"
+INLINE_SUFFIX = ":inline"
+#: ``pipedap-...@nice<N>``: ``PipeDAPStrategy(train_thread_nice=N)`` (communication threads first)
+NICE_SUFFIX = "@nice"
+#: compressors that ``--strategies all`` pairs with the default schedule (``--compressors`` default)
+DEFAULT_COMPRESSORS = ("fp16", "powersgd", "topk")
+#: keyword arguments of ``PipeDAPStrategy(compression_kwargs=...)`` per compressor (others: defaults)
+COMPRESSOR_KWARGS: dict[str, dict[str, Any]] = {
+    "powersgd": {"rank": POWERSGD_RANK, "start_step": POWERSGD_START},
+    "topk": {"ratio": 0.01},
+}
+#: the variant every speedup is relative to
+REFERENCE = "ddp"
+#: default pipedap schedule (PipeDAPStrategy's default)
+DEFAULT_PIPEDAP = "pipedap-optimal"
+QUICK_STRATEGIES = ("ddp", DEFAULT_PIPEDAP)
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # mlp: 1024 input features, 16 hidden layers of 1024, 10 classes: 16.8 M parameters (67 MB of fp32
+    # gradients: ~0.56 s all-reduce at 1 Gbit/s); fwd+bwd+step of batch 512 ~0.55 s at 1 thread on this
+    # CPU (AMD EPYC) when the machine is quiet, so compute ~ communication at 1 Gbit/s. Many equal layers
+    # rather than a few wide ones: with 5 layers of 2048 the last layer's backward (1/5 of compute) has to
+    # finish before any of its 17 MB can move, which puts the window bound ~15% above max(compute, comm).
+    "mlp": {"bench": dict(features=1024, width=1024, depth=16, batch=512),
+            "tiny": dict(features=16, width=32, depth=2, batch=4)},
+    # resnet: ResNet-18 layout at width 32 (2.8 M parameters), CIFAR-size 32x32 images
+    "resnet": {"bench": dict(width=32, layers=(2, 2, 2, 2), image=32, batch=32),
+               "tiny": dict(width=4, layers=(1, 1), image=8, batch=2)},
+    # gpt: 6 layers x 384 wide (10.7 M parameters), context 128, byte vocabulary
+    "gpt": {"bench": dict(n_layer=6, n_head=6, n_embd=384, block=128, batch=4),
+            "tiny": dict(n_layer=1, n_head=2, n_embd=16, block=8, batch=2)},
+}
+
+
+def pipedap_schedules() -> tuple[str, ...]:
+    """Schedule names :class:`PipeDAPStrategy` accepts (its own list, so new planners appear here)."""
+    from lightning_pipedap.strategy import valid_schedule_names
+
+    return tuple(valid_schedule_names())
+
+
+def compressor_names() -> tuple[str, ...]:
+    """Compressor names ``PipeDAPStrategy(compression=...)`` accepts (the compress package's own list)."""
+    from lightning_pipedap.compress import valid_compressor_names
+
+    return tuple(valid_compressor_names())
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    """A matrix strategy name taken apart.
+
+    Attributes:
+        name: the full name, e.g. ``"pipedap-optimal+powersgd:inline"``.
+        family: ``"ddp"``, ``"ddp_tuned"``, ``"fsdp2"``, ``"ddp_hook"`` or ``"pipedap"``.
+        schedule: pipedap schedule (``"optimal"``, ...); ``None`` for the others.
+        compressor: pipedap compressor name, or ``None`` (uncompressed / not pipedap).
+        mode: ``"process"`` (helper process, pipelined) or ``"inline"`` for compressed pipedap, else ``None``.
+        nice: pipedap's ``train_thread_nice`` (``@nice<N>`` suffix), 0 = off.
+    """
+
+    name: str
+    family: str
+    schedule: Optional[str] = None
+    compressor: Optional[str] = None
+    mode: Optional[str] = None
+    nice: int = 0
+
+    @property
+    def compression(self) -> str:
+        """Human description of the compression (``""`` when none), e.g. ``"powersgd rank=4 start_step=2, helper process"``."""
+        if self.family == "ddp_hook":
+            return DDP_HOOKS[self.name]
+        if self.compressor is None:
+            return ""
+        kw = " ".join(f"{k}={v}" for k, v in COMPRESSOR_KWARGS.get(self.compressor, {}).items())
+        where = "helper process" if self.mode == "process" else "inline"
+        return f"{self.compressor}{' ' + kw if kw else ''}, {where}"
+
+
+def strategy_forms() -> str:
+    """One line naming every accepted strategy form, for error messages."""
+    return (f"{', '.join(BASE_STRATEGIES + tuple(DDP_HOOKS))}, {PIPEDAP_PREFIX}<schedule> "
+            f"(schedules: {', '.join(pipedap_schedules())}), {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>"
+            f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
+            f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19)")
+
+
+def parse_strategy(name: str) -> StrategySpec:
+    """Take a strategy name apart: ``ddp``, ``ddp_tuned``, ``fsdp2``, ``ddp+fp16hook``, ``ddp+powersgdhook``,
+    ``pipedap-<schedule>``, ``pipedap-<schedule>+<compressor>`` (helper process) or
+    ``pipedap-<schedule>+<compressor>:inline``, each pipedap form optionally followed by ``@nice<N>``.
+
+    Raises:
+        ValueError: an unknown name, schedule, compressor or suffix; the message names the bad part
+            and the valid choices.
+    """
+    if name in BASE_STRATEGIES:
+        return StrategySpec(name, name)
+    if name in DDP_HOOKS:
+        return StrategySpec(name, "ddp_hook")
+    if not name.startswith(PIPEDAP_PREFIX):
+        raise ValueError(f"unknown strategy {name!r}; valid: {strategy_forms()} (or 'all')")
+    rest, at, nice_text = name[len(PIPEDAP_PREFIX):].partition("@")
+    nice = 0
+    if at:
+        digits = nice_text[len(NICE_SUFFIX) - 1:] if nice_text.startswith(NICE_SUFFIX[1:]) else ""
+        if not digits.isdigit() or not 1 <= int(digits) <= 19:
+            raise ValueError(f"bad suffix {'@' + nice_text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19")
+        nice = int(digits)
+    spec = _parse_pipedap(name, rest)
+    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice)
+
+
+def _parse_pipedap(name: str, rest: str) -> StrategySpec:
+    """``rest`` = ``<schedule>[+<compressor>[:inline]]`` of the pipedap name ``name``."""
+    schedule, sep, comp = rest.partition(COMPRESS_SEP)
+    if schedule not in pipedap_schedules():
+        raise ValueError(f"unknown strategy {name!r}: unknown schedule {schedule!r}; valid: {strategy_forms()} (or 'all')")
+    if not sep:
+        return StrategySpec(name, "pipedap", schedule)
+    comp, colon, mode = comp.partition(":")
+    if comp not in compressor_names():
+        raise ValueError(f"unknown compressor {comp!r} in strategy {name!r}; valid: {', '.join(compressor_names())}")
+    if colon and mode != INLINE_SUFFIX[1:]:
+        raise ValueError(f"unknown compression mode {':' + mode!r} in strategy {name!r}; valid: {INLINE_SUFFIX!r} "
+                         f"(no suffix = pipelined in the helper process)")
+    return StrategySpec(name, "pipedap", schedule, comp, "inline" if colon else "process")
+
+
+def plan_trials(name: str, candidates: int = PLAN_TRIALS) -> int:
+    """``PipeDAPStrategy(plan_trials=...)`` of a pipedap variant: the default measured plan selection
+    (:data:`PLAN_TRIALS` candidates) for ``pipedap-optimal`` without compression, the strategy's
+    default; 1 (the named planner's schedule, nothing else) for the other planners, so that each
+    planner's own schedule is what is measured, and with compression (the strategy runs no trials there).
+    ``candidates`` replaces :data:`PLAN_TRIALS` (``--quick`` measures 3).
+
+    Raises:
+        ValueError: a bad name (see :func:`parse_strategy`).
+    """
+    sp = parse_strategy(name)
+    return candidates if sp.family == "pipedap" and sp.schedule == DEFAULT_PIPEDAP[len(PIPEDAP_PREFIX):] \
+        and sp.compressor is None else 1
+
+
+def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS, candidates: int = PLAN_TRIALS) -> int:
+    """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
+    whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
+    in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
+    every measured step is compressed; with measured plan selection (:func:`plan_trials` > 1), the
+    trial steps (``trial_steps + 1`` per candidate); 0 otherwise.
+
+    Raises:
+        ValueError: a bad name (see :func:`parse_strategy`).
+    """
+    extra = POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
+    trials = plan_trials(name, candidates)
+    return extra + (trials * (trial_steps + 1) if trials > 1 else 0)
+
+
+def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
+    """What ``--strategies all`` runs: ``ddp``, ``ddp_tuned``, ``fsdp2``, the DDP hook baselines, every
+    ``pipedap-<schedule>``, and ``pipedap-optimal+<c>`` (pipelined) for each ``c`` in ``compressors``."""
+    return (BASE_STRATEGIES + tuple(DDP_HOOKS) + tuple(PIPEDAP_PREFIX + s for s in pipedap_schedules())
+            + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}" for c in compressors))
+
+
+def valid_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
+    """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline`` (for ``--list``; any
+    other ``pipedap-<schedule>+<compressor>[:inline]`` is accepted too, see :func:`parse_strategy`)."""
+    return all_strategies(compressors) + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
+
+
+def parse_strategies(text: str, compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> list[str]:
+    """Comma list of strategy names (``"all"``: :func:`all_strategies` for ``compressors``), each checked by
+    :func:`parse_strategy`; duplicates dropped, order kept.
+
+    Raises:
+        ValueError: an empty list or a bad name (message from :func:`parse_strategy`).
+    """
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if items == ["all"]:
+        return list(all_strategies(compressors))
+    if not items:
+        raise ValueError(f"empty list of strategies; valid: {strategy_forms()} (or 'all')")
+    for t in items:
+        parse_strategy(t)
+    return list(dict.fromkeys(items))
+
+
+def uncompressed_name(name: str) -> Optional[str]:
+    """The uncompressed counterpart of a compressed variant: ``ddp`` for the DDP hooks,
+    ``pipedap-<schedule>`` for ``pipedap-<schedule>+<compressor>[:inline]``; ``None`` for the others."""
+    if name in DDP_HOOKS:
+        return REFERENCE
+    if name.startswith(PIPEDAP_PREFIX) and COMPRESS_SEP in name:
+        return name.split(COMPRESS_SEP, 1)[0]
+    return None
