@@ -1104,3 +1104,83 @@ def build_shared() -> Spec:
     GRUs). Source: huggingface/transformers src/transformers/models/t5/modeling_t5.py (T5Model.shared passed to
     encoder and decoder) and pytorch/tutorials intermediate_source/seq2seq_translation_tutorial.py."""
     return Spec(SharedEncDec(), loader(tokens()))
+
+
+# ------------------------------------------------------------------------------------------------ found by a fresh-user test
+class PrevGradAndState(MLP, Recorder):
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def training_step(self, batch, batch_idx):
+        w = self.net[0].weight
+        state = self.optimizers().optimizer.state.get(w, {})
+        if w.grad is not None and state:  # last step's gradient and Adam moments, read before the forward
+            self.record("prev_grad", w.grad)
+            self.record("exp_avg", state["exp_avg"])
+            self.record("adam_step", state["step"])
+        return super().training_step(batch, batch_idx)
+
+
+@case("prev_grad_and_optimizer_state_in_training_step")
+def build_prev_state() -> Spec:
+    """training_step reads the previous step's ``.grad`` and the optimizer state (``self.optimizers().optimizer.
+    state[p]``) before its forward, e.g. to log them. Source: Lightning-AI/pytorch-lightning
+    docs/source-pytorch/common/optimization.rst ("Access your own optimizer": self.optimizers()) and the state
+    layout of torch/optim/adam.py (exp_avg, step). Compared: parameters and every recorded value."""
+    return Spec(PrevGradAndState(), loader(classification()))
+
+
+class BatchTransferUsesWeights(MLP, Recorder):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        x, y = batch
+        if self.trainer.training:
+            with torch.no_grad():  # an input normalisation from the current weights, applied on the device
+                scale = 1.0 + self.net[0].weight.abs().mean()
+                self.record("scale_seen", scale)
+                x = x / scale
+        return x, y
+
+
+@case("on_after_batch_transfer_uses_weights")
+def build_batch_hook() -> Spec:
+    """LightningModule.on_after_batch_transfer transforms the batch with a parameter (on-device augmentation /
+    normalisation). Source: Lightning-AI/pytorch-lightning src/lightning/pytorch/core/hooks.py
+    (DataHooks.on_after_batch_transfer, "apply GPU augmentations") and docs/source-pytorch/data/datamodule.rst."""
+    return Spec(BatchTransferUsesWeights(), loader(classification()))
+
+
+class PeriodicRead(MLP, Recorder):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step % 3 == 2:  # every third step only: after the first guarded steps too
+            with torch.no_grad():
+                self.record("w2", self.net[4].weight.abs().mean())
+        return super().training_step(batch, batch_idx)
+
+
+@case("periodic_weight_read_in_training_step")
+def build_periodic() -> Spec:
+    """A weight statistic read in training_step every few steps (``if self.global_step % k == 0`` monitoring).
+    Source: Lightning-AI/pytorch-lightning docs/source-pytorch/visualize/logging_advanced.rst (logging every n
+    steps) with a weight read as in public LightningModules."""
+    return Spec(PeriodicRead(), loader(classification()))
+
+
+class BranchOnStep(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(D, 32), nn.Linear(32, 32), nn.Linear(32, C)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        if self.trainer.global_step >= 5:  # from step 5 on, the parent reads l3's weight before l3 runs
+            h = h + 0.1 * F.linear(h, self.l3.weight.t() @ self.l3.weight)
+        return self.l3(torch.tanh(self.l2(h)))
+
+
+@case("forward_branches_on_global_step")
+def build_branch() -> Spec:
+    """The forward changes with training progress (curriculum / staged losses keyed on ``self.global_step``), and
+    the new branch reads a child's weight before the child runs. Source: Lightning-AI/pytorch-lightning
+    docs/source-pytorch/common/lightning_module.rst (``self.global_step`` in the module) and weight sharing as
+    in pytorch/examples word_language_model/model.py (tie_weights)."""
+    return Spec(BranchOnStep(), loader(classification()))

@@ -94,7 +94,7 @@ def test_on_consume_runs_before_the_op():
     nn.init.ones_(lin.weight)
     stack = ModuleStack(lin)
 
-    def update(i):
+    def update(i, grad_read):
         with torch._C.DisableTorchFunction(), torch.no_grad():
             lin.weight.fill_(3.0)
 
@@ -106,3 +106,17 @@ def test_on_consume_runs_before_the_op():
         stack.remove()
     assert float(y.detach()) == 6.0
     assert stack.top() is None
+
+
+def test_grad_reads_and_aliases_are_reported():
+    """A read of ``param.grad`` is flagged; a read of an alias (optimizer state) counts as the parameter's."""
+    lin = nn.Linear(2, 1)
+    lin.weight.grad = torch.ones_like(lin.weight)
+    state = torch.zeros(3)
+    stack = ModuleStack(lin)
+    seen = []
+    with ConsumerTrace([lin.weight, lin.bias], stack, on_consume=lambda i, g: seen.append((i, g)),
+                       aliases={id(state): 1}):
+        lin.weight.grad.sum()
+        state.add(1)
+    assert seen[0] == (0, True) and (1, False) in seen

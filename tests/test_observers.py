@@ -75,3 +75,18 @@ def test_lambda_callback_hooks_set_on_the_instance_are_observers():
 
     found = find_observers(Plain(), [LambdaCallback(on_train_batch_end=lambda *a: None)])
     assert found.between == {"on_train_batch_end": ["LambdaCallback.on_train_batch_end"]}
+
+
+class BatchHook(Plain):
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        return batch
+
+
+def test_batch_hooks_of_module_and_datamodule_are_observers():
+    class DM(pl.LightningDataModule):
+        def on_before_batch_transfer(self, batch, dataloader_idx):
+            return batch
+
+    found = find_observers(BatchHook(), [], DM())
+    assert found.between == {"batch_transfer": ["DM.on_before_batch_transfer", "BatchHook.on_after_batch_transfer"]}
+    assert find_observers(Plain(), [], pl.LightningDataModule()).between == {}

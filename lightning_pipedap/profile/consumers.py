@@ -84,7 +84,8 @@ class ModuleStack:
     """The modules of one model whose forward is running now, innermost last.
 
     Installed with :meth:`install` (forward pre/post hooks, ``always_call=True``, on every module
-    outside compiled regions, see :func:`eager_modules`) and removed with :meth:`remove`.
+    outside compiled regions, see :func:`eager_modules`) and removed with :meth:`remove`;
+    ``install(track=False)`` registers nothing (only :meth:`pause_in_compiled` hooks, if asked).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -113,7 +114,7 @@ class ModuleStack:
             self._handles.append(m.register_forward_pre_hook(pre))
             self._handles.append(m.register_forward_hook(post, always_call=True))
 
-    def install(self) -> None:
+    def install(self, track: bool = True) -> None:
         def pre(module: torch.nn.Module, args: Any) -> None:
             self.stack.append(module)
 
@@ -123,7 +124,7 @@ class ModuleStack:
 
         self.stack.clear()
         self._handles = []
-        for m in self._modules:
+        for m in self._modules if track else ():
             self._handles.append(m.register_forward_pre_hook(pre, prepend=True))
             self._handles.append(m.register_forward_hook(post, always_call=True))
 
@@ -159,8 +160,11 @@ class ConsumerTrace(TorchFunctionMode):
     Args:
         params: the watched parameters (index = position in this sequence).
         stack: the model's :class:`ModuleStack` (installed by the caller).
-        on_consume: optional ``callback(index)`` called *before* the op runs, every time a watched
-            parameter is an argument (the guard uses it to apply a pending update just in time).
+        on_consume: optional ``callback(index, grad_read)`` called *before* the op runs, every time a
+            watched tensor is an argument (the guard uses it to apply a pending update just in time);
+            ``grad_read`` is True for a read of ``param.grad``.
+        aliases: ``id(tensor) -> parameter index`` of further tensors that stand for a parameter
+            (its optimizer state: a read of ``exp_avg`` is a read of the update's result).
 
     After the traced region, :attr:`first` maps parameter index -> :class:`Consumption` of its
     first use. The overhead is a Python call and an argument scan per op, so the strategy runs it
@@ -168,9 +172,11 @@ class ConsumerTrace(TorchFunctionMode):
     """
 
     def __init__(self, params: Sequence[torch.Tensor], stack: ModuleStack,
-                 on_consume: Optional[Callable[[int], None]] = None) -> None:
+                 on_consume: Optional[Callable[[int, bool], None]] = None,
+                 aliases: Optional[dict[int, int]] = None) -> None:
         super().__init__()
-        self._index = {id(p): i for i, p in enumerate(params)}
+        self._index = dict(aliases or {})
+        self._index.update({id(p): i for i, p in enumerate(params) if p is not None})
         self._stack = stack
         self._on_consume = on_consume
         self._seq = 0
@@ -201,10 +207,27 @@ class ConsumerTrace(TorchFunctionMode):
             for i in hits:
                 if i not in self.first:
                     self.first[i] = Consumption(seq, self._stack.top(), transform_active())
-                if self._on_consume is not None:
-                    self._on_consume(i)
+            if self._on_consume is not None:
+                grad_read = getattr(func, "__self__", None) is _GRAD_ATTRIBUTE
+                for i in hits:
+                    self._on_consume(i, grad_read)
         self._seq += 1
         return func(*args, **kwargs)
+
+    def push(self) -> None:
+        """Make this mode active (as ``__enter__``)."""
+        torch._C._push_on_torch_function_stack(self)
+
+    def pop(self) -> bool:
+        """Deactivate this mode if it is the innermost one (never from inside its own handler); True if popped."""
+        n = torch._C._len_torch_function_stack()
+        if n and torch._C._get_function_stack_at(n - 1) is self:
+            torch._C._pop_torch_function_stack()
+            return True
+        return False
+
+
+_GRAD_ATTRIBUTE = torch.Tensor.grad  # the descriptor whose ``__get__`` a read of ``param.grad`` calls
 
 
 def consumer_order(num_params: int, first: dict[int, Consumption]) -> list[int]:

@@ -239,6 +239,7 @@ class Controller:
         if best != len(tr.schedules) - 1:  # the last candidate is the one installed now
             self._enter(tr.schedules[best], tr.no_overlap_s[best])
         else:
+            self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
         self.phase = Phase.RUN
 

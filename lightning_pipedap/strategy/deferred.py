@@ -8,9 +8,10 @@ it bucket by bucket:
   op-level trace, :mod:`~lightning_pipedap.profile.consumers`), or before ``training_step``
   (``root`` buckets: parameters read outside every module forward, in a ``torch.func``
   transform, or not seen in the trace);
-- in a *guard* step (the first deferred steps of a schedule, a :class:`ConsumerTrace` active):
-  just before any op that reads a parameter whose update is still pending; that bucket is then
-  applied before ``training_step`` from the next step on;
+- by the *guard* (a :class:`ConsumerTrace` active in ``training_step`` while updates are pending):
+  just before any op that reads a parameter, its ``.grad`` or its optimizer state whose update is
+  still pending (a ``.grad`` read also gets the averaged gradient written back); the parameter is
+  then owned by the root, so its bucket lands before ``training_step`` from the next step on;
 - whatever is left at the start of backward (modules not called this step); a gradient that then
   arrives for one of those parameters proves that the forward read it stale, and is an error;
 - at flush points (validation, checkpoints, observer hooks, the end).
@@ -35,7 +36,7 @@ from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_coefficient, shard_sum_of_squares,
                                              snapshot_hparams, write_back_grads)
 from lightning_pipedap.measure.timeline import OpRecord
-from lightning_pipedap.profile.consumers import ModuleStack, transform_active
+from lightning_pipedap.profile.consumers import transform_active
 
 #: where a bucket update was applied (``PipeDAPStrategy.update_counts``): in the next forward, at the
 #: start of backward (module not called), at a flush point, before an observing hook, by the guard
@@ -107,16 +108,17 @@ class DeferredUpdates:
         for b in engine.buckets:
             for i in b.param_indices:
                 self.bucket_of[i] = b.index
-        self.verify_left = 0  # guard steps still to run
-        self.stack: Optional[ModuleStack] = None  # the module stack of a guard step
         self.applying = False
-        self._misses: dict[int, str] = {}
+        self._misses: dict[int, str] = {}  # bucket -> what was read early (this step)
+        self._unwritten: set[int] = set()  # applied buckets whose averaged gradients are not in .grad yet
+        self.missed: list[int] = []  # engine parameter indices read before their trigger (all steps)
+        self._applied_in_forward = False
+        self._forward_params: set[int] = set()
         self._late: set[int] = set()
         self._stale: list[int] = []
 
     # ------------------------------------------------------------------ layout
-    def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module,
-                   verify_steps: int) -> None:
+    def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module) -> None:
         """Triggers from per-parameter owners (engine order): a bucket lands before its earliest consumer;
         one with a parameter owned by ``root_module`` or by nobody lands before ``training_step``."""
         self.triggers, self.root = {}, []
@@ -126,7 +128,6 @@ class DeferredUpdates:
                     self.root.append(b)
                 else:
                     self.triggers.setdefault(id(owners[idxs[0]]), []).append(b)
-        self.verify_left = verify_steps
 
     # ------------------------------------------------------------------ recording a step
     def record(self, optimizer: Optimizer, clip: Optional[ClipRequest]) -> None:
@@ -138,6 +139,7 @@ class DeferredUpdates:
     # ------------------------------------------------------------------ where buckets land
     def before_training_step(self) -> None:
         """The clip coefficient (same point on every rank) and the root buckets."""
+        self._applied_in_forward, self._forward_params = False, set()
         if self.pending is not None:
             self._clip_coefficient(self.pending)
             if self.root:
@@ -150,24 +152,32 @@ class DeferredUpdates:
             if buckets and not transform_active():  # (no in-place update inside vmap/grad: owned by the root)
                 self.apply(buckets)
 
-    def guarded_read(self, i: int) -> None:
-        """Guard: engine parameter ``i`` is about to be read by an op; apply its pending bucket first."""
-        pending = self.pending
-        if pending is None or self.applying:
+    @property
+    def guard_needed(self) -> bool:
+        """Whether the next ``training_step`` must run guarded: an update is pending, or an applied bucket's
+        averaged gradients are not in ``.grad`` yet (a read of ``.grad`` must see them, as under DDP)."""
+        return self.pending is not None or bool(self._unwritten)
+
+    def guarded_read(self, i: int, grad_read: bool = False) -> None:
+        """Guard: engine parameter ``i`` (or its ``.grad``, or its optimizer state) is about to be read by an
+        op; apply its pending bucket first (and write the averaged gradients to ``.grad`` for a grad read)."""
+        if self.applying:
             return
         b = self.bucket_of[i]
-        if b not in pending.remaining:
+        if grad_read and b in self._unwritten:
+            self._write_grads(b)
+        pending = self.pending
+        if pending is None or b not in pending.remaining:
             return
         bucket = self.engine.buckets[b]
         p = bucket.params[bucket.param_indices.index(i)]
-        top = self.stack.top() if self.stack is not None else None
-        where = type(top).__name__ if top is not None else "training_step"
         if transform_active():
             raise RuntimeError(f"pipedap: parameter {self.name_of(p)!r} is read inside a torch.func transform "
                                "while its update is pending, and an update cannot be applied inside a transform; "
                                "pass defer_update=False")
-        self._misses.setdefault(b, f"{self.name_of(p)} (read in {where})")
-        self.apply([b], "guard")
+        self._misses.setdefault(b, f"{self.name_of(p)}{'.grad' if grad_read else ''}")
+        self.missed.append(i)
+        self.apply([b], "guard", write_grads=grad_read)
 
     def end_guard(self) -> None:
         """After a guarded forward: buckets read before their trigger land before ``training_step`` from now on."""
@@ -178,8 +188,9 @@ class DeferredUpdates:
                     buckets.remove(b)
             if b not in self.root:
                 self.root.append(b)
-            self.say(f"guard:{what}", f"pipedap: {what} was read before its update's trigger module ran; the update "
-                     f"was applied just before the read, and bucket {b} is applied before training_step from now on")
+            self.say(f"guard:{what}", f"pipedap: {what} was read before its update's trigger module ran (user code "
+                     "in training_step, or a data-dependent path); the update was applied just before the read, and "
+                     "it lands before training_step from now on")
 
     def before_backward(self) -> None:
         """Apply leftovers (modules not called); remember their parameters to catch stale reads."""
@@ -187,6 +198,7 @@ class DeferredUpdates:
         if self.pending is not None:
             self._late = {i for b in self.pending.remaining for i in self.engine.buckets[b].param_indices}
             self.apply_all("leftover")
+        self.forget_unwritten()
 
     def gradient_arrived(self, i: int) -> None:
         if i in self._late:
@@ -194,8 +206,8 @@ class DeferredUpdates:
 
     @property
     def late_applied(self) -> bool:
-        """Whether buckets were applied only at the start of this backward."""
-        return bool(self._late)
+        """Whether buckets were applied only at the start of this backward, or at a trigger in this forward."""
+        return bool(self._late) or self._applied_in_forward
 
     def check_stale(self) -> None:
         """Raises:
@@ -205,7 +217,7 @@ class DeferredUpdates:
             raise RuntimeError(self.stale_message(stale))
 
     def stale_message(self, indices: Optional[list[int]] = None) -> str:
-        indices = sorted(self._late) if indices is None else indices
+        indices = sorted(self._late | self._forward_params) if indices is None else indices
         params = {i: p for b in self.engine.buckets for i, p in zip(b.param_indices, b.params)}
         names = sorted({self.name_of(params[i]) for i in indices if i in params})
         return (f"pipedap: the forward read {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} while its "
@@ -213,11 +225,12 @@ class DeferredUpdates:
                 "e.g. on a data-dependent path); results would differ from DDP's. Pass defer_update=False.")
 
     # ------------------------------------------------------------------ applying
-    def apply(self, buckets: list[int], where: str = "forward") -> None:
+    def apply(self, buckets: list[int], where: str = "forward", write_grads: bool = False) -> None:
         """Wait for each bucket's all-gather and run its optimizer update (``where``: see :data:`UPDATE_PLACES`).
 
-        ``where == "observe"``: also write the averaged (clipped) gradients to ``.grad``, as DDP shows them
-        after the optimizer step.
+        ``where`` ``"observe"`` or ``"flush"``, or ``write_grads``: also write the averaged (clipped)
+        gradients to ``.grad``, as DDP shows them after the optimizer step; otherwise the guard writes them
+        when ``.grad`` is read.
         """
         pending = self.pending
         if pending is None:
@@ -227,7 +240,7 @@ class DeferredUpdates:
             with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
                 for b in buckets:
                     if b in pending.remaining:
-                        self._apply_one(pending, b, where)
+                        self._apply_one(pending, b, where, write_grads or where in ("observe", "flush"))
         finally:
             self.applying = False
         if not pending.remaining:
@@ -237,7 +250,7 @@ class DeferredUpdates:
         if self.pending is not None:
             self.apply(sorted(self.pending.remaining), where)
 
-    def _apply_one(self, pending: Pending, b: int, where: str) -> None:
+    def _apply_one(self, pending: Pending, b: int, where: str, write_grads: bool) -> None:
         engine = self.engine
         t0 = time.perf_counter()
         self._clip_coefficient(pending)
@@ -245,13 +258,27 @@ class DeferredUpdates:
         t1 = time.perf_counter()
         used = engine.used_flags(b)
         self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
-        if where == "observe":
+        if write_grads:
             write_back_grads(bucket, used)
+        else:
+            self._unwritten.add(b)
         if self.timeline():
             self.records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute"))
             self.records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))
         pending.remaining.discard(b)
         self.counts[where] += 1
+        if where == "forward":
+            self._applied_in_forward = True
+            self._forward_params.update(self.engine.buckets[b].param_indices)
+
+    def _write_grads(self, b: int) -> None:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            write_back_grads(self.engine.buckets[b], self.engine.used_flags(b))
+        self._unwritten.discard(b)
+
+    def forget_unwritten(self) -> None:
+        """A new backward starts: ``.grad`` is this step's from now on (the reduced buckets are overwritten)."""
+        self._unwritten.clear()
 
     def _clip_coefficient(self, pending: Pending) -> None:
         """Clip-by-norm: the global norm from every rank's reduced shards (one scalar all-reduce on the

@@ -317,6 +317,15 @@ class PipeDAPStrategy(DDPStrategy):
             self._restore_priority = lower_current_thread_priority(self.config.train_thread_nice)
         rt.resume_plan()  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
 
+    @override
+    def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's batch transfer, after pending updates when a batch hook of the user's can read weights."""
+        if self._flush_callback is not None and self.lightning_module is not None:
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            if trainer is not None:
+                self._flush_callback.before_batch_transfer(trainer)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
     # ------------------------------------------------------------------ hooks on parameters and modules
     def _on_grad_ready(self, p: Tensor) -> None:
         if self._rt is not None:

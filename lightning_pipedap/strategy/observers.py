@@ -34,6 +34,9 @@ GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradie
               "on_before_zero_grad")
 #: hooks between ``optimizer_step`` and the next forward (LightningModule and callbacks)
 BETWEEN_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end")
+#: batch hooks of the LightningModule and the LightningDataModule, run before ``on_train_batch_start``;
+#: an override of any of them is an observer of ``"batch_transfer"``
+BATCH_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
 #: Lightning callbacks whose hooks read neither parameters nor gradients (progress, timing,
 #: learning-rate and device monitoring, early stopping on logged metrics, checkpointing — a
@@ -55,7 +58,7 @@ SAFE_CALLBACKS = (
     "lightning.pytorch.callbacks.gradient_accumulation_scheduler.GradientAccumulationScheduler",
     "lightning.pytorch.callbacks.callback.Callback",
 )
-_LM_BASES = ("lightning.pytorch.core.module.", "lightning.pytorch.core.hooks.")
+_LM_BASES = ("lightning.pytorch.core.module.", "lightning.pytorch.core.hooks.", "lightning.pytorch.core.datamodule.")
 
 
 @dataclass
@@ -96,11 +99,13 @@ def _module_observes(module: Any, hook: str) -> bool:
     return owner is not None and not _qualname(owner).startswith(_LM_BASES)
 
 
-def find_observers(module: Any, callbacks: Iterable[Any]) -> Observers:
-    """The hooks of ``module`` (a LightningModule) and ``callbacks`` that can observe a deferred update.
+def find_observers(module: Any, callbacks: Iterable[Any], datamodule: Any = None) -> Observers:
+    """The hooks of ``module`` (a LightningModule), ``callbacks`` and ``datamodule`` that can observe a
+    deferred update.
 
     Returns:
-        :class:`Observers` with ``"Class.hook"`` entries in call order (callbacks, then the module).
+        :class:`Observers` with ``"Class.hook"`` entries in call order (callbacks, then the module); the
+        batch hooks (:data:`BATCH_HOOKS`) of the module and the datamodule under ``"batch_transfer"``.
     """
     found = Observers()
     callbacks = list(callbacks)
@@ -115,6 +120,10 @@ def find_observers(module: Any, callbacks: Iterable[Any]) -> Observers:
             names.append(f"{type(module).__name__}.{hook}")
         if names:
             found.between[hook] = names
+    batch = [f"{type(obj).__name__}.{hook}" for obj in (datamodule, module) if obj is not None
+             for hook in BATCH_HOOKS if _module_observes(obj, hook)]
+    if batch:
+        found.between["batch_transfer"] = batch
     return found
 
 
@@ -150,7 +159,7 @@ class ObservationFlush(Callback):
         if ids == self._found_for:
             return
         self._found_for = ids
-        self.observers = find_observers(trainer.lightning_module, trainer.callbacks)
+        self.observers = find_observers(trainer.lightning_module, trainer.callbacks, trainer.datamodule)
         rt = self.strategy._rt
         if self.strategy.config.defer_update != "auto" or rt is None:
             return
@@ -164,6 +173,10 @@ class ObservationFlush(Callback):
             rt.say(f"between:{hook}:{names}", f"pipedap: {names} can read parameters or .grad: pending updates are "
                    f"applied before {hook} (their all-gathers no longer overlap the next forward). Pass "
                    "defer_update=True if they do not.")
+
+    def before_batch_transfer(self, trainer: Any) -> None:
+        """Before the batch hooks (``on_before_batch_transfer``, ...) of the module and the datamodule."""
+        self._observe("batch_transfer", trainer)
 
     def _observe(self, hook: str, trainer: Any) -> None:
         rt = self.strategy._rt

@@ -216,7 +216,7 @@ class Runtime:
         """Replace the engine: parameters in ``order``, ``schedule`` over their indices, triggers from ``owners``.
 
         ``final``: the schedule training runs with (compression, if configured, starts here; warm-up and
-        profiling steps communicate uncompressed); its first two deferred steps are guarded.
+        profiling steps communicate uncompressed).
         """
         if self.engine is not None:
             self.engine.wait_idle()
@@ -232,7 +232,7 @@ class Runtime:
             self.carry.restore(self.engine)
         self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
                                         self.timeline, self.counts)
-        self.deferred.set_owners(owners, self.module, verify_steps=2 if final else 0)
+        self.deferred.set_owners(owners, self.module)
         if final:
             self.installed_schedule = schedule.describe()
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
@@ -433,23 +433,28 @@ class Runtime:
         deferred = self.deferred
         deferred.before_training_step()
         ctl = self.controller
-        tracing = ctl.phase is Phase.TRACE and ctl.sync_steps == 0 and not self._tracing
-        guard = None
-        if tracing:
+        if ctl.phase is Phase.TRACE and ctl.sync_steps == 0 and not self._tracing:
             self._tracing = True
-        elif deferred.verify_left > 0 and deferred.pending is not None:
-            deferred.verify_left -= 1
-            guard = deferred.guarded_read
-        if not tracing and guard is None:
-            return self._timed_step(call)
-        with self._consumer_mode(guard) as trace:
-            if tracing:
+            with self._consumer_mode(None, track=True) as trace:
                 self._trace = trace
+                return self._timed_step(call)
+        if not deferred.guard_needed:
+            return self._timed_step(call)
+        with self._consumer_mode(deferred.guarded_read, track=False):
             try:
                 return self._timed_step(call)
             finally:
-                if guard is not None:
-                    deferred.end_guard()
+                self._adopt_misses()
+
+    def _adopt_misses(self) -> None:
+        """Parameters the guard caught read before their trigger are owned by the root from now on (every
+        later schedule of this fit applies them before ``training_step``)."""
+        deferred = self.deferred
+        deferred.end_guard()
+        if deferred.missed and self.owners:
+            for i in deferred.missed:
+                self.owners[i] = self.module
+            deferred.missed.clear()
 
     def _timed_step(self, call: Callable[[], Any]) -> Any:
         if self.controller.phase is Phase.PROFILE and self.sync_grads:
@@ -473,24 +478,32 @@ class Runtime:
         return out
 
     @contextmanager
-    def _consumer_mode(self, on_consume: Optional[Callable[[int], None]]) -> Generator[ConsumerTrace, None, None]:
-        """Module stack + :class:`ConsumerTrace` over the engine's parameters for one forward."""
+    def _consumer_mode(self, on_consume: Optional[Callable[[int, bool], None]],
+                       track: bool) -> Generator[ConsumerTrace, None, None]:
+        """A :class:`ConsumerTrace` over the engine's parameters (and their optimizer state) for one
+        ``training_step``; ``track``: with the module stack (the trace step)."""
         stack = ModuleStack(self.module)
         params: list[Any] = [None] * len(self._index_of)
         for p in self.params:
             k = self._index_of.get(id(p))
             if k is not None:
                 params[k] = p
-        mode = ConsumerTrace(params, stack, on_consume)
-        self.deferred.stack = stack
-        stack.install()
+        aliases = {}
+        if on_consume is not None:
+            for opt in self.optimizers():
+                for k, p in enumerate(params):
+                    for v in opt.state.get(p, {}).values():
+                        if isinstance(v, Tensor):
+                            aliases[id(v)] = k
+        mode = ConsumerTrace(params, stack, on_consume, aliases)
+        stack.install(track)
         stack.pause_in_compiled(mode)
+        mode.push()
         try:
-            with mode:
-                yield mode
+            yield mode
         finally:
+            mode.pop()
             stack.remove()
-            self.deferred.stack = None
 
     def before_backward(self) -> None:
         self.deferred.before_backward()
