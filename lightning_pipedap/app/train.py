@@ -45,6 +45,23 @@ MEASURE_FILE = "measure_summary.json"
 register_configs()
 
 
+class CloseProcessGroup(pl.Callback):
+    """Spawned ranks: leave together and destroy the default process group at the end of ``fit``.
+
+    Without it a rank that exits while its peer's gloo threads still talk to it can abort in the C++
+    destructors (``terminate called without an active exception``), and a job that trained fine fails.
+    """
+
+    pipedap_reads_model = False
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from lightning_pipedap.engine import collectives as C  # noqa: PLC0415
+
+        if stage == "fit" and C.is_initialized():
+            C.barrier()
+            C.shutdown()
+
+
 def _instantiate_group(node: Optional[DictConfig]) -> list[Any]:
     """Instantiate every entry with a ``_target_`` of a keyed group (callbacks, logger)."""
     if not node:
@@ -195,6 +212,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = _instantiate_group(cfg.get("callbacks"))
     loggers = _instantiate_group(cfg.get("logger"))
     strategy = build_strategy(cfg, multirun)
+    if getattr(strategy, "_start_method", None) == "spawn":
+        callbacks.append(CloseProcessGroup())
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
                                                   logger=loggers or False)
 

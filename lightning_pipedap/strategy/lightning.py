@@ -308,8 +308,9 @@ class PipeDAPStrategy(DDPStrategy):
         # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
         # from `weight_g`/`weight_v` in a pre-hook, which must see the updated values); not inside compiled
         # regions, whose hooks dynamo would trace (their parameters are updated before training_step)
+        on_forward = torch.compiler.disable(self._on_module_forward)  # eager under torch.compile (dynamo: lazily)
         for m in eager_modules(model):
-            self._hook_handles.append(m.register_forward_pre_hook(self._on_module_forward, prepend=True))
+            self._hook_handles.append(m.register_forward_pre_hook(on_forward, prepend=True))
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
                 rt.wrap_train(m, self.flush)  # a module that reads its weights in train()/eval() (LoRA merge)
         rt.install_warmup()
@@ -331,7 +332,6 @@ class PipeDAPStrategy(DDPStrategy):
         if self._rt is not None:
             self._rt.grad_ready(p)
 
-    @torch.compiler.disable
     def _on_module_forward(self, module: torch.nn.Module, args: Any) -> None:
         if self._rt is not None:
             self._rt.module_forward(module)
