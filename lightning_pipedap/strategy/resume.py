@@ -19,13 +19,12 @@ from typing import Any, Callable, Optional
 
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.strategy.params import ParamInfo
 
 #: checkpoint key of the installed final schedule
 PLAN_KEY = "pipedap_plan"
 PLAN_VERSION = 1
 
-#: engine parameter index -> (parameter name, shape)
-ParamInfo = dict[int, tuple[str, tuple[int, ...]]]
 
 
 @dataclass

@@ -33,6 +33,7 @@ from lightning_pipedap.strategy import resume as R
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Controller, Phase
 from lightning_pipedap.strategy.deferred import DeferredUpdates
+from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.planning import Measured, Planning, predicted_busy_s
 from lightning_pipedap.strategy.tracing import owner_modules, plan_owners
 
@@ -105,54 +106,19 @@ class Runtime:
         self._trace: Optional[ConsumerTrace] = None
         self._tracing = False
         self._index_of: dict[int, int] = {}
-        self._hooked: set[int] = set()
-        self._handles: list[Any] = []
-        self._wrapped: list[torch.nn.Module] = []
         self._said: set[str] = set()
-        self.params = self.trainable_params()
+        self.tset = TrainableSet(module, rank)
+        self.name_of = self.tset.name_of
+        self.params = self.tset.collect()
         self.trainable_key = 0
 
     # ------------------------------------------------------------------ parameters
-    def requires_grad(self, p: Tensor) -> bool:
-        """``p.requires_grad`` as the user set it: ``LightningModule.toggle_optimizer`` switches the other
-        optimizers' parameters off for one optimizer's step, which is not a change of the trainable set."""
-        toggled = getattr(self.module, "_param_requires_grad_state", None) or {}
-        return bool(toggled.get(p, p.requires_grad))
-
-    def trainable_params(self) -> list[Tensor]:
-        """The trainable parameters, checked to be the same (name, shape, dtype) on every rank."""
-        named = [(n, p) for n, p in self.module.named_parameters() if self.requires_grad(p)]
-        if not named:
-            raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters (all requires_grad=False)")
-        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        ref = C.broadcast_object(signature, src=0)
-        if ref != signature:
-            diff = next((f"{a} here vs {b} on rank 0" for a, b in zip(signature, ref) if a != b),
-                        f"{len(signature)} here vs {len(ref)} on rank 0")
-            raise ValueError(f"pipedap: rank {self.rank}'s trainable parameters differ from rank 0's (first "
-                             f"difference: {diff}); every rank must build the same model and freeze the same parameters")
-        return [p for _, p in named]
-
     def hook_params(self, on_grad: Callable[[Tensor], None]) -> None:
         """Post-accumulate-grad hooks on every trainable parameter not hooked yet (again after unfreezing)."""
-        for p in self.params:
-            if id(p) in self._hooked:
-                continue
-            self._hooked.add(id(p))
-            toggled_off = not p.requires_grad  # (switched off by toggle_optimizer right now)
-            if toggled_off:
-                p.requires_grad_(True)
-            try:
-                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
-            finally:
-                if toggled_off:
-                    p.requires_grad_(False)
+        self.tset.hook(self.params, on_grad)
 
     def trainable_signature(self) -> int:
-        """Hash of which parameters are trainable and of every optimizer's param groups (checked every step)."""
-        trainable = tuple(id(p) for p in self.module.parameters() if self.requires_grad(p))
-        groups = tuple(tuple(id(p) for p in g["params"]) for opt in self.optimizers() for g in opt.param_groups)
-        return hash((trainable, groups))
+        return self.tset.key(self.optimizers())
 
     def retrain_if_changed(self, on_grad: Callable[[Tensor], None]) -> None:
         """At a step's start: if parameters were (un)frozen or a param group added, rebuild buckets and plan.
@@ -167,7 +133,7 @@ class Runtime:
         self.trainable_key = key
         self.flush()
         before = len(self.params)
-        self.params = self.trainable_params()
+        self.params = self.tset.collect()
         self.hook_params(on_grad)
         self.recorder, self._tracing = None, False
         self.controller.restart()
@@ -177,32 +143,18 @@ class Runtime:
 
     def wrap_train(self, module: torch.nn.Module, flush: Callable[[], None]) -> None:
         """Apply pending updates before ``module.train(mode)`` runs (it may read weights: LoRA-style merges)."""
-        original = module.train
 
-        def train(mode: bool = True) -> torch.nn.Module:
+        def before(m: torch.nn.Module) -> None:
             if self.deferred is not None and self.deferred.pending is not None:
-                self.say(f"train:{type(module).__name__}", f"pipedap: {type(module).__name__}.train() can read its "
-                         "weights; pending updates are applied before it")
+                self.say(f"train:{type(m).__name__}", f"pipedap: {type(m).__name__}.train() can read its weights; "
+                         "pending updates are applied before it")
                 flush()
-            return original(mode)
 
-        module.train = train  # instance attribute: found before the class's method
-        self._wrapped.append(module)
+        self.tset.wrap_train(module, before)
 
-    def name_of(self, p: Tensor) -> str:
-        return next((n for n, q in self.module.named_parameters() if q is p), "<unnamed parameter>")
-
-    def engine_param_info(self, engine: Optional[CommEngine] = None) -> R.ParamInfo:
+    def engine_param_info(self, engine: Optional[CommEngine] = None) -> ParamInfo:
         """Engine parameter index -> ``(name, shape)``."""
-        engine = engine or self.engine
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return {i: (names.get(id(p), f"<parameter {i}>"), tuple(p.shape))
-                for b in engine.buckets for i, p in zip(b.param_indices, b.params)}
-
-    def signature(self) -> list[list[Any]]:
-        """``[name, shape]`` of every trainable parameter, in ``params`` order."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [[names.get(id(p), f"<parameter {i}>"), list(p.shape)] for i, p in enumerate(self.params)]
+        return self.tset.engine_info(engine or self.engine)
 
     # ------------------------------------------------------------------ engines
     def builtin(self, order: list[int], name: str, compress_all: bool = False) -> Schedule:
@@ -256,19 +208,13 @@ class Runtime:
             kwargs["rank"] = self.rank  # per-rank random streams (QSGD, DGC sampling)
 
         def factory(buckets: list) -> Any:
-            layouts = self.compression_layouts(buckets)
+            layouts = self.tset.layouts(buckets)
             pipe = CompressionPipeline([b.numel for b in buckets], cfg.compression, kwargs, layouts=layouts,
                                        threads=cfg.compression_threads, timeout_s=cfg.wait_timeout_s,
                                        mode=cfg.compression_mode)
             return CompressedTransport(pipe, self.comm)
 
         return factory
-
-    def compression_layouts(self, buckets: list) -> list[list[tuple[str, tuple[int, ...]]]]:
-        """Per bucket, ``(parameter name, shape)`` in buffer order: what the compression state is keyed by."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
-                for b in buckets]
 
     # ------------------------------------------------------------------ Effects of the controller
     def adopt_trace(self) -> None:
@@ -338,7 +284,7 @@ class Runtime:
             return
         cfg = self.config
         differ = R.plan_mismatch(plan, world_size=self.world_size, schedule_name=cfg.schedule,
-                                 bucket_cap_mb=cfg.bucket_cap_mb, signature=self.signature())
+                                 bucket_cap_mb=cfg.bucket_cap_mb, signature=self.tset.signature(self.params))
         if differ:
             self.info(f"pipedap: the checkpoint's schedule does not fit this run ({', '.join(differ)} differ); "
                       "tracing and planning again")
@@ -359,7 +305,8 @@ class Runtime:
     def plan_state(self) -> dict[str, Any]:
         modules = {id(m): n for n, m in self.module.named_modules()}
         return R.plan_state(world_size=self.world_size, schedule_name=self.config.schedule,
-                            bucket_cap_mb=self.config.bucket_cap_mb, signature=self.signature(), order=self.order,
+                            bucket_cap_mb=self.config.bucket_cap_mb, signature=self.tset.signature(self.params),
+                            order=self.order,
                             owner_names=[None if o is None else modules.get(id(o)) for o in self.owners],
                             schedule=self.engine.schedule, no_overlap_time_s=self.controller.no_overlap_time_s,
                             cost_model=self.planning.cost_model)
@@ -545,8 +492,4 @@ class Runtime:
         """Close the engine, remove the parameter hooks and the ``train()`` wrappers."""
         if self.engine is not None:
             self.engine.close(abort=abort)
-        for h in self._handles:
-            h.remove()
-        for m in self._wrapped:
-            m.__dict__.pop("train", None)
-        self._handles, self._wrapped = [], []
+        self.tset.close()

@@ -1,0 +1,122 @@
+"""The trainable parameters of one fit: which they are, their names, and the hooks on them.
+
+The trainable set is what the user made trainable (``requires_grad``, seen through
+``LightningModule.toggle_optimizer``, which switches other optimizers' parameters off for one step),
+checked identical (name, shape, dtype) on every rank. Names key the compression state and the
+checkpointed plan; the post-accumulate-grad hooks feed the engine; modules that override ``train``
+get a wrapper that applies pending updates first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import lightning_pipedap.engine.collectives as C
+
+#: engine parameter index -> (parameter name, shape)
+ParamInfo = dict[int, tuple[str, tuple[int, ...]]]
+
+
+class TrainableSet:
+    """Trainable parameters of ``module`` and the hooks this package put on them.
+
+    Args:
+        module: the LightningModule.
+        rank: this process's rank (for messages).
+    """
+
+    def __init__(self, module: torch.nn.Module, rank: int) -> None:
+        self.module, self.rank = module, rank
+        self._hooked: set[int] = set()
+        self._handles: list[Any] = []
+        self._wrapped: list[torch.nn.Module] = []
+
+    def requires_grad(self, p: Tensor) -> bool:
+        """``p.requires_grad`` as the user set it (not as ``toggle_optimizer`` switched it for one step)."""
+        toggled = getattr(self.module, "_param_requires_grad_state", None) or {}
+        return bool(toggled.get(p, p.requires_grad))
+
+    def collect(self) -> list[Tensor]:
+        """The trainable parameters, in registration order.
+
+        Raises:
+            ValueError: none is trainable, or they differ from rank 0's (the first difference is named).
+        """
+        named = [(n, p) for n, p in self.module.named_parameters() if self.requires_grad(p)]
+        if not named:
+            raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters (all requires_grad=False)")
+        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
+        ref = C.broadcast_object(signature, src=0)
+        if ref != signature:
+            diff = next((f"{a} here vs {b} on rank 0" for a, b in zip(signature, ref) if a != b),
+                        f"{len(signature)} here vs {len(ref)} on rank 0")
+            raise ValueError(f"pipedap: rank {self.rank}'s trainable parameters differ from rank 0's (first "
+                             f"difference: {diff}); every rank must build the same model and freeze the same parameters")
+        return [p for _, p in named]
+
+    def key(self, optimizers: list) -> int:
+        """Hash of which parameters are trainable and of every optimizer's param groups (checked every step)."""
+        trainable = tuple(id(p) for p in self.module.parameters() if self.requires_grad(p))
+        groups = tuple(tuple(id(p) for p in g["params"]) for opt in optimizers for g in opt.param_groups)
+        return hash((trainable, groups))
+
+    def hook(self, params: list[Tensor], on_grad: Callable[[Tensor], None]) -> None:
+        """Post-accumulate-grad hooks on every parameter of ``params`` not hooked yet."""
+        for p in params:
+            if id(p) in self._hooked:
+                continue
+            self._hooked.add(id(p))
+            toggled_off = not p.requires_grad  # (switched off by toggle_optimizer right now)
+            if toggled_off:
+                p.requires_grad_(True)
+            try:
+                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
+            finally:
+                if toggled_off:
+                    p.requires_grad_(False)
+
+    def wrap_train(self, module: torch.nn.Module, before: Callable[[torch.nn.Module], None]) -> None:
+        """Call ``before(module)`` ahead of ``module.train(mode)`` (it may read weights: LoRA-style merges)."""
+        original = module.train
+
+        def train(mode: bool = True) -> torch.nn.Module:
+            before(module)
+            return original(mode)
+
+        module.train = train  # instance attribute: found before the class's method
+        self._wrapped.append(module)
+
+    def names(self) -> dict[int, str]:
+        """``id(parameter) -> name`` in the module."""
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    def name_of(self, p: Tensor) -> str:
+        return self.names().get(id(p), "<unnamed parameter>")
+
+    def signature(self, params: list[Tensor]) -> list[list[Any]]:
+        """``[name, shape]`` of each of ``params``."""
+        names = self.names()
+        return [[names.get(id(p), f"<parameter {i}>"), list(p.shape)] for i, p in enumerate(params)]
+
+    def engine_info(self, engine: Any) -> ParamInfo:
+        """Engine parameter index -> ``(name, shape)``."""
+        names = self.names()
+        return {i: (names.get(id(p), f"<parameter {i}>"), tuple(p.shape))
+                for b in engine.buckets for i, p in zip(b.param_indices, b.params)}
+
+    def layouts(self, buckets: list) -> list[list[tuple[str, tuple[int, ...]]]]:
+        """Per bucket, ``(parameter name, shape)`` in buffer order: what the compression state is keyed by."""
+        names = self.names()
+        return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
+                for b in buckets]
+
+    def close(self) -> None:
+        """Remove the hooks and the ``train()`` wrappers."""
+        for h in self._handles:
+            h.remove()
+        for m in self._wrapped:
+            m.__dict__.pop("train", None)
+        self._handles, self._wrapped, self._hooked = [], [], set()
