@@ -9,8 +9,8 @@ Usage::
         --compression-kwargs rank=4 --png vgg16_powersgd.png
     python -m lightning_pipedap.simulate --sweep --out docs/PLANNERS.md
 
-The profile is a file (our format or a PipeDAP reference profile) or the name of a shared profile
-(``shared/profiles/<name>.json``). The cost model is, in this order of precedence: ``--cost-model``
+The profile is a file (our format or a PipeDAP reference profile) or the name of a reference profile
+shipped with the package (``lightning_pipedap/plan/profiles/<name>.json``). The cost model is, in this order of precedence: ``--cost-model``
 (a JSON written by :meth:`CostModel.save`), ``--alpha``/``--beta`` (all-reduce constants, s and
 s/byte), ``--alpha``/``--bandwidth`` (GB/s of a ring all-reduce: ``beta = 2 (N-1) / N / bandwidth``),
 or the shared reference constants ``alpha_beta.json`` for the worker count.
@@ -101,8 +101,8 @@ def build_cost_model(args: argparse.Namespace) -> CostModel:
     else:
         d = shared_profiles_dir()
         if d is None or not (d / "alpha_beta.json").is_file():
-            raise ValueError("no cost model: give --cost-model, --alpha with --beta/--bandwidth, or put "
-                             "shared/profiles/alpha_beta.json beside the checkout")
+            raise ValueError("no cost model: give --cost-model, --alpha with --beta/--bandwidth, or point "
+                             "PIPEDAP_PROFILES_DIR at a folder with alpha_beta.json")
         cm = CostModel.from_reference(d / "alpha_beta.json", n, bytes_per_element=args.bytes_per_element,
                                       startup_sharing=args.startup_sharing)
     if args.beta_scale != 1.0:
@@ -339,8 +339,8 @@ def run_sweep(profiles_dir: str | Path | None = None, models: Sequence[str] = SW
     """
     d = Path(profiles_dir) if profiles_dir is not None else shared_profiles_dir()
     if d is None:
-        raise FileNotFoundError("no shared profiles folder: set PIPEDAP_PROFILES_DIR or put shared/profiles "
-                                "beside the checkout")
+        raise FileNotFoundError("no reference profiles folder: PIPEDAP_PROFILES_DIR names none, and the "
+                                "package's copy (lightning_pipedap/plan/profiles) is missing")
     rows = []
     for m in models:
         f = d / f"{m}.json"

@@ -236,7 +236,7 @@ class CostModel:
     @classmethod
     def from_reference(cls, path: str | Path, world_size: int, *, bytes_per_element: int = 4,
                        startup_sharing: float = 0.0) -> "CostModel":
-        """Load the PipeDAP reference constants (``alpha_beta.json`` of ``shared/profiles``).
+        """Load the PipeDAP reference constants (``alpha_beta.json`` of the packaged reference profiles).
 
         That file gives per worker count ``alpha_s`` (s) and ``beta_s_per_element`` (s/element);
         the byte-based beta is ``beta_s_per_element / bytes_per_element`` (fp32 gradients: 4).

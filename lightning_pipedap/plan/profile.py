@@ -16,7 +16,7 @@ Two file formats are read by :func:`load_profile`:
        "meta": {...}}
 
   (a layer may give ``"nbytes"`` instead of ``numel``/``bytes_per_element``);
-* the PipeDAP reference profiles in ``shared/profiles/<model>.json`` (``unit_time: "s"``, layers
+* the PipeDAP reference profiles in ``lightning_pipedap/plan/profiles/<model>.json`` (``unit_time: "s"``, layers
   with ``params`` = element count, see that folder's README).
 
 Nothing here imports ``torch``.
@@ -180,19 +180,18 @@ def save_profile(profile: ModelProfile, path: str | Path) -> Path:
     return p
 
 
-def shared_profiles_dir() -> Path | None:
-    """The folder of the shared reference profiles, or ``None`` when none is found.
+#: the reference profiles shipped with the package (``lightning_pipedap/plan/profiles``, see its README)
+PACKAGED_PROFILES_DIR = Path(__file__).resolve().parent / "profiles"
 
-    Looked up in this order: ``$PIPEDAP_PROFILES_DIR``; ``shared/profiles`` beside the repository
-    checkout (``<repo>/../shared/profiles``); ``./shared/profiles`` and ``../shared/profiles``
-    relative to the working directory.
-    """
+
+def shared_profiles_dir() -> Path | None:
+    """The folder of the reference profiles: ``$PIPEDAP_PROFILES_DIR`` when set, else the copy shipped
+    with the package (:data:`PACKAGED_PROFILES_DIR`); ``None`` only if neither exists."""
     cands = []
     env = os.environ.get("PIPEDAP_PROFILES_DIR")
     if env:
         cands.append(Path(env))
-    cands.append(Path(__file__).resolve().parents[3] / "shared" / "profiles")
-    cands += [Path.cwd() / "shared" / "profiles", Path.cwd().parent / "shared" / "profiles"]
+    cands.append(PACKAGED_PROFILES_DIR)
     for c in cands:
         if c.is_dir():
             return c
@@ -224,7 +223,7 @@ def resolve_profile_path(path_or_name: str | Path) -> Path:
 
 def load_reference_profile(data_or_path: Mapping[str, Any] | str | Path, *, repaired: bool = False,
                            bytes_per_element: int = 4) -> ModelProfile:
-    """Read a PipeDAP reference profile (``shared/profiles/<model>.json``).
+    """Read a PipeDAP reference profile (``lightning_pipedap/plan/profiles/<model>.json``).
 
     Args:
         data_or_path: the parsed JSON, a path, or a shared profile name.
