@@ -1184,3 +1184,55 @@ def build_branch() -> Spec:
     docs/source-pytorch/common/lightning_module.rst (``self.global_step`` in the module) and weight sharing as
     in pytorch/examples word_language_model/model.py (tie_weights)."""
     return Spec(BranchOnStep(), loader(classification()))
+
+
+class BackwardOverride(MLP, Recorder):
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(*args, **kwargs)
+        self.record("grad_after_backward", self.net[0].weight.grad)  # DDP: already averaged here
+
+
+@case("backward_override_reads_grad")
+def build_backward_override() -> Spec:
+    """LightningModule.backward overridden (``loss.backward()`` then a look at ``.grad``). Source:
+    Lightning-AI/pytorch-lightning src/lightning/pytorch/core/module.py (LightningModule.backward: "override
+    backward with your own implementation if you need to")."""
+    return Spec(BackwardOverride(), loader(classification()))
+
+
+class ZeroGradOverride(MLP, Recorder):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        w = self.net[0].weight
+        if w.grad is not None:
+            self.record("grad_before_zero", w.grad)
+        optimizer.zero_grad(set_to_none=True)
+
+
+@case("optimizer_zero_grad_override_reads_grad")
+def build_zero_grad() -> Spec:
+    """optimizer_zero_grad overridden (Lightning docs: set_to_none / custom zeroing) and reading ``.grad`` before
+    clearing it. Source: Lightning-AI/pytorch-lightning src/lightning/pytorch/core/module.py
+    (LightningModule.optimizer_zero_grad) and docs/source-pytorch/common/optimization.rst."""
+    return Spec(ZeroGradOverride(), loader(classification()))
+
+
+class ValGradReader(Callback, Recorder):
+    pipedap_reads_model = True
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if not trainer.sanity_checking:
+            g = pl_module.net[0].weight.grad
+            self.record("val_grad_is_none", 1.0 if g is None else 0.0)
+            self.record("val_weight", pl_module.net[0].weight.sum())
+
+
+@case("validation_hooks_read_grad_and_weights")
+def build_val_reader() -> Spec:
+    """A callback reading weights and ``.grad`` in on_validation_batch_end with validation every 2 steps
+    (Lightning sets ``.grad`` to None before validation: LightningModule.on_validation_model_zero_grad). Source:
+    Lightning-AI/pytorch-lightning src/lightning/pytorch/core/hooks.py (on_validation_model_zero_grad) and
+    src/lightning/pytorch/callbacks/callback.py (on_validation_batch_end)."""
+    ds = classification()
+    return Spec(MLP(), loader(ds), val=loader(ds, shuffle=False), trainer_kw={"val_check_interval": 2,
+                                                                          "limit_val_batches": 2},
+                callbacks=[ValGradReader()])

@@ -228,9 +228,9 @@ class DeferredUpdates:
     def apply(self, buckets: list[int], where: str = "forward", write_grads: bool = False) -> None:
         """Wait for each bucket's all-gather and run its optimizer update (``where``: see :data:`UPDATE_PLACES`).
 
-        ``where`` ``"observe"`` or ``"flush"``, or ``write_grads``: also write the averaged (clipped)
-        gradients to ``.grad``, as DDP shows them after the optimizer step; otherwise the guard writes them
-        when ``.grad`` is read.
+        ``where == "observe"`` or ``write_grads``: also write the averaged (clipped) gradients to ``.grad``,
+        as DDP shows them after the optimizer step; otherwise the guard writes them when ``.grad`` is read
+        in the next ``training_step`` (unless Lightning cleared ``.grad`` first: :meth:`forget_unwritten`).
         """
         pending = self.pending
         if pending is None:
@@ -240,7 +240,7 @@ class DeferredUpdates:
             with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
                 for b in buckets:
                     if b in pending.remaining:
-                        self._apply_one(pending, b, where, write_grads or where in ("observe", "flush"))
+                        self._apply_one(pending, b, where, write_grads or where == "observe")
         finally:
             self.applying = False
         if not pending.remaining:
@@ -276,8 +276,14 @@ class DeferredUpdates:
             write_back_grads(self.engine.buckets[b], self.engine.used_flags(b))
         self._unwritten.discard(b)
 
+    def write_unwritten(self) -> None:
+        """Write every applied bucket's averaged gradients to ``.grad`` now (before the engine is replaced)."""
+        for b in sorted(self._unwritten):
+            self._write_grads(b)
+
     def forget_unwritten(self) -> None:
-        """A new backward starts: ``.grad`` is this step's from now on (the reduced buckets are overwritten)."""
+        """``.grad`` must not get the reduced gradients any more: a new backward starts (the buckets are
+        overwritten), or Lightning set ``.grad`` to None (``on_validation_model_zero_grad``)."""
         self._unwritten.clear()
 
     def _clip_coefficient(self, pending: Pending) -> None:

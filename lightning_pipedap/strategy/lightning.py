@@ -451,6 +451,8 @@ class PipeDAPStrategy(DDPStrategy):
     @override
     def on_validation_start(self) -> None:
         self.flush()
+        if self._rt is not None and self._rt.deferred is not None:
+            self._rt.deferred.forget_unwritten()  # Lightning cleared .grad for validation, as under DDP
         super().on_validation_start()
 
     @override

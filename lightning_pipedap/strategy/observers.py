@@ -7,7 +7,8 @@ whenever the callback list changes, which hooks the user's code overrides:
 
 - *gradient hooks* run inside the step, after backward, and are where user code reads or writes
   ``.grad`` (``on_after_backward``, ``on_before_optimizer_step``, ``configure_gradient_clipping``,
-  ``optimizer_step``, ``on_before_zero_grad``): with one of them present the step runs in *sync
+  ``optimizer_step``, ``on_before_zero_grad``, ``optimizer_zero_grad``, ``backward``): with one of them
+  present the step runs in *sync
   mode* (averaged gradients in ``.grad`` at the end of backward, the real ``optimizer.step``);
 - *between-step hooks* run after ``optimizer_step`` and before the next forward
   (``on_train_batch_start``/``_end``, ``on_train_epoch_start``/``_end``): before each of them the
@@ -31,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 #: hooks inside a step where user code reads or writes ``.grad`` (LightningModule; callbacks have
 #: the ``on_*`` ones)
 GRAD_HOOKS = ("on_after_backward", "on_before_optimizer_step", "configure_gradient_clipping", "optimizer_step",
-              "on_before_zero_grad")
+              "on_before_zero_grad", "optimizer_zero_grad", "backward")
 #: hooks between ``optimizer_step`` and the next forward (LightningModule and callbacks)
 BETWEEN_HOOKS = ("on_train_batch_start", "on_train_batch_end", "on_train_epoch_start", "on_train_epoch_end")
 #: batch hooks of the LightningModule and the LightningDataModule, run before ``on_train_batch_start``;

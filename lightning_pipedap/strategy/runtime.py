@@ -107,6 +107,7 @@ class Runtime:
         self._tracing = False
         self._index_of: dict[int, int] = {}
         self._said: set[str] = set()
+        self._end_queued = False
         self.tset = TrainableSet(module, rank)
         self.name_of = self.tset.name_of
         self.params = self.tset.collect()
@@ -172,6 +173,8 @@ class Runtime:
         """
         if self.engine is not None:
             self.engine.wait_idle()
+            if self.deferred is not None:
+                self.deferred.write_unwritten()  # .grad shows the averaged gradients, as under DDP
             if self.carry is not None:
                 self.carry.keep(self.engine)
             self.engine.close()
@@ -341,6 +344,11 @@ class Runtime:
             raise ValueError(f"pipedap: parameter {self.name_of(p)!r} got a {p.grad.layout} gradient; pipedap "
                              "reduces dense gradients only (use strategy='ddp' for sparse gradients)")
         self.deferred.gradient_arrived(i)
+        if not self._end_queued:
+            # as DDP's reducer: the reduction finishes when autograd's backward pass ends, so user code right
+            # after ``loss.backward()`` (a LightningModule.backward override) sees averaged gradients in sync mode
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_pass)
         engine.grad_ready(i, p.grad)
         if self.recorder is not None:
             self.sync_device()
@@ -363,6 +371,10 @@ class Runtime:
                 self.sync_device()
                 self.recorder.layer_used(k)
         deferred.at_module(module)
+
+    def _end_of_backward_pass(self) -> None:
+        self._end_queued = False
+        self.finish_backward()
 
     def sync_device(self) -> None:
         """On CUDA, synchronise before a profiling timestamp (only called while profiling)."""
