@@ -397,10 +397,10 @@ class PipeDAPStrategy(DDPStrategy):
         """Nothing: the reduction is finished in :meth:`backward`, before ``on_after_backward``."""
 
     def _can_defer(self, optimizer: Optimizer) -> bool:
-        cfg, rt = self.config, self._rt
+        cfg, rt, flush = self.config, self._rt, self._flush_callback
+        grad_hooks = flush is None or bool(flush.observers.grads)  # (no callback: set-up did not run for fitting)
         return (
-            (cfg.defer_update is True or cfg.defer_update == "auto" and not self._flush_callback.observers.grads)
-            and self._flush_callback is not None
+            (cfg.defer_update is True or cfg.defer_update == "auto" and not grad_hooks)
             and rt.controller.phase.deferrable
             and self.lightning_module.automatic_optimization
             and len(self.optimizers) == 1

@@ -106,6 +106,8 @@ class Runtime:
         self._trace: Optional[ConsumerTrace] = None
         self._tracing = False
         self._index_of: dict[int, int] = {}
+        self._engine_params: list[Tensor] = []
+        self._stack = ModuleStack(module)  # the model's structure is fixed for the fit
         self._said: set[str] = set()
         self._end_queued = False
         self.tset = TrainableSet(module, rank)
@@ -180,6 +182,7 @@ class Runtime:
             self.engine.close()
         params = [self.params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
+        self._engine_params = params  # (engine order: what the consumer trace watches)
         factory = self._compression_factory() if final and self.config.compression else None
         self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory)
         self.engine.timeline_enabled = self.timeline()
@@ -361,7 +364,7 @@ class Runtime:
         if not self.in_train_forward:
             # a forward outside training_step (an RL agent acting in the data loader, a metric computed
             # in a hook) must see the updated weights, as under DDP
-            if deferred is not None and deferred.pending is not None and not deferred.applying:
+            if deferred.pending is not None and not deferred.applying:
                 self.say("outside", f"pipedap: {type(module).__name__} ran a forward outside training_step while "
                          "updates were pending; they are applied first")
                 deferred.apply_all("flush")
@@ -441,12 +444,7 @@ class Runtime:
                        track: bool) -> Generator[ConsumerTrace, None, None]:
         """A :class:`ConsumerTrace` over the engine's parameters (and their optimizer state) for one
         ``training_step``; ``track``: with the module stack (the trace step)."""
-        stack = ModuleStack(self.module)
-        params: list[Any] = [None] * len(self._index_of)
-        for p in self.params:
-            k = self._index_of.get(id(p))
-            if k is not None:
-                params[k] = p
+        stack, params = self._stack, self._engine_params
         aliases = {}
         if on_consume is not None:
             for opt in self.optimizers():
