@@ -4,10 +4,12 @@
 * :mod:`~lightning_pipedap.measure.timeline` -- :class:`OpRecord`, exposed communication, overlap
   ratio, Chrome trace and Gantt export (pure functions);
 * :mod:`~lightning_pipedap.measure.callbacks` -- :class:`EnergyMonitor`, :class:`SpeedupMonitor`,
-  :class:`CommTimeline`.
+  :class:`CommTimeline`, :class:`CompressionMonitor` (they import Lightning, so they load on first
+  access: the engine and the compression helper use the timeline without importing Lightning).
 """
 
-from lightning_pipedap.measure.callbacks import CommTimeline, CompressionMonitor, EnergyMonitor, SpeedupMonitor
+from typing import Any
+
 from lightning_pipedap.measure.energy import EnergyUnavailable, open_energy_reader
 from lightning_pipedap.measure.timeline import OpRecord, exposed_communication_ms, overlap_ratio
 
@@ -22,3 +24,14 @@ __all__ = [
     "open_energy_reader",
     "overlap_ratio",
 ]
+
+
+_CALLBACKS = ("CommTimeline", "CompressionMonitor", "EnergyMonitor", "SpeedupMonitor")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CALLBACKS:
+        from lightning_pipedap.measure import callbacks  # noqa: PLC0415
+
+        return getattr(callbacks, name)
+    raise AttributeError(f"module 'lightning_pipedap.measure' has no attribute {name!r}")
