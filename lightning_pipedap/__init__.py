@@ -25,7 +25,8 @@ __all__ = ["PipeDAPStrategy", "Schedule", "Op", "OpKind", "register", "valid_sch
 __version__ = "0.1.0"
 
 _REGISTRY_MODULE = "lightning.pytorch"
-_LAZY = {"PipeDAPStrategy": "lightning_pipedap.strategy.lightning",
+_STRATEGY_MODULE = "lightning_pipedap.strategy.lightning"
+_LAZY = {"PipeDAPStrategy": _STRATEGY_MODULE,
          "valid_schedule_names": "lightning_pipedap.strategy.config"}
 
 
@@ -87,7 +88,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
             def exec_module(self, module: Any) -> None:
                 inner.exec_module(module)
                 finder.remove()
-                register()
+                if _STRATEGY_MODULE not in sys.modules:  # (that module registers itself when it has loaded)
+                    register()
 
         spec.loader = _Loader()
         return spec

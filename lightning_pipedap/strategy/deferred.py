@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -296,3 +296,24 @@ class DeferredUpdates:
                 sq = shard_sum_of_squares(self.engine.buckets, self.comm.rank)
                 total = C.all_reduce_scalar(sq, self.device) ** 0.5
             pending.coef = clip_coefficient(total, pending.clip.value)
+
+
+def intercept_clipping(plugin: Any) -> Callable[..., Any]:
+    """Make a precision plugin's ``clip_gradients`` record Lightning's clipping request on a
+    :class:`DeferredStep` (applied later to the reduced gradients) and clip as before otherwise.
+
+    Returns:
+        The original ``plugin.clip_gradients``, to put back at teardown.
+    """
+    original = plugin.clip_gradients
+
+    def clip_gradients(optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        if isinstance(optimizer, DeferredStep):
+            if clip_val and clip_val > 0:
+                algo = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
+                optimizer.clip = ClipRequest(float(clip_val), algo)
+            return None
+        return original(optimizer, clip_val, gradient_clip_algorithm)
+
+    plugin.clip_gradients = clip_gradients
+    return original

@@ -30,7 +30,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
@@ -39,15 +39,15 @@ from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.threads import lower_current_thread_priority
-from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS, ClipRequest
-from lightning_pipedap.measure.timeline import OpRecord, as_op_records
+from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
+from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.profile.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
-from lightning_pipedap.strategy.controller import Phase
-from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep
+from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep, intercept_clipping
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.planning import Measured
+from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
@@ -63,22 +63,7 @@ _REJECTED_DDP_KWARGS = {
 _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
 
-class _FromRun:
-    """A result attribute of the current (or last) fit's run-time: its controller's or its own."""
-
-    def __init__(self, name: str, default: Any, doc: str) -> None:
-        self.name, self.default, self.__doc__ = name, default, doc
-
-    def __get__(self, strategy: Any, owner: type) -> Any:
-        if strategy is None:
-            return self
-        rt = strategy._rt or strategy._last
-        if rt is None:
-            return self.default
-        return getattr(rt.controller, self.name) if hasattr(rt.controller, self.name) else getattr(rt, self.name)
-
-
-class PipeDAPStrategy(DDPStrategy):
+class PipeDAPStrategy(RunResults, DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 
     Each gradient bucket is reduce-scattered during backward and all-gathered later (for example
@@ -148,15 +133,8 @@ class PipeDAPStrategy(DDPStrategy):
     ) -> None:
         if kwargs:
             _refuse_kwargs(sorted(kwargs))
-        self.config = PipeDAPConfig(
-            schedule=schedule, bucket_cap_mb=bucket_cap_mb, defer_update=defer_update, warmup_steps=warmup_steps,
-            wait_timeout_s=wait_timeout_s, ring_chunk_mb=ring_chunk_mb, deferrable_optimizers=deferrable_optimizers,
-            profile_steps=profile_steps, cost_model=cost_model, cost_model_cache=cost_model_cache,
-            replan_margin=replan_margin, calibrate_cost_model=calibrate_cost_model, train_thread_nice=train_thread_nice,
-            replan_every=replan_every, max_replans=max_replans, compression=compression,
-            compression_kwargs=compression_kwargs or {}, compression_mode=compression_mode,
-            compression_threads=compression_threads, plan_trials=plan_trials, trial_steps=trial_steps,
-            model_contention=model_contention)
+        options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
+        self.config = PipeDAPConfig(**{**options, "compression_kwargs": compression_kwargs or {}})
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -190,37 +168,6 @@ class PipeDAPStrategy(DDPStrategy):
     def schedule_name(self) -> str:
         """The configured schedule (``config.schedule``)."""
         return self.config.schedule
-
-    trial_results = _FromRun("trial_results", [], "Measured plan selection of the last plan: one dict per "
-                             "candidate (name, describe, steps_s, predicted_s, measured_s, chosen, predictions).")
-    predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
-    predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
-    measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
-                                    "window (s, refreshed every 5 deferred steps).")
-    no_overlap_time_s = _FromRun("no_overlap_time_s", None, "Compute + update + all-reduce of every bucket (s).")
-    replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
-    installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
-
-    @property
-    def phase(self) -> Optional[Phase]:
-        """The run-time's :class:`~lightning_pipedap.strategy.controller.Phase` (None outside a fit)."""
-        return self._rt.controller.phase if self._rt is not None else None
-
-    @property
-    def profile(self) -> Optional[dict]:
-        """The merged per-layer profile the plan came from (plain dict), once planned."""
-        rt = self._rt or self._last
-        return rt.planning.profile if rt is not None else None
-
-    @property
-    def contention(self) -> Optional[Any]:
-        """The measured :class:`~lightning_pipedap.plan.contention.Contention` (None before, or when off)."""
-        return self._measured.contention
-
-    @property
-    def calibration_ratio(self) -> float:
-        """Measured / predicted communication busy time of the profiling steps (1.0 = not calibrated)."""
-        return self._measured.calibration_ratio
 
     @override
     def __getstate__(self) -> dict[str, Any]:
@@ -269,22 +216,7 @@ class PipeDAPStrategy(DDPStrategy):
         self._flush_callback = ObservationFlush(self)
         trainer.callbacks.insert(0, self._flush_callback)
         self._flush_callback.find(trainer)
-        self._intercept_clipping()
-
-    def _intercept_clipping(self) -> None:
-        """In deferred steps Lightning's clipping request is recorded and applied to the reduced gradients."""
-        plugin = self.precision_plugin
-        original = self._orig_clip = plugin.clip_gradients
-
-        def clip_gradients(optimizer: Any, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: Any = None) -> None:
-            if isinstance(optimizer, DeferredStep):
-                if clip_val and clip_val > 0:
-                    algo = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm) or "norm")
-                    optimizer.clip = ClipRequest(float(clip_val), algo)
-                return None
-            return original(optimizer, clip_val, gradient_clip_algorithm)
-
-        plugin.clip_gradients = clip_gradients
+        self._orig_clip = intercept_clipping(self.precision_plugin)
 
     @override
     def configure_ddp(self) -> None:
@@ -503,37 +435,6 @@ class PipeDAPStrategy(DDPStrategy):
             (rank_zero_warn if "fresh" in note else rank_zero_info)(note)
         return checkpoint
 
-    # ------------------------------------------------------------------ timeline
-    def compression_stats(self) -> dict[int, Any]:
-        """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not compressing)."""
-        engine = self._rt.engine if self._rt is not None else None
-        transport = engine.transport if engine is not None else None
-        return dict(transport.stats) if transport is not None else {}
-
-    @property
-    def timeline_enabled(self) -> bool:
-        """Record op timings (engine ops, waits on them, bucket updates) for :meth:`take_timeline`."""
-        return self._timeline_enabled
-
-    @timeline_enabled.setter
-    def timeline_enabled(self, value: bool) -> None:
-        self._timeline_enabled = bool(value)
-        if self._rt is not None and self._rt.engine is not None:
-            self._rt.engine.timeline_enabled = self._timeline_enabled
-
-    def take_timeline(self) -> list[OpRecord]:
-        """Return and clear the records taken while :attr:`timeline_enabled` was set.
-
-        RS/AG/AR records (lane ``comm``) come from the communication worker; ``wait`` records are the time the
-        training thread blocked on communication; ``update`` records are per-bucket optimizer steps. Times are
-        ``time.perf_counter()`` seconds (host issue times on CUDA).
-        """
-        out = list(self._records)
-        self._records.clear()
-        if self._rt is not None and self._rt.engine is not None:
-            out = as_op_records(self._rt.engine.take_timings()) + out
-        return sorted(out, key=lambda r: r.start_s)
-
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -582,3 +483,6 @@ def _refuse_kwargs(bad: list[str]) -> None:
     reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
     raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons}); "
                     f"valid arguments: {', '.join(valid)}")
+
+
+PipeDAPStrategy.register_strategies(StrategyRegistry)

@@ -15,11 +15,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.strategy.controller import Phase
 from lightning_pipedap.strategy.params import ParamInfo
+from lightning_pipedap.strategy.planning import predicted_busy_s
+from lightning_pipedap.strategy.tracing import owner_modules
+
+if TYPE_CHECKING:
+    from lightning_pipedap.strategy.runtime import Runtime
 
 #: checkpoint key of the installed final schedule
 PLAN_KEY = "pipedap_plan"
@@ -156,3 +163,57 @@ class CompressionCarry:
         if fresh:
             self.log(f"pipedap: no saved compression state for {len(fresh)} parameters "
                      f"({', '.join(fresh[:5])}{', ...' if len(fresh) > 5 else ''}); they start from zero")
+
+
+def install_plan(rt: "Runtime") -> None:
+    """Install the loaded checkpoint's final schedule directly when it fits this run (same world size,
+    parameters, schedule and fusion cap): no trace or profiling steps, so a resumed run with compression
+    compresses from its first step, as the uninterrupted run did. Otherwise log which keys differ and
+    leave the run to trace and plan again (the compression state then goes to the next engine)."""
+    plan, rt.resume.plan = rt.resume.plan, None
+    if plan is None:
+        return
+    cfg = rt.config
+    differ = plan_mismatch(plan, world_size=rt.world_size, schedule_name=cfg.schedule,
+                           bucket_cap_mb=cfg.bucket_cap_mb, signature=rt.tset.signature(rt.params))
+    if differ:
+        rt.info(f"pipedap: the checkpoint's schedule does not fit this run ({', '.join(differ)} differ); "
+                "tracing and planning again")
+        return
+    rt.order = list(plan["order"])
+    rt.owners = owner_modules(plan["owners"], rt.module)
+    schedule = plan_schedule(plan)
+    if plan["cost_model"] is not None:
+        rt.planning.cost_model = CostModel.from_dict(plan["cost_model"])
+    rt.install(rt.order, schedule, rt.owners, final=True)
+    cm = rt.planning.cost_model
+    rt.controller.resumed(schedule.predicted_iteration_s, plan["no_overlap_time_s"],
+                          None if cm is None else predicted_busy_s(cm, rt.engine))
+    rt.info("pipedap: resumed with the checkpoint's schedule (no trace or profiling steps)")
+
+
+def add_to_checkpoint(rt: "Runtime", checkpoint: dict[str, Any]) -> None:
+    """Put :data:`PLAN_KEY` (only once a final plan runs: a checkpoint taken mid-trial makes the resume plan
+    again) and the compression state of every rank (one ``all_gather_object``: every rank must call it)
+    into ``checkpoint``. Pending updates are applied first; called from inside a step (a user's
+    ``save_checkpoint`` in ``training_step``) it adds nothing, as the state is in flux."""
+    rt.flush()
+    if rt.engine.collecting:
+        return
+    rt.engine.wait_idle()
+    if rt.carry is not None:
+        from lightning_pipedap.compress.state import CHECKPOINT_KEY, checkpoint_entry  # noqa: PLC0415
+
+        per_rank = C.all_gather_object(rt.carry.now(rt.engine, take=False))
+        if any(s is not None for s in per_rank):
+            cfg = rt.config
+            checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, cfg.compression, cfg.compression_kwargs,
+                                                          rt.world_size)
+    if rt.controller.phase is Phase.RUN:
+        modules = {id(m): n for n, m in rt.module.named_modules()}
+        checkpoint[PLAN_KEY] = plan_state(
+            world_size=rt.world_size, schedule_name=rt.config.schedule, bucket_cap_mb=rt.config.bucket_cap_mb,
+            signature=rt.tset.signature(rt.params), order=rt.order,
+            owner_names=[None if o is None else modules.get(id(o)) for o in rt.owners],
+            schedule=rt.engine.schedule, no_overlap_time_s=rt.controller.no_overlap_time_s,
+            cost_model=rt.planning.cost_model)

@@ -17,8 +17,7 @@ It imports no Lightning: the strategy passes in the module, the optimizers and l
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -35,7 +34,7 @@ from lightning_pipedap.strategy.controller import Controller, Phase
 from lightning_pipedap.strategy.deferred import DeferredUpdates
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.planning import Measured, Planning, predicted_busy_s
-from lightning_pipedap.strategy.tracing import owner_modules, plan_owners
+from lightning_pipedap.strategy.tracing import consumer_mode, owner_modules, plan_owners
 
 
 def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
@@ -282,58 +281,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ resume
     def resume_plan(self) -> None:
-        """Install a checkpoint's final schedule directly when it fits this run (same world size, parameters,
-        schedule and fusion cap): no trace or profiling steps, so a resumed run with compression compresses
-        from its first step, as the uninterrupted run did."""
-        plan, self.resume.plan = self.resume.plan, None
-        if plan is None:
-            return
-        cfg = self.config
-        differ = R.plan_mismatch(plan, world_size=self.world_size, schedule_name=cfg.schedule,
-                                 bucket_cap_mb=cfg.bucket_cap_mb, signature=self.tset.signature(self.params))
-        if differ:
-            self.info(f"pipedap: the checkpoint's schedule does not fit this run ({', '.join(differ)} differ); "
-                      "tracing and planning again")
-            return  # (the compression state goes to the next engine)
-        self.order = list(plan["order"])
-        self.owners = owner_modules(plan["owners"], self.module)
-        schedule = R.plan_schedule(plan)
-        if plan["cost_model"] is not None:
-            from lightning_pipedap.plan import CostModel  # noqa: PLC0415
-
-            self.planning.cost_model = CostModel.from_dict(plan["cost_model"])
-        self.install(self.order, schedule, self.owners, final=True)
-        cm = self.planning.cost_model
-        self.controller.resumed(schedule.predicted_iteration_s, plan["no_overlap_time_s"],
-                                None if cm is None else predicted_busy_s(cm, self.engine))
-        self.info("pipedap: resumed with the checkpoint's schedule (no trace or profiling steps)")
-
-    def plan_state(self) -> dict[str, Any]:
-        modules = {id(m): n for n, m in self.module.named_modules()}
-        return R.plan_state(world_size=self.world_size, schedule_name=self.config.schedule,
-                            bucket_cap_mb=self.config.bucket_cap_mb, signature=self.tset.signature(self.params),
-                            order=self.order,
-                            owner_names=[None if o is None else modules.get(id(o)) for o in self.owners],
-                            schedule=self.engine.schedule, no_overlap_time_s=self.controller.no_overlap_time_s,
-                            cost_model=self.planning.cost_model)
+        """Install a loaded checkpoint's final schedule when it fits this run (:func:`.resume.install_plan`)."""
+        R.install_plan(self)
 
     def add_resume_state(self, checkpoint: dict[str, Any]) -> None:
-        """Put :data:`~lightning_pipedap.strategy.resume.PLAN_KEY` and the gathered compression state into
-        ``checkpoint`` (every rank calls it: the compression state is gathered with one ``all_gather_object``)."""
-        self.flush()
-        if self.engine.collecting:  # inside a step (a user call from training_step): the state is in flux
-            return
-        self.engine.wait_idle()
-        if self.carry is not None:
-            from lightning_pipedap.compress.state import CHECKPOINT_KEY, checkpoint_entry  # noqa: PLC0415
-
-            per_rank = C.all_gather_object(self.carry.now(self.engine, take=False))
-            if any(s is not None for s in per_rank):
-                cfg = self.config
-                checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, cfg.compression, cfg.compression_kwargs,
-                                                              self.world_size)
-        if self.controller.phase is Phase.RUN:  # mid-trial: no final plan yet, a resume plans again
-            checkpoint[R.PLAN_KEY] = self.plan_state()
+        """Plan and compression state into ``checkpoint`` (:func:`.resume.add_to_checkpoint`; every rank)."""
+        R.add_to_checkpoint(self, checkpoint)
 
     # ------------------------------------------------------------------ hooks' reactions
     def grad_ready(self, p: Tensor) -> None:
@@ -397,12 +350,12 @@ class Runtime:
         ctl = self.controller
         if ctl.phase is Phase.TRACE and ctl.sync_steps == 0 and not self._tracing:
             self._tracing = True
-            with self._consumer_mode(None, track=True) as trace:
+            with consumer_mode(self._stack, self._engine_params, [], None, track=True) as trace:
                 self._trace = trace
                 return self._timed_step(call)
         if not deferred.guard_needed:
             return self._timed_step(call)
-        with self._consumer_mode(deferred.guarded_read, track=False):
+        with consumer_mode(self._stack, self._engine_params, self.optimizers(), deferred.guarded_read, track=False):
             try:
                 return self._timed_step(call)
             finally:
@@ -438,29 +391,6 @@ class Runtime:
         # DDP's rule: buffers are broadcast before a forward that follows a grad-syncing forward
         self.buffers_sync_next = torch.is_grad_enabled() and self.sync_grads
         return out
-
-    @contextmanager
-    def _consumer_mode(self, on_consume: Optional[Callable[[int, bool], None]],
-                       track: bool) -> Generator[ConsumerTrace, None, None]:
-        """A :class:`ConsumerTrace` over the engine's parameters (and their optimizer state) for one
-        ``training_step``; ``track``: with the module stack (the trace step)."""
-        stack, params = self._stack, self._engine_params
-        aliases = {}
-        if on_consume is not None:
-            for opt in self.optimizers():
-                for k, p in enumerate(params):
-                    for v in opt.state.get(p, {}).values():
-                        if isinstance(v, Tensor):
-                            aliases[id(v)] = k
-        mode = ConsumerTrace(params, stack, on_consume, aliases)
-        stack.install(track)
-        stack.pause_in_compiled(mode)
-        mode.push()
-        try:
-            yield mode
-        finally:
-            mode.pop()
-            stack.remove()
 
     def before_backward(self) -> None:
         self.deferred.before_backward()

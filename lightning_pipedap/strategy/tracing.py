@@ -8,11 +8,13 @@ even when control flow differs between ranks (experts that get no tokens on one 
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Optional
 
 import torch
+from torch import Tensor
 
-from lightning_pipedap.profile.consumers import Consumption, consumer_order
+from lightning_pipedap.profile.consumers import ConsumerTrace, Consumption, ModuleStack, consumer_order
 
 
 def plan_owners(first: dict[int, Consumption], num_params: int,
@@ -53,3 +55,28 @@ def owner_modules(owner_names: list[Optional[str]], root: torch.nn.Module) -> li
     """Each rank's own module objects for rank 0's owner names (unknown or ``None`` names: the root)."""
     modules = dict(root.named_modules())
     return [root if n is None else modules.get(outside_compiled(n, modules), root) for n in owner_names]
+
+
+@contextmanager
+def consumer_mode(stack: ModuleStack, params: list[Tensor], optimizers: list[Any],
+                  on_consume: Optional[Callable[[int, bool], None]], track: bool) -> Generator[ConsumerTrace, None, None]:
+    """A :class:`~lightning_pipedap.profile.consumers.ConsumerTrace` over ``params`` for one
+    ``training_step``. With ``on_consume``, a read of a parameter's optimizer state (a tensor in
+    ``optimizer.state[p]``) counts as a read of ``p``. ``track``: with the module stack recording which
+    forward is running (the trace step)."""
+    aliases = {}
+    if on_consume is not None:
+        for opt in optimizers:
+            for k, p in enumerate(params):
+                for v in opt.state.get(p, {}).values():
+                    if isinstance(v, Tensor):
+                        aliases[id(v)] = k
+    mode = ConsumerTrace(params, stack, on_consume, aliases)
+    stack.install(track)
+    stack.pause_in_compiled(mode)
+    mode.push()
+    try:
+        yield mode
+    finally:
+        mode.pop()
+        stack.remove()

@@ -1,0 +1,94 @@
+"""What a fit measured and chose, as read-only attributes of the strategy.
+
+:class:`RunResults` is a mixin of :class:`~lightning_pipedap.strategy.lightning.PipeDAPStrategy`:
+each attribute reads the current fit's :class:`~lightning_pipedap.strategy.runtime.Runtime` (or,
+after teardown, the last fit's), so results stay readable after ``trainer.fit`` returns. Needs
+``self._rt``, ``self._last``, ``self._measured``, ``self._records`` and ``self._timeline_enabled``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from lightning_pipedap.measure.timeline import OpRecord, as_op_records
+from lightning_pipedap.strategy.controller import Phase
+
+
+class _FromRun:
+    """A result attribute of the current (or last) fit's run-time: its controller's or its own."""
+
+    def __init__(self, name: str, default: Any, doc: str) -> None:
+        self.name, self.default, self.__doc__ = name, default, doc
+
+    def __get__(self, strategy: Any, owner: type) -> Any:
+        if strategy is None:
+            return self
+        rt = strategy._rt or strategy._last
+        if rt is None:
+            return self.default
+        return getattr(rt.controller, self.name) if hasattr(rt.controller, self.name) else getattr(rt, self.name)
+
+
+class RunResults:
+    """Results of the current or last fit: plan selection, predictions, measured times, the timeline."""
+
+    trial_results = _FromRun("trial_results", [], "Measured plan selection of the last plan: one dict per "
+                             "candidate (name, describe, steps_s, predicted_s, measured_s, chosen, predictions).")
+    predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
+    predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
+    measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
+                                    "window (s, refreshed every 5 deferred steps).")
+    no_overlap_time_s = _FromRun("no_overlap_time_s", None, "Compute + update + all-reduce of every bucket (s).")
+    replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
+    installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
+
+    @property
+    def phase(self) -> Optional[Phase]:
+        """The run-time's :class:`~lightning_pipedap.strategy.controller.Phase` (None outside a fit)."""
+        return self._rt.controller.phase if self._rt is not None else None
+
+    @property
+    def profile(self) -> Optional[dict]:
+        """The merged per-layer profile the plan came from (plain dict), once planned."""
+        rt = self._rt or self._last
+        return rt.planning.profile if rt is not None else None
+
+    @property
+    def contention(self) -> Optional[Any]:
+        """The measured :class:`~lightning_pipedap.plan.contention.Contention` (None before, or when off)."""
+        return self._measured.contention
+
+    @property
+    def calibration_ratio(self) -> float:
+        """Measured / predicted communication busy time of the profiling steps (1.0 = not calibrated)."""
+        return self._measured.calibration_ratio
+
+    def compression_stats(self) -> dict[int, Any]:
+        """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not compressing)."""
+        engine = self._rt.engine if self._rt is not None else None
+        transport = engine.transport if engine is not None else None
+        return dict(transport.stats) if transport is not None else {}
+
+    @property
+    def timeline_enabled(self) -> bool:
+        """Record op timings (engine ops, waits on them, bucket updates) for :meth:`take_timeline`."""
+        return self._timeline_enabled
+
+    @timeline_enabled.setter
+    def timeline_enabled(self, value: bool) -> None:
+        self._timeline_enabled = bool(value)
+        if self._rt is not None and self._rt.engine is not None:
+            self._rt.engine.timeline_enabled = self._timeline_enabled
+
+    def take_timeline(self) -> list[OpRecord]:
+        """Return and clear the records taken while :attr:`timeline_enabled` was set.
+
+        RS/AG/AR records (lane ``comm``) come from the communication worker; ``wait`` records are the time the
+        training thread blocked on communication; ``update`` records are per-bucket optimizer steps. Times are
+        ``time.perf_counter()`` seconds (host issue times on CUDA).
+        """
+        out = list(self._records)
+        self._records.clear()
+        if self._rt is not None and self._rt.engine is not None:
+            out = as_op_records(self._rt.engine.take_timings()) + out
+        return sorted(out, key=lambda r: r.start_s)
