@@ -14,7 +14,7 @@ optimizer skips them), with no ``find_unused_parameters`` flag and no extra coll
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,10 @@ class FlatBucket:
         numel: number of gradient elements (sum of parameter sizes).
         buffer: 1-D tensor, ``world_size · shard_size`` elements, dtype of the parameters.
         shard_size: elements per rank after reduce-scatter (``S``).
+        world_size: ranks sharing the bucket (``N``).
+        views: per parameter, the view of ``buffer`` holding its gradient, shaped like the parameter
+            (built once: :meth:`grad_view`).
+        flag_view: the used-flag elements, one per parameter (``k`` elements; :attr:`flags`).
     """
 
     index: int
@@ -41,6 +45,12 @@ class FlatBucket:
     buffer: torch.Tensor
     shard_size: int
     world_size: int
+    views: list[torch.Tensor] = field(default_factory=list, repr=False)
+    flag_view: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        self.flag_view = self.buffer[self.numel : self.numel + len(self.params)]
 
     @classmethod
     def allocate(cls, index: int, param_indices: tuple[int, ...], params: list[torch.Tensor], world_size: int) -> "FlatBucket":
@@ -69,13 +79,12 @@ class FlatBucket:
 
     def grad_view(self, slot: int) -> torch.Tensor:
         """View of the buffer holding parameter ``slot``'s gradient, shaped like the parameter."""
-        p = self.params[slot]
-        return self.buffer[self.offsets[slot] : self.offsets[slot] + p.numel()].view_as(p)
+        return self.views[slot]
 
     @property
     def flags(self) -> torch.Tensor:
         """The used-flag elements, one per parameter (``k`` elements)."""
-        return self.buffer[self.numel : self.numel + len(self.params)]
+        return self.flag_view
 
     def own_data_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of gradient elements (flags and padding excluded) in ``rank``'s shard."""

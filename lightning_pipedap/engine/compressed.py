@@ -12,9 +12,11 @@ aggregated locally. The used-flags of the bucket (see :mod:`.buckets`) are all-r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.schedule import OpKind
 
 
 @dataclass
@@ -53,6 +55,22 @@ class CompressedTransport:
         self.comm = comm
         self._tickets: dict[int, object] = {}
         self.stats: dict[int, CompressionStats] = {}
+        # a helper process compresses as soon as the gradients are complete; inline, the worker does it
+        self._submit_at_ready = getattr(pipeline, "mode", "process") != "inline"
+
+    def ready(self, bucket: FlatBucket) -> None:
+        """Gradients complete: hand them to the helper now (process mode), so compression overlaps backward."""
+        if self._submit_at_ready:
+            self.submit(bucket)
+
+    def run(self, kind: OpKind, bucket: FlatBucket) -> Optional[OpKind]:
+        """The whole compressed reduction at the bucket's RS/AR op (returns ALL_REDUCE); AG: nothing (None)."""
+        if kind is OpKind.ALL_GATHER:
+            return None
+        if bucket.index not in self._tickets:
+            self.submit(bucket)
+        self.reduce(bucket)
+        return OpKind.ALL_REDUCE
 
     def submit(self, bucket: FlatBucket) -> None:
         """Hand bucket ``bucket``'s gradient (``[numel]``, already divided by N) to the helper."""

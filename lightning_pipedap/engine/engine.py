@@ -29,6 +29,7 @@ import torch
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.engine.transport import DenseTransport, Transport
 from lightning_pipedap.measure.timeline import OpTiming
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
@@ -71,13 +72,15 @@ class CommEngine:
             FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
             for b, idxs in enumerate(schedule.buckets)
         ]
-        # The transport's pipeline is built over *all* buckets (simple bucket numbering, telemetry by
-        # bucket index; slots of uncompressed buckets stay unused); only flagged buckets are submitted.
+        # The compressed transport's pipeline is built over *all* buckets (simple bucket numbering, telemetry
+        # by bucket index; slots of uncompressed buckets stay unused); only flagged buckets use it.
         wants = transport_factory is not None and schedule.num_compressed > 0
+        #: the compressed transport (None when no bucket is compressed)
         self.transport = transport_factory(self.buckets) if wants else None
-        self._compressed = [self.transport is not None and schedule.is_compressed(b) for b in range(len(self.buckets))]
-        pipeline = getattr(self.transport, "pipeline", None)
-        self._submit_at_ready = getattr(pipeline, "mode", "process") != "inline"
+        dense = DenseTransport(comm)
+        self._transports: list[Transport] = [
+            self.transport if self.transport is not None and schedule.is_compressed(b) else dense
+            for b in range(len(self.buckets))]
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)
         self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
@@ -298,8 +301,7 @@ class CommEngine:
         self._check()
 
     def _mark_ready(self, b: int) -> None:
-        if self._compressed[b] and self._submit_at_ready:
-            self.transport.submit(self.buckets[b])
+        self._transports[b].ready(self.buckets[b])
         if self._cuda:
             self._ready_ev[b].record()
         self._ready[b].set()
@@ -329,7 +331,6 @@ class CommEngine:
         with ctx:
             for pos, op in enumerate(self.schedule.ops):
                 b = op.bucket
-                buf = self.buckets[b].buffer
                 if op.kind is not OpKind.ALL_GATHER:
                     if not self._ready[b].wait(self.wait_timeout_s):
                         raise EngineError(f"timed out after {self.wait_timeout_s} s waiting for the gradients of bucket {b} ({op})")
@@ -339,44 +340,26 @@ class CommEngine:
                         self._stream.wait_event(self._ready_ev[b])
                 record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
                 t0 = time.perf_counter()
-                if self._compressed[b]:
-                    if op.kind is not OpKind.ALL_GATHER:
-                        if not self._submit_at_ready:
-                            self.transport.submit(self.buckets[b])
-                        self.transport.reduce(self.buckets[b])
-                        busy += time.perf_counter() - t0
-                        if record:
-                            self._timings.append(OpTiming(Op(OpKind.ALL_REDUCE, b), t0, time.perf_counter()))
-                        self._reduced[b].set()
-                        self._done[b].set()
-                    if pos == self._last_reduce_pos:
-                        self._all_reduced.set()
-                    continue
-                if op.kind is OpKind.REDUCE_SCATTER:
-                    C.reduce_scatter_(buf, self.comm)
-                elif op.kind is OpKind.ALL_GATHER:
-                    C.all_gather_(buf, self.comm)
-                else:
-                    C.all_reduce_(buf, self.comm)
-                t1 = time.perf_counter()
-                busy += t1 - t0
-                if record:
-                    self._timings.append(OpTiming(op, t0, t1))
-                if op.kind is OpKind.ALL_GATHER:
-                    if self._cuda:
-                        self._done_ev[b].record(self._stream)
-                    self._done[b].set()
-                else:
-                    if self._cuda:
-                        self._reduced_ev[b].record(self._stream)
-                        if op.kind is OpKind.ALL_REDUCE:
-                            self._done_ev[b].record(self._stream)
-                    self._reduced[b].set()
-                    if op.kind is OpKind.ALL_REDUCE:
-                        self._done[b].set()
+                done = self._transports[b].run(op.kind, self.buckets[b])
+                if done is not None:
+                    t1 = time.perf_counter()
+                    busy += t1 - t0
+                    if record:
+                        self._timings.append(OpTiming(op if done is op.kind else Op(done, b), t0, t1))
+                    self._signal(b, done)
                 if pos == self._last_reduce_pos:
                     self._all_reduced.set()
             if self._last_reduce_pos < 0:
                 self._all_reduced.set()
         self.last_round_busy_s = busy
 
+    def _signal(self, b: int, done: OpKind) -> None:
+        """After op ``done`` on bucket ``b``: shards reduced (RS, AR) and/or bucket complete (AG, AR)."""
+        if done is not OpKind.ALL_GATHER:
+            if self._cuda:
+                self._reduced_ev[b].record(self._stream)
+            self._reduced[b].set()
+        if done is not OpKind.REDUCE_SCATTER:
+            if self._cuda:
+                self._done_ev[b].record(self._stream)
+            self._done[b].set()

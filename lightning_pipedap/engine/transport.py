@@ -1,0 +1,61 @@
+"""How the engine moves one bucket: the transport interface and the dense transport.
+
+The worker thread walks the schedule's op list and hands each op to the transport of its bucket:
+
+- :class:`DenseTransport`: the op as it is: reduce-scatter, all-gather or all-reduce of the flat
+  bucket buffer (``engine.collectives``).
+- :class:`~lightning_pipedap.engine.compressed.CompressedTransport`: the bucket's whole compressed
+  reduction at its reduce-scatter or all-reduce op; its all-gather op then has nothing to do.
+
+:meth:`Transport.run` returns the kind of op it performed, which decides what the engine signals:
+after a reduce-scatter the bucket's shards are reduced; after an all-gather or an all-reduce the
+whole bucket is; ``None``: nothing was done (the all-gather of a compressed bucket).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.schedule import OpKind
+
+
+class Transport(Protocol):
+    """One way of reducing a bucket (see the module docstring)."""
+
+    def ready(self, bucket: FlatBucket) -> None:
+        """The bucket's gradients are complete (called on the autograd thread, must not block)."""
+
+    def run(self, kind: OpKind, bucket: FlatBucket) -> Optional[OpKind]:
+        """Perform op ``kind`` on ``bucket`` (worker thread); return the kind performed, or None."""
+
+    def close(self) -> None:
+        """Release what the transport holds (called once, when the engine closes)."""
+
+
+class DenseTransport:
+    """The bucket buffer reduced as is over the engine's group.
+
+    Args:
+        comm: the engine's dedicated :class:`~lightning_pipedap.engine.collectives.CommGroup`.
+    """
+
+    def __init__(self, comm: C.CommGroup) -> None:
+        self.comm = comm
+
+    def ready(self, bucket: FlatBucket) -> None:
+        """Nothing to do: the worker reads the buffer when it reaches the op."""
+
+    def run(self, kind: OpKind, bucket: FlatBucket) -> OpKind:
+        """Reduce-scatter, all-gather or all-reduce ``bucket.buffer`` in place (``[N·S]`` elements)."""
+        if kind is OpKind.REDUCE_SCATTER:
+            C.reduce_scatter_(bucket.buffer, self.comm)
+        elif kind is OpKind.ALL_GATHER:
+            C.all_gather_(bucket.buffer, self.comm)
+        else:
+            C.all_reduce_(bucket.buffer, self.comm)
+        return kind
+
+    def close(self) -> None:
+        """Nothing held."""
