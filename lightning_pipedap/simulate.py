@@ -33,7 +33,7 @@ lower bound with compression. Without a live process group the cost comes from o
 sources (:func:`build_compression_cost`): ``--compression-cost FILE`` (a JSON written by
 :meth:`~lightning_pipedap.plan.compression.CompressionCost.save`, e.g. ``--save-compression-cost``
 of an earlier run), or else it is *measured on this machine's CPU* with
-:func:`~lightning_pipedap.profile.compression_cost.measure_compression_cost` on synthetic fp32
+:func:`~lightning_pipedap.probe.compression_cost.measure_compression_cost` on synthetic fp32
 tensors of the profile's layer sizes (elements = layer bytes / 4; for ``powersgd`` each layer is one
 near-square matrix plus a 1-D remainder, since a profile has no parameter shapes), about
 ``--compression-budget`` seconds. ``--compression-where helper`` (default) puts the compression on a
@@ -232,7 +232,7 @@ def build_compression_cost(args: argparse.Namespace, profile: ModelProfile) -> C
             cost = replace(cost, where=args.compression_where)
         source = f"loaded from {args.compression_cost}"
     else:
-        from lightning_pipedap.profile.compression_cost import measure_compression_cost  # noqa: PLC0415  (torch work)
+        from lightning_pipedap.probe.compression_cost import measure_compression_cost  # noqa: PLC0415  (torch work)
 
         if args.compression_budget <= 0:
             raise ValueError(f"--compression-budget must be > 0 seconds, got {args.compression_budget}")

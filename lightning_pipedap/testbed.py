@@ -10,7 +10,7 @@ failure and on Ctrl-C.
 Usage::
 
     with Testbed(hosts=2, rate="1gbit") as tb:
-        tb.run_ranks(["python", "-m", "lightning_pipedap.bench.collectives"], timeout_s=300)
+        tb.run_ranks(["python", "-m", "lightning_pipedap.bench.bandwidth"], timeout_s=300)
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""The op-level consumer trace (``lightning_pipedap.profile.consumers``): which module's forward is
+"""The op-level consumer trace (``lightning_pipedap.probe.consumers``): which module's forward is
 running when an op first reads each parameter. Single process, no Lightning."""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lightning_pipedap.profile.consumers import ConsumerTrace, ModuleStack, consumer_order
+from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack, consumer_order
 
 
 def _trace(model: nn.Module, fn):

@@ -333,7 +333,7 @@ def _measure(rank: int, world: int):
     import torch
 
     from lightning_pipedap.engine import collectives as C
-    from lightning_pipedap.profile.contention import measure_contention
+    from lightning_pipedap.probe.slowdown import measure_contention
 
     comm = C.new_comm_group(timeout_s=30)
     try:

@@ -41,7 +41,7 @@ __all__ = [
     "resolve_profile_path",
 ]
 
-PROFILE_FORMAT = "lightning_pipedap.profile"
+PROFILE_FORMAT = "lightning_pipedap.profile"  # the file format's name (a per-layer profile), not a module path
 PROFILE_VERSION = 1
 _TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 

@@ -101,7 +101,7 @@ class PipeDAPConfig:
             slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
         trial_steps: measured steps per candidate (>= 1).
         model_contention: before the first plan, measure how much communication and compute slow
-            each other down when they overlap (:func:`~lightning_pipedap.profile.contention.
+            each other down when they overlap (:func:`~lightning_pipedap.probe.slowdown.
             measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
             and predict iteration times with the contention-aware simulator
             (:func:`~lightning_pipedap.plan.contention.simulate_contended`); the planners still

@@ -5,7 +5,7 @@ all-gather lands). :class:`DeferredUpdates` keeps that step's :class:`Pending` u
 it bucket by bucket:
 
 - at the forward pre-hook of the bucket's first consumer (``triggers``; owners come from the
-  op-level trace, :mod:`~lightning_pipedap.profile.consumers`), or before ``training_step``
+  op-level trace, :mod:`~lightning_pipedap.probe.consumers`), or before ``training_step``
   (``root`` buckets: parameters read outside every module forward, in a ``torch.func``
   transform, or not seen in the trace);
 - by the *guard* (a :class:`ConsumerTrace` active in ``training_step`` while updates are pending):
@@ -36,7 +36,7 @@ from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_coefficient, shard_sum_of_squares,
                                              snapshot_hparams, write_back_grads)
 from lightning_pipedap.measure.timeline import OpRecord
-from lightning_pipedap.profile.consumers import transform_active
+from lightning_pipedap.probe.consumers import transform_active
 
 #: where a bucket update was applied (``PipeDAPStrategy.update_counts``): in the next forward, at the
 #: start of backward (module not called), at a flush point, before an observing hook, by the guard

@@ -42,7 +42,7 @@ from lightning_pipedap.engine.threads import lower_current_thread_priority
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
 from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.plan import CostModel
-from lightning_pipedap.profile.consumers import eager_modules
+from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep, intercept_clipping
 from lightning_pipedap.strategy.observers import ObservationFlush

@@ -19,8 +19,8 @@ import torch
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
 from lightning_pipedap.plan.candidates import trial_candidates
-from lightning_pipedap.profile.alpha_beta import measure_cost_model
-from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
+from lightning_pipedap.probe.alpha_beta import measure_cost_model
+from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
 from lightning_pipedap.strategy.config import PLANNED, PipeDAPConfig
 
@@ -91,7 +91,7 @@ class Planning:
                 self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
                                                      use_cache=cfg.cost_model_cache)
         if cfg.model_contention and self.measured.contention is None and not cfg.compression:
-            from lightning_pipedap.profile.contention import measure_contention  # noqa: PLC0415
+            from lightning_pipedap.probe.slowdown import measure_contention  # noqa: PLC0415
 
             c = measure_contention(self.comm, self.device, nbytes=8 << 20, repeats=5, timeout_s=cfg.wait_timeout_s)
             self.measured.contention = c
@@ -192,11 +192,11 @@ class Planning:
                           layer_shapes: list[list[tuple[int, ...]]]) -> Schedule:
         """Rank 0: plan again with the measured compression cost; log what is compressed and what it buys.
 
-        The compressor is timed once per fit (:func:`~lightning_pipedap.profile.compression_cost.
+        The compressor is timed once per fit (:func:`~lightning_pipedap.probe.compression_cost.
         measure_compression_cost`, about a second at most) with the helper's thread count. ``optimal``
         compresses only the buckets where it pays; the other planners compress every bucket.
         """
-        from lightning_pipedap.profile.compression_cost import measure_compression_cost  # noqa: PLC0415
+        from lightning_pipedap.probe.compression_cost import measure_compression_cost  # noqa: PLC0415
 
         cfg = self.config
         cost = self.compression_cost

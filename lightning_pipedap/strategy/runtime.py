@@ -26,7 +26,7 @@ import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.measure.timeline import OpRecord
-from lightning_pipedap.profile.consumers import ConsumerTrace, ModuleStack
+from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack
 from lightning_pipedap.schedule import Schedule, builtin_schedule
 from lightning_pipedap.strategy import resume as R
 from lightning_pipedap.strategy.config import PipeDAPConfig

@@ -1,6 +1,6 @@
 """From the traced step to the parameter order and the owner (trigger module) of each parameter.
 
-The trace (:class:`~lightning_pipedap.profile.consumers.ConsumerTrace`, first sync step) records
+The trace (:class:`~lightning_pipedap.probe.consumers.ConsumerTrace`, first sync step) records
 each parameter's first consuming op. Rank 0 turns it into plain data, module *names*, which every
 rank maps back to its own module objects, so the layout and the triggers are identical everywhere
 even when control flow differs between ranks (experts that get no tokens on one rank).
@@ -14,7 +14,7 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from torch import Tensor
 
-from lightning_pipedap.profile.consumers import ConsumerTrace, Consumption, ModuleStack, consumer_order
+from lightning_pipedap.probe.consumers import ConsumerTrace, Consumption, ModuleStack, consumer_order
 
 
 def plan_owners(first: dict[int, Consumption], num_params: int,
@@ -60,7 +60,7 @@ def owner_modules(owner_names: list[Optional[str]], root: torch.nn.Module) -> li
 @contextmanager
 def consumer_mode(stack: ModuleStack, params: list[Tensor], optimizers: list[Any],
                   on_consume: Optional[Callable[[int, bool], None]], track: bool) -> Generator[ConsumerTrace, None, None]:
-    """A :class:`~lightning_pipedap.profile.consumers.ConsumerTrace` over ``params`` for one
+    """A :class:`~lightning_pipedap.probe.consumers.ConsumerTrace` over ``params`` for one
     ``training_step``. With ``on_consume``, a read of a parameter's optimizer state (a tensor in
     ``optimizer.state[p]``) counts as a read of ``p``. ``track``: with the module stack recording which
     forward is running (the trace step)."""

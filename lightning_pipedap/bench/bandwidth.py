@@ -2,7 +2,7 @@
 
 Run through the testbed (ranks in network namespaces on a capped link)::
 
-    sudo python -m lightning_pipedap.bench.collectives --rate 1gbit --hosts 2 --mb 32
+    sudo python -m lightning_pipedap.bench.bandwidth --rate 1gbit --hosts 2 --mb 32
 
 or as one rank of an existing job (``--worker``, with MASTER_ADDR/PORT, RANK, WORLD_SIZE set).
 For each primitive it prints the median time (ms) over ``--repeat`` runs and the *bus bandwidth*
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     rate = None if args.rate.lower() in ("none", "0", "") else args.rate
     try:
         with Testbed(hosts=args.hosts, rate=rate) as tb:
-            outs = tb.run_ranks([sys.executable, "-m", "lightning_pipedap.bench.collectives", "--worker",
+            outs = tb.run_ranks([sys.executable, "-m", "lightning_pipedap.bench.bandwidth", "--worker",
                                  "--mb", str(args.mb), "--repeat", str(args.repeat), "--chunk-mb", str(args.chunk_mb)],
                                 timeout_s=900, env={"OMP_NUM_THREADS": "1"})
     except TestbedUnavailable as exc:

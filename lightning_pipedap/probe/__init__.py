@@ -8,6 +8,6 @@
   :class:`~lightning_pipedap.plan.compression.CompressionCost` the planners use (imported on use).
 """
 
-from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
+from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 
 __all__ = ["StepRecorder", "group_layers", "merge_steps"]

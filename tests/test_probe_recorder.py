@@ -2,7 +2,7 @@
 
 import pytest
 
-from lightning_pipedap.profile.recorder import StepRecorder, group_layers, merge_steps
+from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import builtin_schedule, expand_layers
 
 

@@ -7,7 +7,7 @@ import torch
 
 from lightning_pipedap.compress.compressors import get_compressor
 from lightning_pipedap.compress.runtime import CompressionRuntime
-from lightning_pipedap.profile.compression_cost import measure_compression_cost, payload_model
+from lightning_pipedap.probe.compression_cost import measure_compression_cost, payload_model
 
 LAYERS = [[(8, 16), (8,)], [(4,)]]  # layer 0: an 8x16 weight and its bias; layer 1: a 1-D tensor
 
