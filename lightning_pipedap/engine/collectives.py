@@ -17,8 +17,10 @@ all-reduce algorithms for clusters of workstations", JPDC 2009): each rank sends
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,7 @@ __all__ = [
     "broadcast_object",
     "native_reduce_scatter_",
     "native_all_gather_",
+    "Heartbeat",
 ]
 
 
@@ -279,3 +282,144 @@ def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     out = torch.empty(comm.world_size * buf.numel(), dtype=buf.dtype, device=buf.device)
     dist.all_gather_into_tensor(out, buf.contiguous(), group=comm.group)
     return out.view(comm.world_size, -1)
+
+
+# ---------------------------------------------------------------------- liveness of the peers
+_GONE = {"left": "left the fit (it finished, or ran out of batches: uneven inputs?)",
+         "failed": "failed with an exception (see its log)"}
+
+
+class Heartbeat:
+    """Liveness of every rank through the default group's rendezvous store, and a watchdog.
+
+    A daemon thread on each rank writes an increasing counter to the store key
+    ``pipedap/heartbeat/<rank>`` every ``interval_s`` and reads the other ranks' keys. A peer whose
+    counter has not changed for ``timeout_s`` (stopped with SIGSTOP, hung with the GIL held, or dead),
+    that marked itself as left (:meth:`stop`: it finished or abandoned the fit), or a store that does
+    not answer for ``timeout_s`` (rank 0, which hosts it, is gone) is *not answering*.
+
+    After ``timeout_s + grace_s`` of a peer not answering, ``on_stale(message)`` is called once from
+    the watchdog thread with a message naming the rank(s), what was seen and ``context()`` (the
+    strategy's phase and step). By then every collective of this rank should have failed by its own
+    timeout; the call is the backstop for a wait nothing else bounds (a collective whose error a
+    library swallows and follows with another). The strategy's ``on_stale`` logs the message and ends
+    the process with exit code 1, as PyTorch's NCCL watchdog does.
+
+    Args:
+        timeout_s: seconds without a sign of life before a peer is not answering (> 0, finite).
+        interval_s: seconds between beats (> 0).
+        grace_s: extra seconds before ``on_stale``.
+        on_stale: called once with the message (None: only :meth:`not_answering` reports).
+        context: ``() -> str`` describing what this rank is doing, for the message.
+
+    Raises:
+        RuntimeError: if the default group is not initialised or has no store.
+    """
+
+    PREFIX = "pipedap/heartbeat/"
+
+    def __init__(self, timeout_s: float, interval_s: float = 1.0, grace_s: float = 10.0,
+                 on_stale=None, context=None) -> None:
+        if not is_initialized():
+            raise RuntimeError("pipedap: heartbeat needs the default process group")
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.timeout_s, self.interval_s, self.grace_s = float(timeout_s), float(interval_s), float(grace_s)
+        self.on_stale, self.context = on_stale, context or (lambda: "")
+        self._lock = threading.Lock()
+        now = _now()
+        self._seen: dict[int, tuple[str, float]] = {r: ("", now) for r in range(self.world_size) if r != self.rank}
+        self._store_ok_at = now
+        self._count = 0
+        self._stop = threading.Event()
+        self._fired = False
+        self._beat()
+        self._thread = threading.Thread(target=self._loop, name="pipedap-heartbeat", daemon=True)
+        self._thread.start()
+
+    def not_answering(self) -> dict[int, str]:
+        """Peers not answering now, ``{rank: what was seen}`` (rank 0 stands for an unreachable store)."""
+        with self._lock:
+            now = _now()
+            out = {r: (f"{_GONE[v]} {now - t:.1f} s ago" if v in _GONE else f"no heartbeat for {now - t:.1f} s")
+                   for r, (v, t) in self._seen.items() if v in _GONE or now - t > self.timeout_s}
+            if now - self._store_ok_at > self.timeout_s:
+                out[0] = f"the rendezvous store on rank 0 has not answered for {now - self._store_ok_at:.1f} s"
+            return out
+
+    def describe(self, wait_s: float = 0.0) -> str:
+        """``"rank 1: no heartbeat for 3.2 s"``-style text of the peers not answering, or "every peer is alive".
+
+        With ``wait_s`` > 0 (error paths: a peer that just died has a recent heartbeat), reads every
+        peer's counter now and again until each has changed, for up to ``wait_s`` seconds; a peer whose
+        counter did not change is named too.
+        """
+        bad = self.not_answering()
+        if wait_s > 0:
+            start = _now()
+            first = self._read()
+            silent = {r for r in first if r not in bad}
+            while silent and _now() - start < wait_s:
+                time.sleep(min(self.interval_s / 4, 0.25))
+                now = self._read()
+                silent = {r for r in silent if now.get(r) == first.get(r) and now.get(r) not in _GONE}
+                bad.update({r: f"{_GONE[v]}" for r, v in now.items() if v in _GONE and r not in bad})
+            for r in silent:
+                bad[r] = f"no heartbeat for the last {_now() - start:.1f} s (stopped or dead?)"
+        if not bad:
+            return "every peer is alive"
+        return "; ".join(f"rank {r}: {what}" for r, what in sorted(bad.items()))
+
+    def _read(self) -> dict[int, Optional[str]]:
+        """Every peer's current counter (None: not written yet or the store does not answer)."""
+        out: dict[int, Optional[str]] = {}
+        for r in self._seen:
+            k = f"{self.PREFIX}{r}"
+            try:
+                out[r] = self.store.get(k).decode() if self.store.check([k]) else None
+            except Exception:  # noqa: BLE001
+                out[r] = None
+        return out
+
+    def stop(self, state: Optional[str] = "left") -> None:
+        """Stop beating and tell the peers why: ``"left"`` (this rank's fit ended), ``"failed"`` (it saw an
+        exception) or None (say nothing: they will see no heartbeat)."""
+        self._stop.set()
+        self._thread.join(timeout=2 * self.interval_s + 1)
+        if state is not None:
+            try:
+                self.store.set(f"{self.PREFIX}{self.rank}", state)
+            except Exception:  # noqa: BLE001  (the store may be gone at the end of a failed run)
+                pass
+
+    # -------------------------------------------------------------- internals
+    def _beat(self) -> None:
+        self._count += 1
+        self.store.set(f"{self.PREFIX}{self.rank}", str(self._count))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._beat()
+                values = {r: v for r, v in self._read().items() if v is not None}
+                now = _now()
+                with self._lock:
+                    self._store_ok_at = now
+                    for r, v in values.items():
+                        if v != self._seen[r][0]:
+                            self._seen[r] = (v, now)
+            except Exception:  # noqa: BLE001  (an unreachable store counts as not answering)
+                pass
+            bad = self.not_answering()
+            if bad and self.on_stale is not None and not self._fired:
+                with self._lock:
+                    since = [t for r, (_, t) in self._seen.items() if r in bad] + [self._store_ok_at] * (0 in bad)
+                if _now() - min(since) > self.timeout_s + self.grace_s:
+                    self._fired = True
+                    what = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+                    self.on_stale(f"pipedap: rank {self.rank}: peer(s) not answering for more than "
+                                  f"{self.timeout_s:g} s ({what}) while {self.context() or 'training'}")
+
+
+def _now() -> float:
+    return time.monotonic()

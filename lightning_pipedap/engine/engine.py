@@ -23,7 +23,7 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -98,6 +98,10 @@ class CommEngine:
         self.collecting = False
         self.iteration = 0
         self.timeline_enabled = False
+        #: ``() -> str``: what the run-time is doing (phase, step), for error messages
+        self.context: Optional[Callable[[], str]] = None
+        #: ``(wait_s) -> str``: which peers do not answer (``Heartbeat.describe``), for error messages
+        self.peers: Optional[Callable[[float], str]] = None
         self._timings: list[OpTiming] = []
         #: seconds the worker spent inside ops during the last finished round (communication busy time)
         self.last_round_busy_s: float | None = None
@@ -129,7 +133,8 @@ class CommEngine:
         """
         self._check()
         if not self._idle.wait(self.wait_timeout_s):
-            raise EngineError(f"pipedap: previous round of {self.schedule.name} ops did not finish within {self.wait_timeout_s} s")
+            raise EngineError(f"pipedap: previous round of {self.schedule.name} ops did not finish within "
+                              f"{self.wait_timeout_s} s{self._where()}")
         self._check()
         for b in self.buckets:
             b.flags.zero_()  # gradient slots are overwritten by grad_ready or zeroed by finish_backward
@@ -290,14 +295,23 @@ class CommEngine:
     # ------------------------------------------------------------------ internals
     def _check(self) -> None:
         if self._error is not None:
-            raise EngineError(f"pipedap: the communication worker failed: {self._error!r}") from self._error
+            raise EngineError(f"pipedap: the communication worker failed: {self._error!r}{self._where()}") from self._error
         if self._closed:
             raise EngineError("pipedap: the communication engine is closed")
+
+    def _where(self) -> str:
+        """`` (rank r, <context>; <peers>)`` for error messages: what this rank was doing and who did not answer."""
+        parts = [f"rank {self.comm.rank}"]
+        if self.context is not None:
+            parts.append(self.context())
+        if self.peers is not None:
+            parts.append(self.peers(3.0))
+        return f" ({'; '.join(p for p in parts if p)})"
 
     def _wait(self, event: threading.Event, what: str) -> None:
         if not event.wait(self.wait_timeout_s):
             self._check()
-            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for {what}")
+            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for {what}{self._where()}")
         self._check()
 
     def _mark_ready(self, b: int) -> None:

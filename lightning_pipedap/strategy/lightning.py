@@ -27,7 +27,6 @@ from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -47,6 +46,7 @@ from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep, intercept_clipping
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.planning import Measured
+from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
@@ -63,7 +63,7 @@ _REJECTED_DDP_KWARGS = {
 _SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
 
-class PipeDAPStrategy(RunResults, DDPStrategy):
+class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 
     Each gradient bucket is reduce-scattered during backward and all-gathered later (for example
@@ -81,7 +81,9 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
             readable as an attribute: ``strategy.bucket_cap_mb``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``
+            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
+            bounds the default group's collectives (Lightning's barriers and broadcasts) and defaults
+            to ``wait_timeout_s``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
 
     Raises:
@@ -127,7 +129,7 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
+        timeout: Optional[timedelta] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -138,7 +140,7 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout, start_method=start_method)
+                         timeout=timeout or timedelta(seconds=self.config.wait_timeout_s), start_method=start_method)
         self._measured = Measured()
         #: how many bucket updates of the last ``fit`` were applied where: "forward" (at their first consumer
         #: in the next forward, the goal), "leftover" (start of backward: the module was not called), "flush"
@@ -236,6 +238,7 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
         self._rt = rt = Runtime(self.config, model, lambda: self.optimizers, self._comm, self.world_size,
                                 self.global_rank, self.root_device, self._measured, self._resume, rank_zero_info,
                                 rank_zero_warn, self.update_counts, self._records, lambda: self._timeline_enabled)
+        rt.start_heartbeat(exit_on_lost_peer)
         rt.hook_params(self._on_grad_ready)
         # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
         # from `weight_g`/`weight_v` in a pre-hook, which must see the updated values); not inside compiled
@@ -416,7 +419,13 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
         counter). The compression state costs one fp32 copy of the model per rank for methods with error
         feedback.
         """
-        if self._rt is not None and not self._aborted:
+        if self._aborted:
+            pending = self._rt is not None and self._rt.deferred is not None and self._rt.deferred.pending is not None
+            if pending:  # the parameters miss the update of the last step, which its global_step counts
+                rank_zero_warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
+                               "still being communicated, so the parameters would not match the step count")
+                return
+        elif self._rt is not None:
             self._rt.add_resume_state(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -438,9 +447,7 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
     # ------------------------------------------------------------------ teardown
     @override
     def on_exception(self, exception: BaseException) -> None:
-        self._aborted = True
-        if self._rt is not None and self._rt.engine is not None:
-            self._rt.engine.close(abort=True)
+        self.abort(exception)
         super().on_exception(exception)
 
     @override
@@ -451,7 +458,7 @@ class PipeDAPStrategy(RunResults, DDPStrategy):
                 if not aborted:
                     self.flush()
             finally:
-                rt.close()
+                rt.close(abort=aborted)
         for h in self._hook_handles:
             h.remove()
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None

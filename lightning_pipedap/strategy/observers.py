@@ -203,5 +203,9 @@ class ObservationFlush(Callback):
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self.strategy.flush()
 
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """First of the callbacks' ``on_exception``: no collective from here on (``strategy.abort``)."""
+        self.strategy.abort(exception)
+
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         self._observe("on_train_end", trainer)

@@ -113,6 +113,18 @@ class Runtime:
         self.name_of = self.tset.name_of
         self.params = self.tset.collect()
         self.trainable_key = 0
+        self.heartbeat: Optional[C.Heartbeat] = None
+
+    def start_heartbeat(self, on_stale: Callable[[str], None]) -> None:
+        """Liveness of the peers (:class:`~lightning_pipedap.engine.collectives.Heartbeat`) with the
+        communication timeout: errors name the rank that does not answer, ``on_stale`` ends the wait that
+        nothing else bounds."""
+        self.heartbeat = C.Heartbeat(self.config.wait_timeout_s, on_stale=on_stale, context=self.describe_step)
+
+    def describe_step(self) -> str:
+        """``"phase run, engine round 12"``: where this rank is, for error messages."""
+        return (f"phase {self.controller.phase.value}, engine round "
+                f"{self.engine.iteration if self.engine is not None else 0}")
 
     # ------------------------------------------------------------------ parameters
     def hook_params(self, on_grad: Callable[[Tensor], None]) -> None:
@@ -185,6 +197,8 @@ class Runtime:
         factory = self._compression_factory() if final and self.config.compression else None
         self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory)
         self.engine.timeline_enabled = self.timeline()
+        self.engine.context = self.describe_step
+        self.engine.peers = self.heartbeat.describe if self.heartbeat is not None else None
         if self.carry is not None and self.resume.plan is None:  # (a checkpoint's plan is installed next)
             self.carry.restore(self.engine)
         self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
@@ -432,4 +446,6 @@ class Runtime:
         """Close the engine, remove the parameter hooks and the ``train()`` wrappers."""
         if self.engine is not None:
             self.engine.close(abort=abort)
+        if self.heartbeat is not None:
+            self.heartbeat.stop("failed" if abort else "left")
         self.tset.close()

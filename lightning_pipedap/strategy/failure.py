@@ -1,0 +1,85 @@
+"""After a failure no rank enters a collective its peers will not enter, and a lost peer ends the process.
+
+Lightning runs the callbacks' ``on_exception`` hooks (a ``ModelCheckpoint(save_on_exception=True)``
+saves there, which ends in a barrier) before the strategy's, and the rank that failed and the ranks
+that did not are then at different places: one in a checkpoint barrier, another in the next step's
+broadcast. Waiting there only delays the error by the process group's timeout. So once a rank has
+seen an exception (:meth:`CollectivesOffAfterFailure.abort`, called from the first callback's
+``on_exception``), the strategy's collectives are local: ``barrier`` returns, ``broadcast`` returns
+the object, ``reduce`` and ``all_gather`` return this rank's tensor.
+
+:func:`exit_on_lost_peer` is what the strategy does when the heartbeat watchdog
+(:class:`~lightning_pipedap.engine.collectives.Heartbeat`) finds a peer silent for longer than the
+communication timeout plus a grace period: log the message naming the rank and end the process
+with exit code 1.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any, Optional
+
+from torch import Tensor
+
+log = logging.getLogger("lightning_pipedap")
+
+#: exit code of a process ended because a peer stopped answering
+LOST_PEER_EXIT_CODE = 1
+
+
+class CollectivesOffAfterFailure:
+    """Mixin for a Lightning ``ParallelStrategy``: no collective on the default group after :meth:`abort`.
+
+    Needs ``self._aborted`` (bool) and, for :meth:`abort`, ``self._rt`` (the run-time or None).
+    """
+
+    _aborted: bool
+
+    def abort(self, exception: Optional[BaseException] = None) -> None:
+        """Mark this rank as failed: stop the communication worker without waiting, make collectives local."""
+        if self._aborted:
+            return
+        self._aborted = True
+        rt = getattr(self, "_rt", None)
+        if rt is not None and rt.engine is not None:
+            rt.engine.close(abort=True)
+        if exception is not None:
+            log.info("pipedap: %s on this rank; collectives of the default group are skipped from now on",
+                     type(exception).__name__)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._aborted:
+            return
+        super().barrier(*args, **kwargs)  # type: ignore[misc]
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._aborted:
+            return obj
+        return super().broadcast(obj, src)  # type: ignore[misc]
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
+        if self._aborted:
+            return tensor
+        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        if self._aborted:
+            return tensor.unsqueeze(0)
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
+
+
+def exit_on_lost_peer(message: str) -> None:
+    """Log ``message`` (to the ``lightning_pipedap`` logger and stderr) and end the process with exit code 1.
+
+    Called from the heartbeat thread: the main thread may be blocked inside a collective that only
+    the lost peer could complete, so an exception could not reach it.
+    """
+    log.error(message)
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        os._exit(LOST_PEER_EXIT_CODE)

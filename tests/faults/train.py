@@ -1,0 +1,70 @@
+"""A small pipedap training job for the fault matrix (tests/test_faults.py); one run = one fault.
+
+Usage: python train.py OUT_DIR FAULT FAULT_RANK [options as KEY=VALUE]. FAULT is one of ``none``,
+``raise`` (RuntimeError in training_step at step ``at``), ``uneven`` (FAULT_RANK has ``at`` batches,
+the others 40), ``mismatch`` (FAULT_RANK's model is wider). Signals are sent by the test from outside,
+after the rank has written ``step.<rank>`` >= ``at``. ``launch=lightning`` (default): Lightning's
+subprocess launcher starts the other rank; ``launch=external``: the test starts every rank with
+torchrun-style variables. ``save_on_exception=1`` adds ``ModelCheckpoint(save_on_exception=True)``.
+"""
+
+import os
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_pipedap  # noqa: F401
+from lightning_pipedap import PipeDAPStrategy
+
+OUT, FAULT, FAULT_RANK = sys.argv[1], sys.argv[2], int(sys.argv[3])
+OPTS = dict(a.split("=", 1) for a in sys.argv[4:])
+AT = int(OPTS.get("at", 5))
+TIMEOUT = float(OPTS.get("timeout", 10))
+RANK = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+
+    def training_step(self, batch, batch_idx):
+        rank = self.global_rank
+        with open(os.path.join(OUT, f"step.{rank}"), "w") as f:
+            f.write(f"{self.global_step} {os.getpid()}")
+        if FAULT == "raise" and rank == FAULT_RANK and self.global_step == AT:
+            raise RuntimeError(f"injected failure on rank {rank} at step {AT}")
+        time.sleep(float(OPTS.get("step_sleep", 0.05)))
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        n = AT if FAULT == "uneven" and self.global_rank == FAULT_RANK else int(OPTS.get("batches", 40))
+        g = torch.Generator().manual_seed(self.global_rank)
+        data = TensorDataset(torch.randn(n * 4, 16, generator=g), torch.randint(0, 4, (n * 4,), generator=g))
+        return DataLoader(data, batch_size=4)
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    hidden = 48 if FAULT == "mismatch" and RANK == FAULT_RANK else 32
+    callbacks = []
+    if OPTS.get("save_on_exception") == "1":
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_on_exception=True))
+    strategy = PipeDAPStrategy(schedule="dear", wait_timeout_s=TIMEOUT, compression=OPTS.get("compression"))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                         callbacks=callbacks, use_distributed_sampler=False)
+    trainer.fit(Net(hidden))
+    with open(os.path.join(OUT, f"done.{trainer.global_rank}"), "w") as f:
+        f.write(str(trainer.global_step))
+
+
+if __name__ == "__main__":
+    main()
