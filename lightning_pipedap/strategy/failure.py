@@ -83,3 +83,27 @@ def exit_on_lost_peer(message: str) -> None:
         sys.stdout.flush()
     finally:
         os._exit(LOST_PEER_EXIT_CODE)
+
+
+def reap_children(launcher: Any, wait_s: float = 5.0) -> list[int]:
+    """After a failure on the launching rank: give the ranks it started ``wait_s`` seconds to exit by
+    themselves (they see the failure through their own collectives), then SIGKILL the rest (a rank
+    stopped with SIGSTOP, or hung), so no process outlives the job. Returns the pids killed.
+
+    ``launcher``: Lightning's subprocess launcher (its ``procs``: ``subprocess.Popen`` of the other
+    local ranks); anything without ``procs`` (spawn, or ranks started by torchrun/SLURM) is left alone.
+    """
+    import time  # noqa: PLC0415
+
+    procs = list(getattr(launcher, "procs", None) or [])
+    deadline = time.monotonic() + wait_s
+    while procs and time.monotonic() < deadline and any(p.poll() is None for p in procs):
+        time.sleep(0.1)
+    killed = []
+    for local_rank, p in enumerate(procs, start=1):
+        if p.poll() is None:
+            log.error("pipedap: local rank %d (pid %d) did not exit within %.0f s of the failure; killing it",
+                      local_rank, p.pid, wait_s)
+            p.kill()
+            killed.append(p.pid)
+    return killed

@@ -45,8 +45,9 @@ from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep, intercept_clipping
 from lightning_pipedap.strategy.observers import ObservationFlush
+from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
 from lightning_pipedap.strategy.planning import Measured
-from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer
+from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
@@ -231,6 +232,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         model = self.model
         assert isinstance(model, torch.nn.Module)
         refuse_unsupported_modules(model, self.root_device)
+        same_on_every_rank(model_signature(model), "parameters and buffers", "every rank must build the same model")
         with torch.no_grad():
             C.broadcast_coalesced_(list(model.parameters()) + list(model.buffers()), src=0)
         self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
@@ -473,6 +475,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         self._flush_callback = None
         if comm is not None and not aborted:
             C.destroy_comm_group(comm)
+        if aborted and self.local_rank == 0:
+            reap_children(self.launcher)
         super().teardown()
 
 

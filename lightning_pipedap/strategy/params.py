@@ -48,13 +48,8 @@ class TrainableSet:
         named = [(n, p) for n, p in self.module.named_parameters() if self.requires_grad(p)]
         if not named:
             raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters (all requires_grad=False)")
-        signature = [(n, tuple(p.shape), str(p.dtype)) for n, p in named]
-        ref = C.broadcast_object(signature, src=0)
-        if ref != signature:
-            diff = next((f"{a} here vs {b} on rank 0" for a, b in zip(signature, ref) if a != b),
-                        f"{len(signature)} here vs {len(ref)} on rank 0")
-            raise ValueError(f"pipedap: rank {self.rank}'s trainable parameters differ from rank 0's (first "
-                             f"difference: {diff}); every rank must build the same model and freeze the same parameters")
+        same_on_every_rank([(n, tuple(p.shape), str(p.dtype)) for n, p in named], "trainable parameters",
+                           "every rank must build the same model and freeze the same parameters")
         return [p for _, p in named]
 
     def key(self, optimizers: list) -> int:
@@ -120,3 +115,34 @@ class TrainableSet:
         for m in self._wrapped:
             m.__dict__.pop("train", None)
         self._handles, self._wrapped, self._hooked = [], [], set()
+
+
+def model_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
+    """``(name, shape, dtype, requires_grad)`` of every parameter and buffer, in registration order."""
+    return ([(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in module.named_parameters()]
+            + [(n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()])
+
+
+def same_on_every_rank(signature: list[tuple], what: str, advice: str) -> None:
+    """Gather ``signature`` (a list of tuples whose first item is a name) from every rank (one
+    ``all_gather_object`` on the default group; every rank must call it) and fail on every rank alike.
+
+    Raises:
+        ValueError: on every rank when any rank's list differs from rank 0's, naming the first rank and
+            entry that differ: ``rank 1: net.0.weight (48, 16) torch.float32 vs rank 0: (32, 16) ...``.
+    """
+    everyone = C.all_gather_object(signature)
+    ref = everyone[0]
+    for r, mine in enumerate(everyone[1:], start=1):
+        if mine == ref:
+            continue
+        diff = next(((a, b) for a, b in zip(mine, ref) if a != b), None)
+        if diff is None:
+            detail = f"rank {r} has {len(mine)} {what}, rank 0 has {len(ref)}"
+            longer = mine if len(mine) > len(ref) else ref
+            detail += f" (first extra: {longer[min(len(mine), len(ref))][0]!r})"
+        else:
+            a, b = diff
+            name = a[0] if a[0] == b[0] else f"{a[0]!r} vs {b[0]!r}"
+            detail = f"rank {r}: {name} {' '.join(map(str, a[1:]))} vs rank 0: {' '.join(map(str, b[1:]))}"
+        raise ValueError(f"pipedap: the {what} differ between ranks ({detail}); {advice}")

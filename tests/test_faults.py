@@ -1,0 +1,190 @@
+"""Fault matrix: every failure of a 2-rank pipedap job becomes a named error on every rank, in bounded time.
+
+Each case runs ``tests/faults/train.py`` (an MLP, ``schedule="dear"``, ``wait_timeout_s=10``), either
+with each rank started by the test as torchrun would (``RANK``/``LOCAL_RANK``/``WORLD_SIZE``/
+``MASTER_*``), so each rank's exit code is seen, or through Lightning's own subprocess launcher. The
+fault is injected from outside (a signal to one rank after it has run 5 steps) or inside (an
+exception in ``training_step``, uneven data, a wider model on one rank). Every case asserts the exit
+codes, the time to exit (at most the timeout + 30 s), the message, and that no process and no
+``/dev/shm`` entry is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests._dist_util import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tests" / "faults" / "train.py"
+TIMEOUT_S = 10.0
+BOUND_S = TIMEOUT_S + 30.0
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+class Job:
+    """The ranks of one run, their output files and their exit codes."""
+
+    def __init__(self, tmp: Path, fault: str, fault_rank: int, external: bool = True, **opts: object) -> None:
+        self.tmp = tmp
+        args = [sys.executable, str(SCRIPT), str(tmp), fault, str(fault_rank), f"timeout={TIMEOUT_S}"]
+        args += [f"{k}={v}" for k, v in opts.items()]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen] = []
+        self.logs = [tmp / f"out.{r}" for r in range(2)]
+        if external:
+            port = free_port()
+            for r in range(2):
+                renv = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+                        "RANK": str(r), "LOCAL_RANK": str(r), "NODE_RANK": "0"}
+                with open(self.logs[r], "w") as f:
+                    self.procs.append(subprocess.Popen(args, env=renv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp))
+        else:
+            with open(self.logs[0], "w") as f:
+                self.procs.append(subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp))
+
+    def pid_at_step(self, rank: int, step: int, timeout_s: float = 120.0) -> int:
+        """The pid of ``rank`` once it has started step ``step``."""
+        path, deadline = self.tmp / f"step.{rank}", time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                got, pid = path.read_text().split()
+                if int(got) >= step:
+                    return int(pid)
+            except (OSError, ValueError):
+                pass
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"a rank exited before step {step}:\n{self.output()}")
+            time.sleep(0.05)
+        raise AssertionError(f"rank {rank} did not reach step {step} in {timeout_s} s:\n{self.output()}")
+
+    def wait(self, limit_s: float = BOUND_S, ranks: tuple[int, ...] | None = None) -> list[int | None]:
+        """Exit codes after up to ``limit_s`` (None: still running, then killed)."""
+        deadline = time.monotonic() + limit_s
+        watched = [p for i, p in enumerate(self.procs) if ranks is None or i in ranks]
+        while time.monotonic() < deadline and any(p.poll() is None for p in watched):
+            time.sleep(0.1)
+        codes = [p.poll() for p in self.procs]
+        return codes
+
+    def output(self, rank: int | None = None) -> str:
+        files = self.logs if rank is None else [self.logs[rank]]
+        return "\n".join(f.read_text(errors="replace") for f in files if f.exists())
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.wait(10)
+
+    def leftover(self) -> list[str]:
+        """Processes still running this job's script (any rank, launched by Lightning or not)."""
+        out = subprocess.run(["pgrep", "-f", f"{SCRIPT} {self.tmp}"], capture_output=True, text=True).stdout
+        return out.split()
+
+
+@pytest.fixture
+def job(tmp_path):
+    shm_before = _shm()
+    jobs: list[Job] = []
+
+    def start(*args, **kwargs) -> Job:
+        j = Job(tmp_path, *args, **kwargs)
+        jobs.append(j)
+        return j
+
+    yield start
+    left = [pid for j in jobs for pid in j.leftover()]
+    for j in jobs:
+        j.kill_all()
+    assert not left, f"processes left behind: {left}"
+    new_shm = _shm() - shm_before
+    assert not {n for n in new_shm if "torch" in n or "pipedap" in n}, f"/dev/shm entries left: {new_shm}"
+
+
+def _assert_no_abort(j: Job, codes: list[int | None]) -> None:
+    text = j.output()
+    assert "terminate called" not in text, text[-3000:]
+    assert all(c != -signal.SIGABRT for c in codes), (codes, text[-3000:])
+
+
+def test_exception_on_one_rank_with_save_on_exception_fails_every_rank_and_prints_the_error(job):
+    j = job("raise", 1, save_on_exception=1)
+    j.pid_at_step(1, 5)
+    t0 = time.monotonic()
+    codes = j.wait()
+    took = time.monotonic() - t0
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    assert took < BOUND_S
+    assert "RuntimeError: injected failure on rank 1 at step 5" in j.output(1)
+    assert "rank 1: failed with an exception" in j.output(0) or "rank 1:" in j.output(0), j.output(0)[-3000:]
+    assert "not writing" in j.output()  # the checkpoint would miss the last step's update
+    _assert_no_abort(j, codes)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_lost_peer_is_named_within_the_timeout(job, sig):
+    j = job("none", 0, batches=400)
+    pid = j.pid_at_step(1, 5)
+    os.kill(pid, sig)
+    t0 = time.monotonic()
+    codes = j.wait(ranks=(0,))
+    took = time.monotonic() - t0
+    assert codes[0] not in (None, 0), (codes, j.output(0)[-3000:])
+    assert took < BOUND_S, took
+    text = j.output(0)
+    assert "EngineError" in text and "rank 1: no heartbeat" in text, text[-3000:]
+    if sig == signal.SIGSTOP:
+        j.procs[1].send_signal(signal.SIGCONT)  # it finds its peer gone and fails too
+        assert j.wait(ranks=(1,))[1] not in (None, 0), j.output(1)[-3000:]
+
+
+@pytest.mark.parametrize("sig,rank", [(signal.SIGTERM, 0), (signal.SIGTERM, 1), (signal.SIGINT, 1)])
+def test_termination_signals_exit_nonzero_without_aborting(job, sig, rank):
+    j = job("none", 0, batches=400)
+    pid = j.pid_at_step(rank, 5)
+    os.kill(pid, sig)
+    codes = j.wait()
+    assert None not in codes, (codes, j.output()[-3000:])
+    assert all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    _assert_no_abort(j, codes)
+
+
+def test_uneven_inputs_stop_the_rank_left_alone_with_a_named_error(job):
+    j = job("uneven", 1, at=5)
+    t0 = time.monotonic()
+    codes = j.wait()
+    assert time.monotonic() - t0 < BOUND_S + 60
+    assert codes[1] == 0, j.output(1)[-3000:]  # it finished its 5 batches
+    assert codes[0] not in (None, 0), j.output(0)[-3000:]
+    assert "rank 1: left the fit" in j.output(0), j.output(0)[-3000:]
+
+
+def test_mismatched_models_are_refused_on_every_rank_naming_the_parameter(job):
+    j = job("mismatch", 1)
+    codes = j.wait()
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    for r in range(2):
+        assert "net.0.weight" in j.output(r), j.output(r)[-3000:]
+
+
+def test_exception_under_lightnings_launcher_leaves_no_process(job):
+    j = job("raise", 1, external=False, save_on_exception=1)
+    t0 = time.monotonic()
+    codes = j.wait()
+    assert codes[0] not in (None, 0), j.output()[-3000:]
+    assert time.monotonic() - t0 < BOUND_S + 60
+    assert "injected failure on rank 1" in j.output()
