@@ -30,6 +30,8 @@ from lightning_pipedap.schedule import Schedule, fuse_by_size
 
 Starts = tuple[int, ...]
 OpsBuilder = Callable[[Evaluator], list[int]]
+#: relative improvement a search needs to replace its incumbent (keeps ties deterministic)
+TOL = 1e-12
 
 
 def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
