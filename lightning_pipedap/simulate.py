@@ -60,11 +60,12 @@ from typing import Any, Callable, Mapping, Sequence
 from lightning_pipedap.compress.compressors import get_compressor, valid_compressor_names
 from lightning_pipedap.markdown import replace_between_markers
 from lightning_pipedap.measure.timeline import chrome_trace, gantt_panels_png
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.compression import WHERE, CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel, load_cost_model
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import ModelProfile, load_profile, shared_profiles_dir
-from lightning_pipedap.plan.simulator import SimResult, lower_bounds, simulate, to_op_records
+from lightning_pipedap.plan.simulator import SimResult, simulate, to_op_records
 
 ORDER = ("no_overlap", "wfbp", "dear", "pipedap", "optimal")
 SWEEP_MODELS = ("vgg16", "resnet50", "densenet201", "bert_base", "gpt2")
@@ -263,7 +264,7 @@ class SweepRow:
         beta_scale: factor on the reference beta.
         iteration_s: planner name -> predicted steady-state iteration time, seconds.
         sum_bound_s: ``max(Σ compute, least Σ comm)``, seconds.
-        window_s: the window bound, seconds (see :func:`~lightning_pipedap.plan.simulator.lower_bounds`).
+        window_s: the window bound, seconds (see :func:`~lightning_pipedap.plan.bounds.lower_bounds`).
     """
 
     model: str

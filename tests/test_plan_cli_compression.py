@@ -10,11 +10,11 @@ import pytest
 
 from lightning_pipedap import simulate as cli
 from lightning_pipedap.compress.compressors import valid_compressor_names
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.compression import CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import load_profile
-from lightning_pipedap.plan.simulator import lower_bounds
 
 DATA = Path(__file__).resolve().parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"

@@ -19,9 +19,9 @@ from typing import Iterable, Iterator, Sequence
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.planners._common import AG, AR, RS, TOL, Starts, buckets_of, evaluator
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator
 
 __all__ = ["all_contiguous_fusions", "branch_and_bound", "exact_compressed_search", "exact_search"]
 
@@ -34,7 +34,7 @@ class _BnB:
         self.B = ev.B
         self.cost, self.ready = ev.cost, ev.ready
         self.two = ev.channels == 2
-        self.steps = ev._fast_steps
+        self.steps = ev.fast_steps
         self.minred = [min(ev.cost[3 * b + AR], ev.cost[3 * b + RS] + ev.cost[3 * b + AG]) for b in range(ev.B)]
         tail = 0.0
         self.tailf = [0.0] * ev.B

@@ -1,6 +1,6 @@
 """``optimal``: search over contiguous tensor fusion, op order and op mode (AR or RS + AG).
 
-The simulator (:class:`~lightning_pipedap.plan.simulator.Evaluator`) is the objective. The search
+The simulator (:class:`~lightning_pipedap.plan.evaluator.Evaluator`) is the objective. The search
 keeps the best schedule of these stages, so its prediction is never worse than any of them:
 
 1. **Known planners.** ``no_overlap``, ``wfbp``, ``dear`` and ``pipedap`` (each with its own fusion
@@ -59,6 +59,7 @@ from typing import Any, Iterator, Sequence
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator, op_code
 from lightning_pipedap.plan.planners import dear as _dear
 from lightning_pipedap.plan.planners import no_overlap as _no_overlap
 from lightning_pipedap.plan.planners import pipedap as _pipedap
@@ -70,7 +71,6 @@ from lightning_pipedap.plan.planners._common import (
 from lightning_pipedap.plan.planners._exact import branch_and_bound, exact_compressed_search, exact_search
 from lightning_pipedap.plan.planners.pipedap import pipedap_codes
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator, op_code
 from lightning_pipedap.schedule import Schedule
 
 log = logging.getLogger(__name__)
