@@ -1,4 +1,4 @@
-"""What-if CLI ``python -m lightning_pipedap.simulate``."""
+"""What-if CLI ``python -m lightning_pipedap.plan.cli``."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedap import simulate as cli
 from lightning_pipedap.measure import timeline
+from lightning_pipedap.plan import cli
 from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
@@ -76,7 +76,7 @@ def test_bad_arguments_exit_2(argv, match, capsys):
 def test_module_runs_on_shared_profile():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PIPEDAP_PROFILES_DIR=str(SHARED))
-    res = subprocess.run([sys.executable, "-m", "lightning_pipedap.simulate", "--profile", "vgg16",
+    res = subprocess.run([sys.executable, "-m", "lightning_pipedap.plan.cli", "--profile", "vgg16",
                           "--world-size", "8", "--planner", "wfbp"],
                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr

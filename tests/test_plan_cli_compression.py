@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedap import simulate as cli
 from lightning_pipedap.compress.compressors import valid_compressor_names
+from lightning_pipedap.plan import cli
 from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.compression import CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel

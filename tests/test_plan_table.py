@@ -1,4 +1,4 @@
-"""Validation 1 table (``simulate --sweep``) and the simulated-timeline -> OpRecord conversion."""
+"""Validation 1 table (``plan.cli --sweep``) and the simulated-timeline -> OpRecord conversion."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedap import simulate as cli
 from lightning_pipedap.measure.timeline import (
     communication_ms, compute_ms, exposed_communication_ms, exposed_intervals, gantt_rgb, pack_rows,
 )
+from lightning_pipedap.plan import cli
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
