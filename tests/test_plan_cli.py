@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lightning_pipedap.measure import timeline
-from lightning_pipedap.plan import cli
+from lightning_pipedap.plan import cli, sweep
 from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
@@ -101,7 +101,7 @@ def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
     full = cli.run_sweep
     monkeypatch.setattr(cli, "run_sweep", lambda **kw: full(SHARED, models=("vgg16",), world_sizes=(8,), **kw))
     out = tmp_path / "PLANNERS.md"
-    out.write_text(f"# doc\n{cli.SWEEP_BEGIN}\nstale\n{cli.SWEEP_END}\ntail\n")
+    out.write_text(f"# doc\n{sweep.SWEEP_BEGIN}\nstale\n{sweep.SWEEP_END}\ntail\n")
     assert cli.main(["--sweep", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     rows = [l for l in printed.splitlines() if l.startswith("| vgg16 |")]
@@ -117,5 +117,5 @@ def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
         assert float(cells[9]) == pytest.approx(lb.window_s * 1e3, abs=1e-3)
     assert "optimal <= every other planner on 3/3 rows" in printed
     text = out.read_text()
-    assert text.startswith("# doc\n" + cli.SWEEP_BEGIN) and text.endswith(cli.SWEEP_END + "\ntail\n")
+    assert text.startswith("# doc\n" + sweep.SWEEP_BEGIN) and text.endswith(sweep.SWEEP_END + "\ntail\n")
     assert "stale" not in text and printed.strip() in text
