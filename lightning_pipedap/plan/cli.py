@@ -39,6 +39,12 @@ near-square matrix plus a 1-D remainder, since a profile has no parameter shapes
 ``--compression-budget`` seconds. ``--compression-where helper`` (default) puts the compression on a
 helper lane beside compute (drawn in the Gantt chart and the trace), ``inline`` on the channel.
 
+``--save-schedule FILE`` writes the schedule of the one planner named by ``--planner`` (with
+``--compression``: the one planned with compression) as JSON (:meth:`Schedule.to_dict
+<lightning_pipedap.schedule.Schedule.to_dict>`); ``--schedule FILE`` reads such a file back and
+simulates it, instead of planning, against ``--profile`` and the cost model (a schedule with
+compressed buckets needs ``--compression``, and ``--compression-cost`` for the cost it was planned with).
+
 ``--sweep`` runs the Validation 1 grid of ``docs/PLANNERS.md`` (:mod:`lightning_pipedap.plan.sweep`):
 every shared profile x {2, 4, 8} workers x beta x {1, 10, 30} with the reference convention; it
 prints a Markdown table and, with ``--out``, writes it into a file between the sweep markers.
@@ -59,12 +65,14 @@ from typing import Any, Mapping, Sequence
 from lightning_pipedap.compress.compressors import get_compressor, valid_compressor_names
 from lightning_pipedap.measure.timeline import chrome_trace, gantt_panels_png
 from lightning_pipedap.plan.bounds import lower_bounds
+from lightning_pipedap.plan._jsonfile import save_json
 from lightning_pipedap.plan.compression import WHERE, CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel, load_cost_model
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import ModelProfile, load_profile, shared_profiles_dir
 from lightning_pipedap.plan.simulator import SimResult, simulate, to_op_records
 from lightning_pipedap.plan.sweep import ORDER, run_sweep, sweep_markdown, write_between_markers
+from lightning_pipedap.schedule import Schedule
 
 
 def build_cost_model(args: argparse.Namespace) -> CostModel:
@@ -243,6 +251,52 @@ def build_compression_cost(args: argparse.Namespace, profile: ModelProfile) -> C
     return cost
 
 
+# ------------------------------------------------------------------------------------ schedules
+#: row name -> (schedule, the compression cost it is simulated with, or None)
+Rows = dict[str, tuple[Schedule, CompressionCost | None]]
+
+
+def planned_rows(args: argparse.Namespace, profile: ModelProfile, cm: CostModel,
+                 cost: CompressionCost | None) -> Rows:
+    """Every planner of ``--planner`` planned dense (row ``<planner>``) and, with a compression cost,
+    planned with it (row ``<planner>+<METHOD>``, next to the dense one)."""
+    rows: Rows = {}
+    for n in list(ORDER) if args.planner == "all" else [args.planner]:
+        rows[n] = (get_planner(n)(profile, cm, args.world_size, channels=args.channels), None)
+        if cost is not None:
+            rows[f"{n}+{args.compression}"] = (get_planner(n)(profile, cm, args.world_size, channels=args.channels,
+                                                              compression=cost), cost)
+    return rows
+
+
+def read_schedule(path: str, profile: ModelProfile, cost: CompressionCost | None) -> Schedule:
+    """The schedule saved at ``path`` (``--save-schedule``), checked against ``profile``'s layers.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: the file is not JSON or not a schedule (:meth:`Schedule.from_dict` names the bad key
+            or value), its buckets do not partition the profile's layers, it compresses buckets but
+            ``cost`` is None, or ``cost`` is given for a schedule without compression flags.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"--schedule {path}: no such file")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--schedule {path} is not JSON ({e})") from None
+    try:
+        sched = Schedule.from_dict(data).validate(profile.num_layers)
+    except ValueError as e:
+        raise ValueError(f"--schedule {path}: {e}") from None
+    if sched.num_compressed and cost is None:
+        raise ValueError(f"--schedule {path} compresses {sched.num_compressed} of {len(sched.buckets)} buckets; "
+                         "give --compression METHOD (and --compression-cost FILE, the cost it was planned with)")
+    if cost is not None and sched.compressed is None:
+        raise ValueError(f"--schedule {path} has no compression flags; drop --compression")
+    return sched
+
+
 def _sweep_main(args: argparse.Namespace) -> int:
     defaults = vars(parse_args([]))
     for flag, value in vars(args).items():
@@ -301,6 +355,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--compression-budget", type=float, default=1.0,
                     help="seconds the CPU measurement of the compressor may take (default 1)")
     ap.add_argument("--save-compression-cost", metavar="FILE", help="write the measured compression cost here")
+    ap.add_argument("--save-schedule", metavar="FILE",
+                    help="write the schedule of --planner NAME (with --compression: planned with it) as JSON")
+    ap.add_argument("--schedule", metavar="FILE", help="simulate this saved schedule (--save-schedule) instead of "
+                                                       "planning")
     ap.add_argument("--sweep", action="store_true",
                     help="Validation 1: every shared profile x {2,4,8} workers x beta x{1,10,30}, Markdown table")
     ap.add_argument("--out", help="with --sweep: write the table into this file between the sweep markers")
@@ -319,27 +377,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("give --profile and --world-size (or --sweep)")
         if args.world_size < 1:
             raise ValueError(f"--world-size must be >= 1, got {args.world_size}")
-        names = list(ORDER) if args.planner == "all" else [args.planner]
-        for n in names:
-            get_planner(n)
+        if args.planner != "all":
+            get_planner(args.planner)
+        if args.schedule is not None and (args.planner != "all" or args.save_schedule is not None):
+            raise ValueError("--schedule simulates the saved schedule; drop --planner and --save-schedule")
+        if args.save_schedule is not None and args.planner == "all":
+            raise ValueError("--save-schedule writes one schedule: give --planner NAME")
         profile = load_profile(args.profile, repaired=args.repaired, bytes_per_element=args.bytes_per_element)
         cm = build_cost_model(args)
         cost = build_compression_cost(args, profile)
+        if args.schedule is not None:
+            saved = read_schedule(args.schedule, profile, cost)
+            rows: Rows = {saved.name: (saved, cost)}
+        else:
+            rows = planned_rows(args, profile, cm, cost)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     N = args.world_size
-    results, row_bounds = {}, {}
+    results = {row: simulate(profile, cm, sched, channels=args.channels, compression=c, world_size=N)
+               for row, (sched, c) in rows.items()}
     lb_c = (lower_bounds(profile, cm, channels=args.channels, compression=cost, world_size=N)
             if cost is not None else None)
-    for n in names:
-        sched = get_planner(n)(profile, cm, N, channels=args.channels)
-        results[n] = simulate(profile, cm, sched, channels=args.channels)
-        if cost is not None:
-            row = f"{n}+{args.compression}"
-            sched = get_planner(n)(profile, cm, N, channels=args.channels, compression=cost)
-            results[row] = simulate(profile, cm, sched, channels=args.channels, compression=cost, world_size=N)
-            row_bounds[row] = lb_c.best_s
+    row_bounds = {row: lb_c.best_s for row, (_, c) in rows.items() if c is not None}
     lb = lower_bounds(profile, cm, channels=args.channels)
     print(f"profile {profile.name}: {profile.num_layers} layers, {profile.total_bytes / 2**20:.1f} MiB, "
           f"forward {profile.t_forward * 1e3:.3f} ms, backward {profile.t_backward * 1e3:.3f} ms, "
@@ -364,6 +424,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               for n, r in results.items()]
     if args.png:
         print(f"wrote {gantt_panels_png(panels, args.png, origin_s=0.0, window=(0.0, span), width_in=14.0)}")
+    if args.save_schedule:
+        row = args.planner if cost is None else f"{args.planner}+{args.compression}"
+        print(f"wrote {save_json(rows[row][0], args.save_schedule)} (schedule of {row})")
     if args.trace:
         events = [e for pid, (n, (_, recs)) in enumerate(zip(results, panels))
                   for e in chrome_trace(recs, rank=pid, origin_s=0.0, process_name=n)["traceEvents"]]
