@@ -23,7 +23,7 @@ from lightning_pipedap.strategy.params import ParamInfo
 
 #: checkpoint key of the installed final schedule
 PLAN_KEY = "pipedap_plan"
-#: version of the :data:`PLAN_KEY` entry; 2: the schedule is one :meth:`Schedule.to_dict` under ``final_schedule``
+#: version of the :data:`PLAN_KEY` entry (see :func:`plan_state`); a run does not install an entry of another version
 PLAN_VERSION = 2
 
 
