@@ -32,6 +32,7 @@ K_RS, K_AG, K_AR = (_CODE_OF_KIND[k] for k in (OpKind.REDUCE_SCATTER, OpKind.ALL
 assert (K_RS, K_AG, K_AR) == (0, 1, 2), "OpKind must list RS, AG, AR in this order"
 #: effective kind (:attr:`Evaluator.kind`) of the AG of a compressed bucket: no operation
 K_SKIP = len(_KIND_OF_CODE)
+assert K_SKIP == 3, "Evaluator.period_codes compares kinds with the literals 0..3"
 
 
 def op_code(op: Op) -> int:
@@ -109,6 +110,8 @@ class Evaluator:
         helper: ``(bucket, start, end)`` of each helper-lane compression, backward-start frame,
             in helper order.
         t_backward: Σ t_b (the next forward can start then).
+        cost, chan, kind: per op code (:func:`op_code`): seconds, channel, and effective kind (the RS
+            of a compressed bucket acts as its AR, its AG is :data:`K_SKIP`).
         fast_steps: ``(bucket waited for, its update share + forward seconds)`` per forward step, in
             forward order (the next forward as :meth:`period_codes` walks it).
 
@@ -202,6 +205,7 @@ class Evaluator:
         The list is not validated (use :meth:`Schedule.validate`); an op list that leaves a bucket
         unreduced gives that bucket done-time 0 here.
         """
+        # the effective kinds are literals here (0 K_RS, 1 K_AG, 2 K_AR, 3 K_SKIP): this loop is the planners' hot path
         cost, ready, kind = self.cost, self.ready, self.kind
         done = [0.0] * self.B
         if self.channels == 1:
