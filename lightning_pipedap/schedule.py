@@ -22,14 +22,22 @@ Execution semantics (what the engine guarantees, DeAR ICDCS 2023 §III, PipeDAP 
   worker at its slot), and its ``RS`` or ``AR`` slot communicates the payload and completes the
   bucket (its ``AG``, if listed, does nothing).
 
-Nothing here imports ``torch``; schedules are built and checked in pure Python.
+Nothing here imports ``torch``; schedules are built and checked in pure Python. A schedule's plain-data
+form (:meth:`Schedule.to_dict`, read back by :meth:`Schedule.from_dict`) is what checkpoints store and
+what the what-if CLI writes and reads.
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
+
+#: ``format`` tag of :meth:`Schedule.to_dict`
+SCHEDULE_FORMAT = "lightning_pipedap.schedule"
+SCHEDULE_VERSION = 1
+_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s")
 
 
 class OpKind(str, enum.Enum):
@@ -140,6 +148,52 @@ class Schedule:
             raise ValueError(f"buckets {unfinished} are never fully reduced (need AR, or RS then AG)")
         return self
 
+    def to_dict(self) -> dict[str, Any]:
+        """The schedule as plain JSON-able data (format ``lightning_pipedap.schedule`` version 1).
+
+        Keys: ``format``, ``version``, ``name``; ``buckets`` (a list of index lists); ``ops`` (a list
+        of ``[kind, bucket]`` pairs, kind ``"RS"``, ``"AG"`` or ``"AR"``); ``compressed`` (a list of
+        bools, or ``None``); ``predicted_iteration_s`` (seconds, or ``None``).
+        """
+        return {
+            "format": SCHEDULE_FORMAT, "version": SCHEDULE_VERSION, "name": self.name,
+            "buckets": [list(b) for b in self.buckets], "ops": [[op.kind.value, op.bucket] for op in self.ops],
+            "compressed": None if self.compressed is None else list(self.compressed),
+            "predicted_iteration_s": self.predicted_iteration_s,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Schedule":
+        """Inverse of :meth:`to_dict`; the result is validated (:meth:`validate`, without a parameter count).
+
+        ``name`` (default ``"custom"``), ``compressed`` and ``predicted_iteration_s`` (default ``None``)
+        may be left out.
+
+        Raises:
+            ValueError: naming the offending key and value: not a dict, another format tag or version,
+                an unknown or missing key, a bucket that is not a list of ints >= 0, an op that is not a
+                ``[kind, bucket]`` pair, a flag that is not a bool, a negative or non-finite prediction;
+                or an op list that :meth:`validate` rejects.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a schedule is a dict with keys {list(_DICT_KEYS)}, got {type(data).__name__}")
+        if data.get("format") != SCHEDULE_FORMAT:
+            raise ValueError(f"not a schedule: format is {data.get('format')!r}, expected {SCHEDULE_FORMAT!r}")
+        if data.get("version") != SCHEDULE_VERSION:
+            raise ValueError(f"unsupported schedule version {data.get('version')!r}; valid: {SCHEDULE_VERSION}")
+        unknown = sorted(set(data) - set(_DICT_KEYS))
+        if unknown:
+            raise ValueError(f"unknown schedule keys {unknown}; valid: {list(_DICT_KEYS)}")
+        missing = [k for k in ("buckets", "ops") if k not in data]
+        if missing:
+            raise ValueError(f"schedule lacks {missing}")
+        return cls(
+            buckets=_buckets_from(data["buckets"]), ops=_ops_from(data["ops"]),
+            name=_name_from(data.get("name", "custom")),
+            predicted_iteration_s=_prediction_from(data.get("predicted_iteration_s")),
+            compressed=_flags_from(data.get("compressed")),
+        ).validate()
+
     def describe(self) -> str:
         """One line: name, bucket count and the op list, e.g. ``dear: 3 buckets: RS2 RS1 RS0 AG0 AG1 AG2``.
 
@@ -149,6 +203,57 @@ class Schedule:
         n = self.num_compressed
         head = f"{self.name}: {len(self.buckets)} buckets" + (f" ({n} compressed)" if n else "")
         return head + ": " + " ".join(("C" if self.is_compressed(o.bucket) else "") + str(o) for o in self.ops)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _buckets_from(value: Any) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"buckets must be a list of buckets (lists of parameter indices), got {value!r}")
+    for b, bk in enumerate(value):
+        if not isinstance(bk, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in bk):
+            raise ValueError(f"buckets[{b}] must be a list of parameter indices (ints >= 0), got {bk!r}")
+    return tuple(tuple(bk) for bk in value)
+
+
+def _ops_from(value: Any) -> tuple[Op, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"ops must be a list of [kind, bucket] pairs, got {value!r}")
+    kinds = [k.value for k in OpKind]
+    ops = []
+    for i, op in enumerate(value):
+        if not (isinstance(op, (list, tuple)) and len(op) == 2 and op[0] in kinds and _is_int(op[1])):
+            raise ValueError(f"ops[{i}] must be a [kind, bucket] pair with kind one of {kinds} and an int bucket, "
+                             f"got {op!r}")
+        ops.append(Op(OpKind(op[0]), op[1]))
+    return tuple(ops)
+
+
+def _name_from(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"name must be a string, got {value!r}")
+    return value
+
+
+def _prediction_from(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"predicted_iteration_s must be a finite number >= 0 (seconds) or null, got {value!r}")
+    return float(value)
+
+
+def _flags_from(value: Any) -> tuple[bool, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"compressed must be a list of bools (one per bucket) or null, got {value!r}")
+    for b, f in enumerate(value):
+        if not isinstance(f, bool):
+            raise ValueError(f"compressed[{b}] must be true or false, got {f!r}")
+    return tuple(value)
 
 
 def allreduce_ops(num_buckets: int) -> tuple[Op, ...]:

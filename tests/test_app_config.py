@@ -92,7 +92,7 @@ def test_default_callbacks_exist_and_every_callback_config_resolves():
     for name, target in targets.items():
         mod, _, cls = target.rpartition(".")
         assert hasattr(importlib.import_module(mod), cls), f"callbacks.{name}: {target} does not exist"
-    measure = importlib.import_module("lightning_pipedap.measure.callbacks")
+    measure = importlib.import_module("lightning_pipedap.measure")
     for key, cls in (("speedup", "SpeedupMonitor"), ("energy", "EnergyMonitor"), ("comm_timeline", "CommTimeline")):
         assert (key in targets) == hasattr(measure, cls)
 

@@ -9,8 +9,8 @@ import torch
 
 from lightning_pipedap.compress import CompressionRuntime, Payload, get_compressor, valid_compressor_names
 from lightning_pipedap.compress.base import mix_seed
-from lightning_pipedap.compress.compressors import PowerSGDCompressor, orthogonalize_
 from lightning_pipedap.compress.memory import compensate, update_dense, update_sparse
+from lightning_pipedap.compress.powersgd import PowerSGDCompressor, orthogonalize_
 
 
 def t(*xs, dtype=torch.float32):

@@ -52,7 +52,7 @@ def _resume(variant: str) -> dict:
         path = os.path.join(d, "mid-step=8.ckpt")
         ckpt = torch.load(path, weights_only=True)  # plain data only: Lightning's default loader reads it
         plan = ckpt.get("pipedap_plan")
-        out["plan_buckets"] = None if plan is None else len(plan["buckets"])
+        out["plan_buckets"] = None if plan is None else len(plan["final_schedule"]["buckets"])
         entry = ckpt.get("pipedap_compression")
         if entry is not None:
             out["entry"] = {k: entry[k] for k in ("version", "compressor", "world_size")}

@@ -18,13 +18,9 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_pipedap.measure.callbacks import (
-    CommTimeline,
-    EnergyMonitor,
-    SpeedupMonitor,
-    batch_size_of,
-    read_summary,
-)
+from lightning_pipedap.measure import CommTimeline, EnergyMonitor, SpeedupMonitor
+from lightning_pipedap.measure._common import batch_size_of
+from lightning_pipedap.measure.summary import read_summary
 from lightning_pipedap.measure.timeline import OpRecord
 
 BATCH = 4
@@ -445,7 +441,7 @@ def test_compression_monitor_logs_ratio_and_hidden_share():
     from types import SimpleNamespace
 
     from lightning_pipedap.engine.compressed import CompressionStats
-    from lightning_pipedap.measure.callbacks import CompressionMonitor
+    from lightning_pipedap.measure import CompressionMonitor
 
     logged = []
     logger = SimpleNamespace(log_metrics=lambda m, step: logged.append((step, m)))

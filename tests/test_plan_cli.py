@@ -1,4 +1,4 @@
-"""What-if CLI ``python -m lightning_pipedap.simulate``."""
+"""What-if CLI ``python -m lightning_pipedap.plan.cli``."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedap import simulate as cli
 from lightning_pipedap.measure import timeline
+from lightning_pipedap.plan import cli, sweep
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import load_profile
-from lightning_pipedap.plan.simulator import lower_bounds
+from lightning_pipedap.plan.simulator import simulate
+from lightning_pipedap.schedule import Op, OpKind, Schedule
 
 DATA = Path(__file__).resolve().parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
@@ -76,7 +78,7 @@ def test_bad_arguments_exit_2(argv, match, capsys):
 def test_module_runs_on_shared_profile():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PIPEDAP_PROFILES_DIR=str(SHARED))
-    res = subprocess.run([sys.executable, "-m", "lightning_pipedap.simulate", "--profile", "vgg16",
+    res = subprocess.run([sys.executable, "-m", "lightning_pipedap.plan.cli", "--profile", "vgg16",
                           "--world-size", "8", "--planner", "wfbp"],
                          capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert res.returncode == 0, res.stderr
@@ -101,7 +103,7 @@ def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
     full = cli.run_sweep
     monkeypatch.setattr(cli, "run_sweep", lambda **kw: full(SHARED, models=("vgg16",), world_sizes=(8,), **kw))
     out = tmp_path / "PLANNERS.md"
-    out.write_text(f"# doc\n{cli.SWEEP_BEGIN}\nstale\n{cli.SWEEP_END}\ntail\n")
+    out.write_text(f"# doc\n{sweep.SWEEP_BEGIN}\nstale\n{sweep.SWEEP_END}\ntail\n")
     assert cli.main(["--sweep", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     rows = [l for l in printed.splitlines() if l.startswith("| vgg16 |")]
@@ -117,5 +119,52 @@ def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
         assert float(cells[9]) == pytest.approx(lb.window_s * 1e3, abs=1e-3)
     assert "optimal <= every other planner on 3/3 rows" in printed
     text = out.read_text()
-    assert text.startswith("# doc\n" + cli.SWEEP_BEGIN) and text.endswith(cli.SWEEP_END + "\ntail\n")
+    assert text.startswith("# doc\n" + sweep.SWEEP_BEGIN) and text.endswith(sweep.SWEEP_END + "\ntail\n")
     assert "stale" not in text and printed.strip() in text
+
+
+TINY = ["--profile", str(DATA / "tiny_profile.json"), "--world-size", "4", "--alpha", "2e-4", "--beta", "2e-9"]
+
+
+def _row(out: str, name: str) -> list[str]:
+    (row,) = [line.split() for line in out.splitlines() if line.split() and line.split()[0] == name]
+    return row
+
+
+@pytest.mark.parametrize("planner", ["optimal", "dear"])
+def test_saved_schedule_simulates_to_the_same_iteration_time(planner, tmp_path, capsys):
+    path = tmp_path / "s.json"
+    assert cli.main([*TINY, "--planner", planner, "--save-schedule", str(path)]) == 0
+    planned_out = capsys.readouterr().out
+    assert f"wrote {path} (schedule of {planner})" in planned_out
+    assert cli.main([*TINY, "--schedule", str(path)]) == 0
+    loaded_out = capsys.readouterr().out
+    assert _row(loaded_out, planner) == _row(planned_out, planner)  # buckets, ops, iteration, exposed, gap
+    prof, cm = load_profile(DATA / "tiny_profile.json"), CostModel.from_allreduce(2e-4, 2e-9)
+    planned = get_planner(planner)(prof, cm, 4)
+    saved = Schedule.from_dict(json.loads(path.read_text()))
+    assert saved == planned
+    a, b = simulate(prof, cm, planned), simulate(prof, cm, saved)
+    assert (b.iteration_s, b.exposed_comm_s) == (a.iteration_s, a.exposed_comm_s)
+    assert float(_row(loaded_out, planner)[3]) == pytest.approx(a.iteration_s * 1e3, abs=1e-3)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--save-schedule", "{dir}/s.json"], "--save-schedule writes one schedule: give --planner NAME"),
+    (["--schedule", "{dir}/s.json", "--planner", "dear"], "--schedule simulates the saved schedule; drop --planner"),
+    (["--schedule", "{dir}/missing.json"], "missing.json: no such file"),
+    (["--schedule", "{dir}/bad.json"], "bad.json is not JSON (Expecting property name"),
+    (["--schedule", "{dir}/cost.json"], "cost.json: not a schedule: format is 'lightning_pipedap.cost_model'"),
+    (["--schedule", "{dir}/wide.json"], "wide.json: buckets must partition the 5 trainable parameters; missing [],"
+                                        " out of range [5]"),
+    (["--schedule", "{dir}/s.json", "--compression", "fp16"], "has no compression flags; drop --compression"),
+])
+def test_bad_schedule_arguments_exit_2(argv, match, tmp_path, capsys):
+    (tmp_path / "s.json").write_text(json.dumps(Schedule(((0, 1, 2, 3, 4),), (Op(OpKind.ALL_REDUCE, 0),)).to_dict()))
+    (tmp_path / "wide.json").write_text(json.dumps(Schedule(((0, 1, 2), (3, 4, 5)), (
+        Op(OpKind.ALL_REDUCE, 1), Op(OpKind.ALL_REDUCE, 0))).to_dict()))
+    (tmp_path / "bad.json").write_text("{not json")
+    CostModel.from_allreduce(2e-4, 2e-9).save(tmp_path / "cost.json")
+    rc = cli.main([*TINY, *[a.replace("{dir}", str(tmp_path)) for a in argv]])
+    assert rc == 2
+    assert match in capsys.readouterr().err

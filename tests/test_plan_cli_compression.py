@@ -8,13 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedap import simulate as cli
 from lightning_pipedap.compress.compressors import valid_compressor_names
+from lightning_pipedap.plan import cli
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.compression import CompressionCost, load_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import load_profile
-from lightning_pipedap.plan.simulator import lower_bounds
+from lightning_pipedap.plan.simulator import simulate
+from lightning_pipedap.schedule import Schedule
 
 DATA = Path(__file__).resolve().parent / "data"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
@@ -139,3 +141,24 @@ def test_compression_cost_file_errors(tmp_path):
     with pytest.raises(ValueError, match="is not JSON"):
         load_compression_cost(bad)
     assert load_compression_cost(COST.save(tmp_path / "ok.json")) == COST
+
+
+def test_saved_compressed_schedule_simulates_to_the_same_iteration_time(tmp_path, capsys):
+    tiny = ["--profile", str(DATA / "tiny_profile.json"), "--world-size", "4", "--alpha", "2e-4", "--beta", "2e-9"]
+    cost_file, path = str(COST.save(tmp_path / "fp16.json")), tmp_path / "s.json"
+    with_cost = ["--compression", "fp16", "--compression-cost", cost_file]
+    assert cli.main([*tiny, "--planner", "wfbp", *with_cost, "--save-schedule", str(path)]) == 0
+    planned = _rows(capsys.readouterr().out)["wfbp+fp16"]
+    saved = Schedule.from_dict(json.loads(path.read_text()))
+    assert saved.num_compressed == len(saved.buckets) > 0  # wfbp with a compression cost compresses every bucket
+    assert cli.main([*tiny, "--schedule", str(path), *with_cost]) == 0
+    loaded = _rows(capsys.readouterr().out)["wfbp"]
+    assert loaded[1:] == planned[1:]  # buckets, ops, iteration, exposed, gap (vs the bound with compression), k/B
+    prof, cm = load_profile(DATA / "tiny_profile.json"), CostModel.from_allreduce(2e-4, 2e-9)
+    a = simulate(prof, cm, get_planner("wfbp")(prof, cm, 4, compression=COST), compression=COST, world_size=4)
+    b = simulate(prof, cm, saved, compression=COST, world_size=4)
+    assert (b.iteration_s, b.exposed_comm_s, b.helper) == (a.iteration_s, a.exposed_comm_s, a.helper)
+    # without the cost the compressed buckets cannot be simulated
+    assert cli.main([*tiny, "--schedule", str(path)]) == 2
+    assert f"compresses {saved.num_compressed} of {len(saved.buckets)} buckets; give --compression METHOD" in \
+        capsys.readouterr().err

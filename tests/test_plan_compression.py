@@ -9,11 +9,13 @@ import random
 
 import pytest
 
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.compression import CompressionCost, fit_compression_cost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator, lower_bounds, simulate, to_op_records
+from lightning_pipedap.plan.simulator import simulate, to_op_records
 from lightning_pipedap.schedule import Op, OpKind, Schedule, builtin_schedule, expand_layers
 
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE

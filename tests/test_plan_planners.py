@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
-from lightning_pipedap.plan.simulator import lower_bounds, simulate
+from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE

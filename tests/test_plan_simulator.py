@@ -6,9 +6,11 @@ import random
 
 import pytest
 
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator, lower_bounds, simulate
+from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE

@@ -1,4 +1,4 @@
-"""Validation 1 table (``simulate --sweep``) and the simulated-timeline -> OpRecord conversion."""
+"""Validation 1 table (``plan.sweep``) and the simulated-timeline -> OpRecord conversion."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from lightning_pipedap import simulate as cli
 from lightning_pipedap.measure.timeline import (
     communication_ms, compute_ms, exposed_communication_ms, exposed_intervals, gantt_rgb, pack_rows,
 )
+from lightning_pipedap.plan import sweep
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
@@ -51,7 +51,7 @@ def _reference_numbers(model: str, world_size: int, beta_scale: float) -> tuple[
     ("vgg16", 30.0, 1015.3249, 1014.0063),  # a row that separates the planners
 ])
 def test_pinned_rows_at_8_workers(model, beta_scale, optimal_ms, window_ms):
-    (row,) = cli.run_sweep(SHARED, models=(model,), world_sizes=(8,), beta_scales=(beta_scale,))
+    (row,) = sweep.run_sweep(SHARED, models=(model,), world_sizes=(8,), beta_scales=(beta_scale,))
     assert (row.model, row.world_size, row.beta_scale) == (model, 8, beta_scale)
     assert row.iteration_s["optimal"] * 1e3 == pytest.approx(optimal_ms, abs=0.01)
     assert row.window_s * 1e3 == pytest.approx(window_ms, abs=0.01)
@@ -63,8 +63,8 @@ def test_pinned_rows_at_8_workers(model, beta_scale, optimal_ms, window_ms):
     assert row.gap_pct == pytest.approx(100.0 * (optimal_ms / window_ms - 1.0), abs=1e-3)
 
 
-def _row(model: str, times_ms: dict[str, float], window_ms: float) -> cli.SweepRow:
-    return cli.SweepRow(model, 4, 10.0, {k: v / 1e3 for k, v in times_ms.items()}, window_ms / 1e3 - 0.001,
+def _row(model: str, times_ms: dict[str, float], window_ms: float) -> sweep.SweepRow:
+    return sweep.SweepRow(model, 4, 10.0, {k: v / 1e3 for k, v in times_ms.items()}, window_ms / 1e3 - 0.001,
                         window_ms / 1e3)
 
 
@@ -73,7 +73,7 @@ def test_markdown_and_summary_on_hand_made_rows():
     b = _row("m2", {"no_overlap": 120.0, "wfbp": 101.0, "dear": 99.0, "pipedap": 101.0, "optimal": 102.0}, 100.0)
     assert a.gap_pct == pytest.approx(0.5) and a.optimal_is_best
     assert b.gap_pct == pytest.approx(2.0) and not b.optimal_is_best  # dear beats optimal: must show
-    text = cli.sweep_markdown([a, b])
+    text = sweep.sweep_markdown([a, b])
     lines = text.splitlines()
     assert lines[0] == ("| model | workers | β × | no_overlap | wfbp | dear | pipedap | optimal | sum bound | "
                         "window bound | gap % |")
@@ -82,24 +82,24 @@ def test_markdown_and_summary_on_hand_made_rows():
     assert lines[-1] == ("optimal <= every other planner on 1/2 rows; optimal within 1% of the window bound on "
                          "1/2 rows (50%); largest gap 2.00%.")
     tiny = _row("m3", {"no_overlap": 1.0, "wfbp": 1.0, "dear": 1.0, "pipedap": 1.0, "optimal": 1.0 - 1e-15}, 1.0)
-    assert "| 0.00 |" in cli.sweep_markdown([tiny])  # float noise below the bound is not printed as -0.00
+    assert "| 0.00 |" in sweep.sweep_markdown([tiny])  # float noise below the bound is not printed as -0.00
 
 
 def test_write_between_markers(tmp_path):
     new = tmp_path / "d" / "T.md"
-    cli.write_between_markers(new, "| a |\n")
-    assert new.read_text() == f"{cli.SWEEP_BEGIN}\n| a |\n{cli.SWEEP_END}\n"
+    sweep.write_between_markers(new, "| a |\n")
+    assert new.read_text() == f"{sweep.SWEEP_BEGIN}\n| a |\n{sweep.SWEEP_END}\n"
     doc = tmp_path / "P.md"
-    doc.write_text(f"# Title\nprose\n\n{cli.SWEEP_BEGIN}\nold table\n{cli.SWEEP_END}\n\nmore prose\n")
-    cli.write_between_markers(doc, "| new |\n\nsummary\n")
+    doc.write_text(f"# Title\nprose\n\n{sweep.SWEEP_BEGIN}\nold table\n{sweep.SWEEP_END}\n\nmore prose\n")
+    sweep.write_between_markers(doc, "| new |\n\nsummary\n")
     once = doc.read_text()
-    assert once == f"# Title\nprose\n\n{cli.SWEEP_BEGIN}\n| new |\n\nsummary\n{cli.SWEEP_END}\n\nmore prose\n"
-    cli.write_between_markers(doc, "| new |\n\nsummary\n")
+    assert once == f"# Title\nprose\n\n{sweep.SWEEP_BEGIN}\n| new |\n\nsummary\n{sweep.SWEEP_END}\n\nmore prose\n"
+    sweep.write_between_markers(doc, "| new |\n\nsummary\n")
     assert doc.read_text() == once  # idempotent
     plain = tmp_path / "plain.md"
     plain.write_text("hand-written, no markers\n")
     with pytest.raises(ValueError, match="has no .*sweep:begin"):
-        cli.write_between_markers(plain, "x")
+        sweep.write_between_markers(plain, "x")
     assert plain.read_text() == "hand-written, no markers\n"
 
 
@@ -135,7 +135,7 @@ def test_conversion_by_hand_and_exposed_equal():
 def test_conversion_preserves_every_op_and_exposed_for_every_planner(channels):
     prof = load_profile(DATA / "tiny_profile.json")
     cm = CostModel.from_allreduce(2e-4, 2e-9, startup_sharing=0.5)
-    for name in cli.ORDER:
+    for name in sweep.ORDER:
         r = simulate(prof, cm, get_planner(name)(prof, cm, 4, channels=channels), channels=channels)
         P, n = r.iteration_s, 3
         recs = to_op_records(r, iterations=n)

@@ -1,7 +1,8 @@
 """Gradient compression: compressors with error feedback, and the pipelined helper process.
 
 * :mod:`.base`: :class:`Payload`, :class:`Compressor`, :class:`BucketState`.
-* :mod:`.compressors`: the methods and :func:`get_compressor`.
+* :mod:`.compressors`: the methods and :func:`get_compressor` (the registry of all methods).
+* :mod:`.powersgd`: :class:`~.powersgd.PowerSGDCompressor` and its per-bucket matrix layout.
 * :mod:`.memory`: error-feedback residual updates.
 * :mod:`.runtime`: :class:`CompressionRuntime` (compressor + per-bucket states).
 * :mod:`.state`: the state per parameter name, for checkpoints and re-plans (independent of buckets).

@@ -3,9 +3,12 @@
 * :mod:`~lightning_pipedap.measure.energy` -- NVML / RAPL / estimated energy readers;
 * :mod:`~lightning_pipedap.measure.timeline` -- :class:`OpRecord`, exposed communication, overlap
   ratio, Chrome trace and Gantt export (pure functions);
-* :mod:`~lightning_pipedap.measure.callbacks` -- :class:`EnergyMonitor`, :class:`SpeedupMonitor`,
-  :class:`CommTimeline`, :class:`CompressionMonitor` (they import Lightning, so they load on first
-  access: the engine and the compression helper use the timeline without importing Lightning).
+* :mod:`~lightning_pipedap.measure.summary` -- the run summary JSON the monitors write and read as reference;
+* callbacks, one per module: :class:`EnergyMonitor` (:mod:`~lightning_pipedap.measure.energy_monitor`),
+  :class:`SpeedupMonitor` (:mod:`~lightning_pipedap.measure.speedup`), :class:`CommTimeline`
+  (:mod:`~lightning_pipedap.measure.comm_timeline`), :class:`CompressionMonitor`
+  (:mod:`~lightning_pipedap.measure.compression_monitor`). They import Lightning, so they load on
+  first access: the engine and the compression helper use the timeline without importing Lightning.
 """
 
 from typing import Any
@@ -26,12 +29,13 @@ __all__ = [
 ]
 
 
-_CALLBACKS = ("CommTimeline", "CompressionMonitor", "EnergyMonitor", "SpeedupMonitor")
+_CALLBACKS = {"CommTimeline": "comm_timeline", "CompressionMonitor": "compression_monitor",
+              "EnergyMonitor": "energy_monitor", "SpeedupMonitor": "speedup"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _CALLBACKS:
-        from lightning_pipedap.measure import callbacks  # noqa: PLC0415
+        import importlib  # noqa: PLC0415
 
-        return getattr(callbacks, name)
+        return getattr(importlib.import_module(f"lightning_pipedap.measure.{_CALLBACKS[name]}"), name)
     raise AttributeError(f"module 'lightning_pipedap.measure' has no attribute {name!r}")

@@ -438,7 +438,7 @@ def gantt_panels_figure(panels: Sequence[Panel], origin_s: Optional[float] = Non
     are stacked in sub-rows, see :func:`pack_rows`) and, when used, a ``compress`` lane. With
     ``highlight_exposed`` the exposed communication (:func:`exposed_intervals`) is shaded red
     across the panel and marked by a red bar under the ``comm`` lane. Used for measured timelines
-    (:class:`~lightning_pipedap.measure.callbacks.CommTimeline`) and simulated ones
+    (:class:`~lightning_pipedap.measure.comm_timeline.CommTimeline`) and simulated ones
     (:func:`lightning_pipedap.plan.simulator.to_op_records`).
 
     Args:

@@ -11,16 +11,18 @@ Typical use::
     print(sched.describe(), sched.predicted_iteration_s, simulate(prof, cm, sched).exposed_comm_s)
 """
 
+from lightning_pipedap.plan.bounds import LowerBounds, lower_bounds
 from lightning_pipedap.plan.compression import CompressionCost, fit_compression_cost
 from lightning_pipedap.plan.contention import (
     ContendedResult, Contention, contended_pair, fit_contention, simulate_contended,
 )
 from lightning_pipedap.plan.cost_model import AlphaBeta, CostModel, fit_alpha_beta, fit_cost_model, load_cost_model
+from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import (
     LayerProfile, ModelProfile, load_profile, load_reference_profile, save_profile, shared_profiles_dir,
 )
-from lightning_pipedap.plan.simulator import Evaluator, LowerBounds, SimResult, lower_bounds, simulate, to_op_records
+from lightning_pipedap.plan.simulator import SimResult, simulate, to_op_records
 
 __all__ = [
     "AlphaBeta", "CompressionCost", "ContendedResult", "Contention", "CostModel", "Evaluator", "LayerProfile",

@@ -19,7 +19,7 @@ progresses at a rate in (0, 1] that depends on what else runs at that moment:
   thread); that extra work progresses at the op's rate like the rest;
 * helper-lane compressions (``CompressionCost(where="helper")``, a separate process) are *not*
   slowed by contention and do not slow anything: their durations are those of the
-  :class:`~lightning_pipedap.plan.simulator.Evaluator`. Inline compression is part of its channel
+  :class:`~lightning_pipedap.plan.evaluator.Evaluator`. Inline compression is part of its channel
   op and is slowed like the collective.
 
 Everything else is the model of :mod:`lightning_pipedap.plan.simulator`: op costs, list order per
@@ -34,9 +34,9 @@ start and one simulated period from a backward start to the next is the exact it
 (a job ends, or an op becomes ready) every rate is constant, so the next event time is exact.
 A job's remaining work is re-based only when its rate changes; with :meth:`Contention.none`
 no rate ever changes and every start and end is computed with the same floating-point operations
-as :meth:`Evaluator.run <lightning_pipedap.plan.simulator.Evaluator.run>`, so the iteration time
+as :meth:`Evaluator.run <lightning_pipedap.plan.evaluator.Evaluator.run>`, so the iteration time
 equals :func:`simulate`'s exactly. Contention only lowers rates, so the contended iteration time
-is never below the uncontended one, and :func:`~lightning_pipedap.plan.simulator.lower_bounds`
+is never below the uncontended one, and :func:`~lightning_pipedap.plan.bounds.lower_bounds`
 stay valid.
 
 :func:`fit_contention` inverts the model on a micro-benchmark (see its docstring for the
@@ -50,12 +50,12 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from lightning_pipedap.plan._jsonfile import check_header
+from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import K_AG, K_RS, K_SKIP, Evaluator, Interval, OpTiming, op_code
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import (
-    _K_AG, _K_RS, _K_SKIP, Evaluator, Interval, OpTiming, SimResult, lower_bounds, op_code,
-)
+from lightning_pipedap.plan.simulator import SimResult
 from lightning_pipedap.schedule import Schedule
 
 __all__ = ["Contention", "ContendedResult", "contended_pair", "fit_contention", "simulate_contended"]
@@ -416,11 +416,11 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
         idx, op = queues[ch][qpos[ch]]
         c = op_code(op)
         k, b = ev.kind[c], op.bucket
-        if k == _K_SKIP:
+        if k == K_SKIP:
             timings[idx] = (idx, op, ch, t, t)
             qpos[ch] += 1
             return True
-        dep = rs_end[b] if k == _K_AG else ready[b]
+        dep = rs_end[b] if k == K_AG else ready[b]
         if dep is None or dep > t:
             return False
         work = ev.cost[c]
@@ -438,7 +438,7 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
         assert job is not None
         idx, op, _, k = job.item
         timings[idx] = (idx, op, ch, job.start, t)
-        if k == _K_RS:
+        if k == K_RS:
             rs_end[op.bucket] = t
         else:
             done[op.bucket] = t
@@ -477,7 +477,7 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
             if cjobs[ch] is None and qpos[ch] < len(queues[ch]):
                 _, op = queues[ch][qpos[ch]]
                 k = ev.kind[op_code(op)]
-                dep = rs_end[op.bucket] if k == _K_AG else ready[op.bucket]
+                dep = rs_end[op.bucket] if k == K_AG else ready[op.bucket]
                 if dep is not None and dep > t:
                     cand.append(dep)
         guard += 1

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel
-from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.schedule import Schedule
 from lightning_pipedap.strategy.controller import Phase
 from lightning_pipedap.strategy.params import ParamInfo
 from lightning_pipedap.strategy.planning import predicted_busy_s
@@ -30,7 +30,8 @@ if TYPE_CHECKING:
 
 #: checkpoint key of the installed final schedule
 PLAN_KEY = "pipedap_plan"
-PLAN_VERSION = 1
+#: version of the :data:`PLAN_KEY` entry (see :func:`plan_state`); a run does not install an entry of another version
+PLAN_VERSION = 2
 
 
 
@@ -69,14 +70,15 @@ class ResumeState:
 def plan_state(*, world_size: int, schedule_name: str, bucket_cap_mb: float, signature: list[list[Any]],
                order: list[int], owner_names: list[Optional[str]], schedule: Schedule,
                no_overlap_time_s: Optional[float], cost_model: Optional[CostModel]) -> dict[str, Any]:
-    """The installed final schedule as plain data (the :data:`PLAN_KEY` entry)."""
+    """The installed final schedule as plain data (the :data:`PLAN_KEY` entry).
+
+    ``schedule`` is the configured schedule name (``schedule_name``, compared by :func:`plan_mismatch`);
+    ``final_schedule`` the installed :class:`Schedule` as :meth:`Schedule.to_dict`.
+    """
     return {
         "version": PLAN_VERSION, "world_size": world_size, "schedule": schedule_name,
         "bucket_cap_mb": bucket_cap_mb, "params": signature, "order": list(order), "owners": list(owner_names),
-        "buckets": [list(b) for b in schedule.buckets], "ops": [[op.kind.value, op.bucket] for op in schedule.ops],
-        "compressed": None if schedule.compressed is None else list(schedule.compressed),
-        "name": schedule.name, "predicted_iteration_s": schedule.predicted_iteration_s,
-        "no_overlap_time_s": no_overlap_time_s,
+        "final_schedule": schedule.to_dict(), "no_overlap_time_s": no_overlap_time_s,
         "cost_model": None if cost_model is None else cost_model.to_dict(),
     }
 
@@ -90,11 +92,14 @@ def plan_mismatch(plan: dict[str, Any], *, world_size: int, schedule_name: str, 
 
 
 def plan_schedule(plan: dict[str, Any]) -> Schedule:
-    """The :class:`Schedule` stored in a plan entry."""
-    compressed = plan.get("compressed")
-    return Schedule(tuple(tuple(b) for b in plan["buckets"]), tuple(Op(OpKind(k), b) for k, b in plan["ops"]),
-                    plan["name"], plan["predicted_iteration_s"],
-                    None if compressed is None else tuple(bool(c) for c in compressed))
+    """The :class:`Schedule` stored in a plan entry (:meth:`Schedule.from_dict` of its ``final_schedule``).
+
+    Raises:
+        ValueError: the entry holds no valid schedule (the message names the bad key or value).
+    """
+    if "final_schedule" not in plan:
+        raise ValueError(f"the plan entry has no 'final_schedule' (keys: {sorted(plan)})")
+    return Schedule.from_dict(plan["final_schedule"])
 
 
 class CompressionCarry:

@@ -52,7 +52,6 @@ twice (before and after the strategies) and the bound uses the faster run.
 
 ``--quick`` runs only the headline cell (mlp, 1gbit, 2 ranks; ``ddp`` and ``pipedap-optimal``, 5 warm-up
 and 5 measured steps, one compute-only run) and prints ``speedup_vs_ddp=<x> ratio_to_bound=<y>`` last.
-It replaced the earlier ``bench.training`` script.
 
 Per compressed pipedap variant, ``strategy.compression_stats()`` (per bucket, the last round) is sampled
 before every backward and at the end of training, so each round is counted once for the step that made it,

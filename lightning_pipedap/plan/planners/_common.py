@@ -2,10 +2,10 @@
 
 Fusions here are *contiguous*: a fusion is given by the sorted start layers of its buckets
 (``starts[0] == 0``); bucket ``b`` holds layers ``starts[b] .. starts[b+1]-1`` (forward order).
-Op lists are built as the simulator's integer codes of :class:`~lightning_pipedap.schedule.Op`
-(``3 * bucket + k``, k: 0 RS, 1 AG, 2 AR; see :func:`lightning_pipedap.plan.simulator.op_code`;
-``RS``, ``AG`` and ``AR`` here are the simulator's ``k``) and evaluated with
-:class:`~lightning_pipedap.plan.simulator.Evaluator`.
+Op lists are built as the evaluator's integer codes of :class:`~lightning_pipedap.schedule.Op`
+(``3 * bucket + k``, k: 0 RS, 1 AG, 2 AR; see :mod:`lightning_pipedap.plan.evaluator`; ``RS``,
+``AG`` and ``AR`` here are its ``K_RS``, ``K_AG`` and ``K_AR``) and evaluated with
+:class:`~lightning_pipedap.plan.evaluator.Evaluator`.
 
 Compression: every planner takes an optional
 :class:`~lightning_pipedap.plan.compression.CompressionCost`. The fixed-idea planners (``wfbp``,
@@ -21,15 +21,17 @@ from typing import Any, Callable, Iterable, Sequence
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import K_AG as AG
+from lightning_pipedap.plan.evaluator import K_AR as AR
+from lightning_pipedap.plan.evaluator import K_RS as RS
+from lightning_pipedap.plan.evaluator import Evaluator, code_op
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import _K_AG as AG
-from lightning_pipedap.plan.simulator import _K_AR as AR
-from lightning_pipedap.plan.simulator import _K_RS as RS
-from lightning_pipedap.plan.simulator import Evaluator, code_op
 from lightning_pipedap.schedule import Schedule, fuse_by_size
 
 Starts = tuple[int, ...]
 OpsBuilder = Callable[[Evaluator], list[int]]
+#: relative improvement a search needs to replace its incumbent (keeps ties deterministic)
+TOL = 1e-12
 
 
 def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,

@@ -1,6 +1,6 @@
 """``optimal``: search over contiguous tensor fusion, op order and op mode (AR or RS + AG).
 
-The simulator (:class:`~lightning_pipedap.plan.simulator.Evaluator`) is the objective. The search
+The simulator (:class:`~lightning_pipedap.plan.evaluator.Evaluator`) is the objective. The search
 keeps the best schedule of these stages, so its prediction is never worse than any of them:
 
 1. **Known planners.** ``no_overlap``, ``wfbp``, ``dear`` and ``pipedap`` (each with its own fusion
@@ -28,13 +28,10 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    valid position, split an AR into RS + AG, merge RS + AG into an AR (at either position). First
    improvement; each polish stops at a local optimum or after ``max_polish_evals`` evaluations, and
    the stage stops once the evaluated op lists hold ``max_polish_work`` ops in total.
-5. **Exact branch and bound** when the model has at most ``exact_max_layers`` layers: every
-   contiguous fusion, depth-first over op lists (every op kind at every step), pruned by (a) a lower
-   bound (each unfinished bucket's earliest possible completion fed through the next forward, and,
-   on one channel, all remaining work after the channel's free time followed by the shortest
-   forward tail), and (b) dominance between partial op lists with the same ops done (channel free
-   times and completion times all no later). With the node budget ``max_exact_nodes`` not exhausted,
-   the result is optimal over all contiguous fusions, modes and orders.
+5. **Exact branch and bound** (:mod:`._exact`) when the model has at most ``exact_max_layers``
+   layers: every contiguous fusion, depth-first over op lists, pruned by a lower bound and by
+   dominance between partial op lists. With the node budget ``max_exact_nodes`` not exhausted, the
+   result is optimal over all contiguous fusions, modes and orders.
 6. **Compression** (only with a :class:`~lightning_pipedap.plan.compression.CompressionCost`):
    which buckets to compress. Stages 1-5 plan without compression (the incumbent, so the plan never
    predicts worse than not compressing). Then: the known planners with every bucket compressed;
@@ -58,25 +55,25 @@ from __future__ import annotations
 import bisect
 import logging
 import math
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator, op_code
 from lightning_pipedap.plan.planners import dear as _dear
 from lightning_pipedap.plan.planners import no_overlap as _no_overlap
 from lightning_pipedap.plan.planners import pipedap as _pipedap
 from lightning_pipedap.plan.planners import wfbp as _wfbp
 from lightning_pipedap.plan.planners._common import (
-    AG, AR, RS, Starts, buckets_of, check_common, dp_backward_fusion, evaluator, finish,
+    AG, AR, RS, TOL, Starts, buckets_of, check_common, dp_backward_fusion, evaluator, finish,
     merge_adjacent, normalize_compressed, resolve_fusion, starts_of,
 )
+from lightning_pipedap.plan.planners._exact import branch_and_bound, exact_compressed_search, exact_search
 from lightning_pipedap.plan.planners.pipedap import pipedap_codes
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator, op_code
 from lightning_pipedap.schedule import Schedule
 
 log = logging.getLogger(__name__)
-_TOL = 1e-12  # relative improvement needed to replace the incumbent (keeps ties deterministic)
 
 
 # ---------------------------------------------------------------- structured op lists (stage 2)
@@ -172,7 +169,7 @@ def structured_best(ev: Evaluator, cut_window: int = 6, drop_max_buckets: int = 
                 cand = best_prefix[:i] + best_prefix[i + 1:]
                 codes = _compose(ev, cand)
                 p = ev.period_codes(codes)
-                if p < best_p * (1 - _TOL):
+                if p < best_p * (1 - TOL):
                     best_p, best, best_prefix, improved = p, codes, cand, True
                     break
     return best_p, best
@@ -255,7 +252,7 @@ class _FusionSearch:
                         break
                     work += len(nb)
                 p = self.evaluate(nb)[0]
-                if p < cur_p * (1 - _TOL):
+                if p < cur_p * (1 - TOL):
                     cur, cur_p, improved = nb, p, True
                     break
         return cur_p, cur
@@ -298,175 +295,12 @@ def polish(ev: Evaluator, codes: list[int], max_evals: int) -> tuple[float, list
         for cand in _polish_moves(codes, ev.cost):
             evals += 1
             p = ev.period_codes(cand)
-            if p < best_p * (1 - _TOL):
+            if p < best_p * (1 - TOL):
                 best_p, codes, improved = p, cand, True
                 break
             if evals >= max_evals:
                 break
     return best_p, codes, evals
-
-
-# ---------------------------------------------------------------- exact branch and bound (stage 5)
-class _BnB:
-    """Depth-first branch and bound over op lists for one fusion (see stage 5)."""
-
-    def __init__(self, ev: Evaluator, node_budget: int) -> None:
-        self.ev = ev
-        self.B = ev.B
-        self.cost, self.ready = ev.cost, ev.ready
-        self.two = ev.channels == 2
-        self.steps = ev._fast_steps
-        self.minred = [min(ev.cost[3 * b + AR], ev.cost[3 * b + RS] + ev.cost[3 * b + AG]) for b in range(ev.B)]
-        tail = 0.0
-        self.tailf = [0.0] * ev.B
-        for b, d in reversed(self.steps):
-            tail += d
-            self.tailf[b] = tail
-        self.nodes = 0
-        self.node_budget = node_budget
-        self.aborted = False
-        self.memo: dict[tuple[int, ...], list[tuple[float, ...]]] = {}
-
-    def bound(self, status: list[int], done: list[float], rs_end: list[float], free: list[float]) -> float:
-        cost = self.cost
-        f0 = free[0]
-        fa = free[1] if self.two else f0
-        cur = self.ev.t_backward
-        rem = 0.0
-        tmin = math.inf
-        for b, d in self.steps:
-            s = status[b]
-            if s == 2:
-                x = done[b]
-            elif s == 1:
-                r = rs_end[b]
-                x = (fa if fa > r else r) + cost[3 * b + AG]
-                rem += cost[3 * b + AG]
-                tmin = self.tailf[b] if self.tailf[b] < tmin else tmin
-            else:
-                r = self.ready[b]
-                x = (f0 if f0 > r else r) + self.minred[b]
-                rem += self.minred[b]
-                tmin = self.tailf[b] if self.tailf[b] < tmin else tmin
-            if x > cur:
-                cur = x
-            cur += d
-        if not self.two and rem > 0.0:
-            lb2 = f0 + rem + tmin
-            if lb2 > cur:
-                return lb2
-        return cur
-
-    def _dominated(self, status: list[int], done: list[float], rs_end: list[float], free: list[float]) -> bool:
-        key = tuple(status)
-        vec = (free[0], free[1]) + tuple(done[b] if status[b] == 2 else (rs_end[b] if self.two and status[b] == 1 else 0.0)
-                                         for b in range(self.B))
-        lst = self.memo.setdefault(key, [])
-        for v in lst:
-            if all(a <= c for a, c in zip(v, vec)):
-                return True
-        lst[:] = [v for v in lst if not all(c <= a for a, c in zip(v, vec))]
-        lst.append(vec)
-        return False
-
-    def search(self, best: float) -> tuple[float, list[int] | None]:
-        B = self.B
-        status = [0] * B
-        done = [0.0] * B
-        rs_end = [0.0] * B
-        free = [0.0, 0.0]
-        seq: list[int] = []
-        found: list[list[int] | None] = [None]
-        best_box = [best]
-        cost, ready, chan = self.cost, self.ready, self.ev.chan
-        order = list(range(B - 1, -1, -1))
-        compressed = self.ev.compressed  # a compressed bucket is reduced by one channel op: AR only
-
-        def rec(left: int) -> None:
-            if self.aborted:
-                return
-            self.nodes += 1
-            if self.nodes > self.node_budget:
-                self.aborted = True
-                return
-            lb = self.bound(status, done, rs_end, free)
-            if lb >= best_box[0] * (1 - _TOL):
-                return
-            if left == 0:
-                best_box[0] = lb
-                found[0] = list(seq)
-                return
-            if self._dominated(status, done, rs_end, free):
-                return
-            for b in order:
-                s = status[b]
-                if s == 1:
-                    kinds = (AG,)
-                elif s == 0 and compressed[b]:
-                    kinds = (AR,)
-                elif s == 0:
-                    kinds = (AR, RS) if cost[3 * b + AR] <= cost[3 * b + RS] + cost[3 * b + AG] else (RS, AR)
-                else:
-                    continue
-                for k in kinds:
-                    c = 3 * b + k
-                    ch = chan[c]
-                    dep = rs_end[b] if k == AG else ready[b]
-                    f_old = free[ch]
-                    e = (f_old if f_old > dep else dep) + cost[c]
-                    old = (status[b], done[b], rs_end[b])
-                    free[ch] = e
-                    if k == RS:
-                        status[b], rs_end[b] = 1, e
-                        new_left = left
-                    else:
-                        status[b], done[b] = 2, e
-                        new_left = left - 1
-                    seq.append(c)
-                    rec(new_left)
-                    seq.pop()
-                    free[ch] = f_old
-                    status[b], done[b], rs_end[b] = old
-
-        rec(B)  # left = number of buckets not yet fully reduced
-        return best_box[0], found[0]
-
-
-def _all_contiguous_fusions(L: int) -> Iterator[Starts]:
-    """Every contiguous fusion of ``L`` layers (``2^(L-1)``), as bucket start layers."""
-    for mask in range(1 << (L - 1)):
-        yield (0,) + tuple(i for i in range(1, L) if (mask >> (i - 1)) & 1)
-
-
-def branch_and_bound(evaluators: Iterable[Evaluator], upper: float,
-                     node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
-    """Stage 5 on each evaluator in turn (its fusion and compression flags), sharing one node budget;
-    each search is bounded by the best found so far (initially ``upper``).
-
-    Returns ``(best s, evaluator, codes, complete)``: ``evaluator`` and ``codes`` are ``None`` when
-    nothing beat ``upper``; ``complete`` is False when the node budget ran out (the result is then
-    the best found, not a proof of optimality; later evaluators are not built).
-    """
-    best, best_ev, best_codes = upper, None, None
-    nodes = 0
-    for ev in evaluators:
-        bnb = _BnB(ev, node_budget - nodes)
-        p, codes = bnb.search(best)
-        nodes += bnb.nodes
-        if codes is not None and p < best:
-            best, best_ev, best_codes = p, ev, codes
-        if bnb.aborted:
-            return best, best_ev, best_codes, False
-    return best, best_ev, best_codes, True
-
-
-def exact_search(profile: ModelProfile, cost_model: CostModel, channels: int, upper: float,
-                 node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
-    """Stage 5 over every contiguous fusion. Returns ``(best s, evaluator, codes, complete)`` as
-    :func:`branch_and_bound`."""
-    L = profile.num_layers
-    return branch_and_bound((Evaluator(profile, cost_model, buckets_of(st, L), channels)
-                             for st in _all_contiguous_fusions(L)), upper, node_budget)
 
 
 # ------------------------------------------------------------------------ known planners (stage 1)
@@ -509,7 +343,7 @@ class _FlagSearch:
             ev = hit[2]
             codes = normalize_compressed(ev, hint)
             p = ev.period_codes(codes)
-            if p < hit[0] * (1 - _TOL):
+            if p < hit[0] * (1 - TOL):
                 hit = (p, codes, ev)
         self.cache[key] = hit
         return hit
@@ -525,28 +359,12 @@ class _FlagSearch:
             for b in order:
                 nf = flags[:b] + (not flags[b],) + flags[b + 1:]
                 p, c, ev = self.evaluate(starts, nf, cur_codes)
-                if p < cur_p * (1 - _TOL):
+                if p < cur_p * (1 - TOL):
                     flags, cur_p, cur_codes, cur_ev, improved = nf, p, c, ev, True
                     break
                 if self.evals >= max_evals:
                     break
         return cur_p, cur_codes, cur_ev
-
-
-def exact_compressed_search(profile: ModelProfile, cost_model: CostModel, channels: int, world_size: int,
-                            compression: CompressionCost, fusions: Sequence[Starts] | None, upper: float,
-                            node_budget: int) -> tuple[float, Evaluator | None, list[int] | None, bool]:
-    """Stage 5 with compression: branch and bound for every fusion (``None``: every contiguous one)
-    and every flag vector with at least one compressed bucket.
-
-    Returns ``(best s, evaluator, codes, complete)`` as :func:`branch_and_bound`.
-    """
-    L = profile.num_layers
-    evaluators = (evaluator(profile, cost_model, buckets_of(starts, L), channels, world_size, compression,
-                            tuple(bool((fm >> b) & 1) for b in range(len(starts))))
-                  for starts in (_all_contiguous_fusions(L) if fusions is None else fusions)
-                  for fm in range(1, 1 << len(starts)))
-    return branch_and_bound(evaluators, upper, node_budget)
 
 
 def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
@@ -591,7 +409,7 @@ def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size:
         if not complete:
             log.warning("optimal: exact search over compression flags stopped after %d nodes; the plan is the "
                         "best found, not proven optimal", max_exact_nodes)
-    if ev is None or not p < best_p * (1 - _TOL):
+    if ev is None or not p < best_p * (1 - TOL):
         return None
     return p, ev, codes
 
@@ -662,7 +480,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         seeds.append(dp_backward_fusion(profile, cost_model.all_reduce))
     st_best = search.best_fusion(seeds, not fixed, max_fusion_evals, max_fusion_work)
     p, codes, ev = search.cache[st_best]
-    if p < best_p * (1 - _TOL):
+    if p < best_p * (1 - TOL):
         best_p, best_ev, best_codes = p, ev, codes
 
     # stage 4: polish the incumbent and the next best fusions of stages 2-3
@@ -676,7 +494,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
             break
         p, codes, used = polish(ev, list(codes), evals)
         work_left -= used * len(codes)
-        if p < best_p * (1 - _TOL):
+        if p < best_p * (1 - TOL):
             best_p, best_ev, best_codes = p, ev, codes
 
     # stage 5

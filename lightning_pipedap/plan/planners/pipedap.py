@@ -26,9 +26,9 @@ from typing import Any
 
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.planners._common import AG, RS, merge_adjacent, plan_over_fusions
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.simulator import Evaluator
 from lightning_pipedap.schedule import Schedule
 
 _EPS = 1e-15

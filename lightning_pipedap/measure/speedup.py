@@ -1,0 +1,165 @@
+"""Lightning callback :class:`SpeedupMonitor`: iteration time, throughput and speedup over a reference."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Optional
+
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities import rank_zero_warn
+
+from lightning_pipedap.measure._common import (
+    batch_size_of, check_int_at_least, check_positive_float, log_dir, log_metrics, reduce_sum,
+)
+from lightning_pipedap.measure.summary import SUMMARY_FILE, read_summary, summary_path, update_summary
+
+
+class SpeedupMonitor(Callback):
+    """Iteration time, throughput and speedup, as medians over windows after a warm-up.
+
+    The iteration time of step ``i`` is ``start(i+1) - start(i)`` from ``on_train_batch_start``
+    (``time.perf_counter``): start-to-start, because a strategy may defer the end of step ``i``
+    (all-gather, update) into the forward of step ``i+1``. Intervals spanning validation or an epoch
+    boundary are discarded, and the first ``warmup_steps`` intervals too. Every ``window_steps``
+    intervals, global rank 0 logs
+
+    * ``speed/iteration_time_ms``: median interval (ms), averaged over ranks;
+    * ``speed/throughput_samples_per_s``: global samples per step / median interval;
+    * ``speed/speedup_vs_reference``: ``throughput / ref_throughput`` when the reference file has a
+      throughput (robust to a different global batch), else ``ref_iteration_s / iteration_s``
+      (assumes the same global batch);
+    * ``speed/speedup_vs_no_overlap`` and ``speed/no_overlap_time_ms``: when the strategy exposes
+      ``no_overlap_time_s`` (compute-only + communication-only time per step, seconds, from its
+      profiler): ``no_overlap_time_s / iteration_s``. Not logged when it is ``None`` or missing.
+    * ``speed/predicted_iteration_ms`` and ``speed/prediction_error_pct`` (``100·(measured/predicted − 1)``):
+      when the strategy exposes the planner's ``predicted_iteration_s``.
+
+    Args:
+        warmup_steps: intervals discarded at the start (>= 0).
+        window_steps: intervals per logged median (>= 1).
+        reference_iteration_s: reference iteration time (s), e.g. of a DDP run with the same global batch.
+        reference_file: a summary JSON of a reference run (``iteration_s`` and/or
+            ``throughput_samples_per_s``).
+        summary_file: file name (in the log directory) or path of this run's summary; ``None``: none.
+        batch_size: samples per batch per rank; ``None``: from the batch's first tensor.
+        clock: seconds clock (tests); default ``time.perf_counter``.
+
+    Raises:
+        ValueError: bad argument.
+        FileNotFoundError: ``reference_file`` does not exist (at ``setup``).
+    """
+
+    #: reads neither weights nor gradients: no observer for PipeDAPStrategy (lightning_pipedap.strategy.observers)
+    pipedap_reads_model = False
+
+    def __init__(
+        self,
+        warmup_steps: int = 5,
+        window_steps: int = 20,
+        reference_iteration_s: Optional[float] = None,
+        reference_file: Optional[str] = None,
+        summary_file: Optional[str] = SUMMARY_FILE,
+        batch_size: Optional[int] = None,
+        clock: Optional[Callable[[], float]] = None,
+    ) -> None:
+        self.warmup_steps = check_int_at_least("warmup_steps", warmup_steps, minimum=0)
+        self.window_steps = check_int_at_least("window_steps", window_steps)
+        if reference_iteration_s is not None and reference_file is not None:
+            raise ValueError("give reference_iteration_s or reference_file, not both")
+        self.reference_iteration_s = check_positive_float("reference_iteration_s", reference_iteration_s)
+        self.reference_file = reference_file
+        self.summary_file = summary_file
+        self.batch_size = None if batch_size is None else check_int_at_least("batch_size", batch_size)
+        self._clock = clock or time.perf_counter
+        self.history: list[dict[str, float]] = []
+        self.intervals_s: list[float] = []  # all post-warm-up intervals of this rank
+        self._window: list[float] = []
+        self._window_samples: list[int] = []
+        self._last: Optional[float] = None
+        self._last_samples: Optional[int] = None
+        self._seen = 0
+        self._samples_known = True
+        self._ref_iter_s: Optional[float] = self.reference_iteration_s
+        self._ref_thr: Optional[float] = None
+        self._log_dir = ""
+        self._samples_per_step: Optional[float] = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._log_dir = log_dir(trainer)
+        if self.reference_file is not None:
+            ref = read_summary(self.reference_file)
+            self._ref_iter_s = ref.get("iteration_s")
+            self._ref_thr = ref.get("throughput_samples_per_s")
+            if not self._ref_iter_s and not self._ref_thr:
+                raise ValueError(f"reference_file={self.reference_file!r} has neither iteration_s nor "
+                                 "throughput_samples_per_s")
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        now = self._clock()
+        if self._last is not None:
+            self._seen += 1
+            if self._seen > self.warmup_steps:
+                self._window.append(now - self._last)
+                self.intervals_s.append(now - self._last)
+                if self._last_samples is None:
+                    self._samples_known = False
+                else:
+                    self._window_samples.append(self._last_samples)
+                if len(self._window) >= self.window_steps:
+                    self._log_window(trainer)
+        self._last = now
+        self._last_samples = self.batch_size if self.batch_size is not None else batch_size_of(batch)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        self._last = None
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        self._last = None
+
+    def _log_window(self, trainer: Any) -> None:
+        med = statistics.median(self._window)
+        known = 1.0 if self._samples_known else 0.0
+        samples = sum(self._window_samples) / len(self._window_samples) if self._window_samples else 0.0
+        med_sum, samples_sum, known_sum = reduce_sum(trainer, [med, samples, known])
+        self._window, self._window_samples, self._samples_known = [], [], True
+        it_s = med_sum / trainer.world_size
+        m = {"speed/iteration_time_ms": 1000.0 * it_s}
+        thr = None
+        if known_sum > trainer.world_size - 0.5:
+            self._samples_per_step = samples_sum
+            thr = samples_sum / it_s
+            m["speed/throughput_samples_per_s"] = thr
+        if self._ref_thr and thr is not None:
+            m["speed/speedup_vs_reference"] = thr / self._ref_thr
+        elif self._ref_iter_s:
+            m["speed/speedup_vs_reference"] = self._ref_iter_s / it_s
+        no_overlap = getattr(trainer.strategy, "no_overlap_time_s", None)
+        if no_overlap is not None:
+            m["speed/no_overlap_time_ms"] = 1000.0 * float(no_overlap)
+            m["speed/speedup_vs_no_overlap"] = float(no_overlap) / it_s
+        predicted = getattr(trainer.strategy, "predicted_iteration_s", None)
+        if predicted:
+            m["speed/predicted_iteration_ms"] = 1000.0 * float(predicted)
+            m["speed/prediction_error_pct"] = 100.0 * (it_s / float(predicted) - 1.0)
+        self.history.append(m)
+        log_metrics(trainer, m)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        med = statistics.median(self.intervals_s) if self.intervals_s else 0.0
+        med_sum, have = reduce_sum(trainer, [med, 1.0 if self.intervals_s else 0.0])
+        if not trainer.is_global_zero or not self.summary_file:
+            return
+        if have < trainer.world_size - 0.5:
+            rank_zero_warn(f"SpeedupMonitor: fewer than warmup_steps+1={self.warmup_steps + 1} timed steps; "
+                           "no iteration time in the summary")
+            return
+        it_s = med_sum / trainer.world_size
+        summary: dict[str, Any] = {"iteration_s": it_s}
+        if self._samples_per_step:
+            summary["samples_per_step"] = self._samples_per_step
+            summary["throughput_samples_per_s"] = self._samples_per_step / it_s
+        update_summary(summary_path(self.summary_file, self._log_dir), summary)
+
