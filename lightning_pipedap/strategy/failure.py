@@ -27,6 +27,8 @@ log = logging.getLogger("lightning_pipedap")
 
 #: exit code of a process ended because a peer stopped answering
 LOST_PEER_EXIT_CODE = 1
+#: exit code of a fit stopped by SIGTERM before it finished (128 + 15, as the shell reports a SIGTERM'd process)
+SIGTERM_EXIT_CODE = 143
 
 
 class CollectivesOffAfterFailure:
@@ -39,6 +41,10 @@ class CollectivesOffAfterFailure:
 
     def abort(self, exception: Optional[BaseException] = None) -> None:
         """Mark this rank as failed: stop the communication worker without waiting, make collectives local."""
+        if isinstance(exception, SystemExit) and not exception.code:
+            # Lightning ends a SIGTERM'd fit with SIGTERMException (a SystemExit, code 0); a job scheduler
+            # must not record an interrupted fit as a success: exit as a SIGTERM'd process does
+            exception.code = SIGTERM_EXIT_CODE
         if self._aborted:
             return
         self._aborted = True
