@@ -238,7 +238,7 @@ class CompressionPipeline:
             try:
                 fresh = self._backend.relayout(numels, lays, bool(keep_state), self._timeout(timeout_s))
             except HelperTimeoutError as e:
-                self.close()
+                self.close(timeout_s=1.0)  # an unresponsive helper: no long polite wait
                 raise HelperTimeoutError(f"{e}; the pipeline is closed (the helper's layout is unknown)") from e
             self._adopt(numels, lays)
             return fresh
@@ -431,11 +431,11 @@ class CompressionPipeline:
             self._backend.wait_ready(timeout_s)
             return True
         except HelperDiedError:
-            self.close()
+            self.close(timeout_s=1.0)
             raise
         except HelperTimeoutError:
             if self._backend.start_expired():
-                self.close()
+                self.close(timeout_s=1.0)  # a helper that did not start in time: no long polite wait
             elif poll:
                 return False
             raise
