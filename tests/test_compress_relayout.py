@@ -35,6 +35,17 @@ def topk_once(pipe: CompressionPipeline, bucket: int, grad: torch.Tensor) -> dic
     return sent
 
 
+def fd_count(pid: int | str = "self", expect: int | None = None) -> int:
+    """Open file descriptors of process ``pid``; with ``expect``, waits up to 5 s for that count
+    (multiprocessing's resource sharer closes its copies of passed descriptors asynchronously)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        n = len(os.listdir(f"/proc/{pid}/fd"))
+        if expect is None or n == expect or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
 def f32(*values: float) -> list[float]:
     """``values`` rounded to float32, as Python floats."""
     return torch.tensor(values, dtype=torch.float32).tolist()
@@ -47,6 +58,7 @@ def test_relayout_keeps_the_helper_and_carries_residuals_by_name():
         assert 0.0 < startup < 120.0 and pipe.ready and pipe.wait_ready() == startup
         pid = pipe.helper_pid
         assert pipe.relayout([6, 4], [[("a", (2, 3))], [("b", (4,))]]) == ["a", "b"]
+        fds = fd_count(), fd_count(pid)
         # k = 3 of 6 and 2 of 4: the largest magnitudes are sent exactly, the rest is the residual
         assert topk_once(pipe, 0, torch.tensor([0.1, -5.0, 0.2, 3.0, -0.3, 4.0])) == {1: -5.0, 3: 3.0, 5: 4.0}
         assert topk_once(pipe, 1, torch.tensor([1.0, -2.0, 0.5, 0.25])) == {0: 1.0, 1: -2.0}
@@ -72,6 +84,8 @@ def test_relayout_keeps_the_helper_and_carries_residuals_by_name():
         assert pipe.relayout([4], [[("b", (4,))]], keep_state=False) == ["b"]
         assert pipe.state_dict()["params"]["b"] == {"shape": [4], "step": 0, "residual": None, "tensors": {}}
         assert pipe.helper_pid == pid
+        # old slots are freed on both sides: one bucket less is 2 slots x 3 shared tensors less
+        assert (fd_count(expect=fds[0] - 6), fd_count(pid, expect=fds[1] - 6)) == (fds[0] - 6, fds[1] - 6)
     assert pipe.exitcode == 0
 
 
@@ -215,6 +229,8 @@ def test_layouts_without_bucket_numels_and_infinite_timeouts_are_refused():
         with pytest.raises(ValueError, match=r"bucket_numels must be a non-empty sequence of integers >= 1, got \[\]"):
             pipe.relayout([])
         assert pipe.bucket_numels == ()
+        with pytest.raises(ValueError, match=r"timeout_s must be a finite number of seconds >= 0, got inf"):
+            pipe.relayout([4], timeout_s=float("inf"))
 
 
 def test_start_without_main_restores_main_when_start_fails():

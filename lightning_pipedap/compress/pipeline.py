@@ -397,6 +397,7 @@ class CompressionPipeline:
 
         Idempotent; also called on garbage collection and by the context manager.
         """
+        timeout_s = self._timeout(timeout_s)
         with self._lock:
             if self._closed:
                 return
@@ -416,7 +417,12 @@ class CompressionPipeline:
         self._tickets.reset(len(numels))
 
     def _timeout(self, timeout_s: float | None) -> float:
-        return self.timeout_s if timeout_s is None else float(timeout_s)
+        """A call's timeout (None: the pipeline's); ValueError unless finite and >= 0."""
+        if timeout_s is None:
+            return self.timeout_s
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 <= timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
+        return float(timeout_s)
 
     def _ensure_ready(self) -> None:
         if self._backend.startup_s is None:
@@ -424,6 +430,7 @@ class CompressionPipeline:
 
     def _wait_ready(self, timeout_s: float | None, poll: bool) -> bool:
         """Wait for the helper; ``poll``: False instead of a timeout error while the start may still come."""
+        timeout_s = None if timeout_s is None else self._timeout(timeout_s)
         self._check_open()
         if self._backend.startup_s is not None:
             return True

@@ -11,7 +11,8 @@ PowerSGD warm-start Q, step counter) and exposes the three calls of a step::
 
 Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` save and restore the bucket states
 (residuals, method tensors, step counters) per parameter name (:mod:`.state`), so the state
-survives a change of buckets.
+survives a change of buckets; :func:`relayout_runtime` builds the runtime of new buckets with the
+state of the old one carried that way.
 """
 
 from __future__ import annotations
