@@ -268,6 +268,7 @@ def test_helper_exits_when_parent_is_sigkilled(tmp_path):
             parent.wait(10)
         if holder:
             os.kill(holder, signal.SIGKILL)
+        parent.stdout.close()
 
 
 def _running(pid: int) -> bool:

@@ -6,7 +6,10 @@
 * :mod:`.memory`: error-feedback residual updates.
 * :mod:`.runtime`: :class:`CompressionRuntime` (compressor + per-bucket states).
 * :mod:`.state`: the state per parameter name, for checkpoints and re-plans (independent of buckets).
-* :mod:`.pipeline`: :class:`CompressionPipeline` (helper process with shared-memory slots, or inline).
+* :mod:`.pipeline`: :class:`CompressionPipeline` (helper process with shared-memory slots, or inline),
+  built from :mod:`.tickets` (ticket book-keeping), :mod:`.backends` (where compression runs),
+  :mod:`.slots` (shared-memory slots and payload hand-off), :mod:`.channel` (the trainer's end of the
+  helper: start, requests, timeouts, liveness) and :mod:`.helper` (the helper process itself).
 """
 
 from lightning_pipedap.compress.base import BucketState, Compressor, Payload, TensorSpec

@@ -11,7 +11,8 @@ PowerSGD warm-start Q, step counter) and exposes the three calls of a step::
 
 Checkpoints: :meth:`state_dict` / :meth:`load_state_dict` save and restore the bucket states
 (residuals, method tensors, step counters) per parameter name (:mod:`.state`), so the state
-survives a change of buckets.
+survives a change of buckets; :func:`relayout_runtime` builds the runtime of new buckets with the
+state of the old one carried that way.
 """
 
 from __future__ import annotations
@@ -94,3 +95,32 @@ class CompressionRuntime:
             ValueError: if the state belongs to another compressor or a parameter's shape differs.
         """
         return import_state(sd, self.states, self.layouts, self.compressor_name)
+
+
+def relayout_runtime(old: CompressionRuntime | None, bucket_numels: Sequence[int], compressor_name: str,
+                     compressor_kwargs: dict[str, Any] | None, layouts: Layout | None,
+                     keep_state: bool = True) -> tuple[CompressionRuntime, list[str]]:
+    """A runtime for new buckets that continues ``old``'s compression state by parameter name.
+
+    The state of every parameter present in both layouts (residual slice, method tensors such as
+    PowerSGD's ``q``, step counter) moves to its new bucket and offset, through
+    :meth:`CompressionRuntime.state_dict` / :meth:`~CompressionRuntime.load_state_dict`; parameters
+    only in the old layout are dropped with their state. ``old`` is not modified.
+
+    Args:
+        old: the runtime of the previous layout, or None (no state to carry).
+        bucket_numels, compressor_name, compressor_kwargs, layouts: as for :class:`CompressionRuntime`.
+        keep_state: False starts every parameter afresh.
+
+    Returns:
+        ``(runtime, fresh)``: the new runtime and the sorted names of its parameters without carried
+        state (all of them when ``old`` is None or ``keep_state`` is False).
+
+    Raises:
+        ValueError: as for :class:`CompressionRuntime`, or a parameter whose shape differs between
+            the layouts.
+    """
+    rt = CompressionRuntime(bucket_numels, compressor_name, compressor_kwargs, layouts)
+    if old is None or not keep_state:
+        return rt, sorted(name for entries in rt.layouts for name, _ in entries)
+    return rt, rt.load_state_dict(old.state_dict())
