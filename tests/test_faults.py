@@ -37,9 +37,10 @@ def _shm() -> set[str]:
 class Job:
     """The ranks of one run, their output files and their exit codes."""
 
-    def __init__(self, tmp: Path, fault: str, fault_rank: int, external: bool = True, **opts: object) -> None:
-        self.tmp = tmp
-        args = [sys.executable, str(SCRIPT), str(tmp), fault, str(fault_rank), f"timeout={TIMEOUT_S}"]
+    def __init__(self, tmp: Path, fault: str, fault_rank: int, external: bool = True, script: Path = SCRIPT,
+                 **opts: object) -> None:
+        self.tmp, self.script = tmp, script
+        args = [sys.executable, str(script), str(tmp), fault, str(fault_rank), f"timeout={TIMEOUT_S}"]
         args += [f"{k}={v}" for k, v in opts.items()]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
@@ -92,7 +93,7 @@ class Job:
 
     def leftover(self) -> list[str]:
         """Processes still running this job's script (any rank, launched by Lightning or not)."""
-        out = subprocess.run(["pgrep", "-f", f"{SCRIPT} {self.tmp}"], capture_output=True, text=True).stdout
+        out = subprocess.run(["pgrep", "-f", f"{self.script} {self.tmp}"], capture_output=True, text=True).stdout
         return out.split()
 
 
@@ -188,3 +189,11 @@ def test_exception_under_lightnings_launcher_leaves_no_process(job):
     assert codes[0] not in (None, 0), j.output()[-3000:]
     assert time.monotonic() - t0 < BOUND_S + 60
     assert "injected failure on rank 1" in j.output()
+
+
+def test_compression_helper_in_a_script_without_main_guard_does_not_rerun_it(job, tmp_path):
+    j = job("none", 0, script=SCRIPT.parent / "no_guard.py", compression="fp16", batches=12)
+    codes = j.wait()
+    assert codes == [0, 0], (codes, j.output()[-3000:])
+    assert sorted(p.name.split(".")[1] for p in tmp_path.glob("body_ran.*")) == ["0", "1"]  # once per rank
+    assert (tmp_path / "done.0").read_text() == "12"

@@ -48,11 +48,13 @@ class CompressedTransport:
     Args:
         pipeline: a started :class:`CompressionPipeline` whose bucket sizes are the buckets' ``numel``.
         comm: the engine's dedicated group.
+        owns_pipeline: close the pipeline with the transport (False: the caller keeps it for the next engine).
     """
 
-    def __init__(self, pipeline, comm: C.CommGroup) -> None:
+    def __init__(self, pipeline, comm: C.CommGroup, owns_pipeline: bool = True) -> None:
         self.pipeline = pipeline
         self.comm = comm
+        self.owns_pipeline = owns_pipeline
         self._tickets: dict[int, object] = {}
         self.stats: dict[int, CompressionStats] = {}
         # a helper process compresses as soon as the gradients are complete; inline, the worker does it
@@ -107,4 +109,6 @@ class CompressedTransport:
         )
 
     def close(self) -> None:
-        self.pipeline.close()
+        """Close the pipeline if this transport owns it (a pipeline shared across engines stays open)."""
+        if self.owns_pipeline:
+            self.pipeline.close()

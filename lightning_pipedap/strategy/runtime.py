@@ -114,6 +114,8 @@ class Runtime:
         self.params = self.tset.collect()
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
+        #: the compression helper for the whole fit (started now, given a layout per final schedule)
+        self.pipe = self._start_compression() if config.compression else None
 
     def start_heartbeat(self, on_stale: Callable[[str], None]) -> None:
         """Liveness of the peers (:class:`~lightning_pipedap.engine.collectives.Heartbeat`) with the
@@ -214,10 +216,15 @@ class Runtime:
         order = list(range(len(self.params)))
         self.install(order, self.builtin(order, "allreduce"), owners=None)
 
-    def _compression_factory(self) -> Callable[[list], Any]:
+    def _start_compression(self) -> Any:
+        """The compression helper, started at set-up (its start-up overlaps the warm-up steps) and given
+        each final schedule's bucket layout by ``relayout``: one helper process per rank for the whole fit.
+
+        Raises:
+            ValueError: compression on a non-CPU device.
+        """
         from lightning_pipedap.compress import CompressionPipeline  # noqa: PLC0415
         from lightning_pipedap.compress.compressors import compressor_kwargs  # noqa: PLC0415
-        from lightning_pipedap.engine.compressed import CompressedTransport  # noqa: PLC0415
 
         cfg = self.config
         if self.device.type != "cpu":
@@ -225,13 +232,17 @@ class Runtime:
         kwargs = dict(cfg.compression_kwargs)
         if "rank" in compressor_kwargs(cfg.compression) and cfg.compression != "powersgd":
             kwargs["rank"] = self.rank  # per-rank random streams (QSGD, DGC sampling)
+        return CompressionPipeline.start(cfg.compression, kwargs, threads=cfg.compression_threads,
+                                         timeout_s=cfg.wait_timeout_s, mode=cfg.compression_mode,
+                                         start_timeout_s=cfg.wait_timeout_s)
+
+    def _compression_factory(self) -> Callable[[list], Any]:
+        from lightning_pipedap.engine.compressed import CompressedTransport  # noqa: PLC0415
 
         def factory(buckets: list) -> Any:
-            layouts = self.tset.layouts(buckets)
-            pipe = CompressionPipeline([b.numel for b in buckets], cfg.compression, kwargs, layouts=layouts,
-                                       threads=cfg.compression_threads, timeout_s=cfg.wait_timeout_s,
-                                       mode=cfg.compression_mode)
-            return CompressedTransport(pipe, self.comm)
+            # (the state moves by name through ``carry``: keep() before, restore() after)
+            self.pipe.relayout([b.numel for b in buckets], self.tset.layouts(buckets), keep_state=False)
+            return CompressedTransport(self.pipe, self.comm, owns_pipeline=False)
 
         return factory
 
@@ -448,4 +459,6 @@ class Runtime:
             self.engine.close(abort=abort)
         if self.heartbeat is not None:
             self.heartbeat.stop("failed" if abort else "left")
+        if self.pipe is not None:
+            self.pipe.close()
         self.tset.close()
