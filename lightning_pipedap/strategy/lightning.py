@@ -208,10 +208,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        for opt in self.optimizers:
-            if type(opt).__name__ in _SELF_COMMUNICATING_OPTIMIZERS:
-                raise ValueError(f"pipedap: optimizer {type(opt).__name__} communicates by itself and cannot run under "
-                                 "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
+        _refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             rank_zero_info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
@@ -333,25 +330,13 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         """Nothing: the reduction is finished in :meth:`backward`, before ``on_after_backward``."""
 
-    def _can_defer(self, optimizer: Optimizer) -> bool:
-        cfg, rt, flush = self.config, self._rt, self._flush_callback
-        grad_hooks = flush is None or bool(flush.observers.grads)  # (no callback: set-up did not run for fitting)
-        return (
-            (cfg.defer_update is True or cfg.defer_update == "auto" and not grad_hooks)
-            and rt.controller.phase.deferrable
-            and self.lightning_module.automatic_optimization
-            and len(self.optimizers) == 1
-            and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + cfg.deferrable_optimizers)
-            and getattr(self.precision_plugin, "scaler", None) is None
-        )
-
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union[Any, torch.nn.Module]] = None, **kwargs: Any) -> Any:
         rt = self._rt
         if rt is not None:
             rt.retrain_if_changed(self._on_grad_ready)
-        if rt is None or not self._can_defer(optimizer):
+        if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.t_backward_done = None
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -480,6 +465,20 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         super().teardown()
 
 
+def _can_defer(strategy: PipeDAPStrategy, optimizer: Optimizer) -> bool:
+    """Whether this optimizer step may defer its update (otherwise it runs in sync mode, as with DDP)."""
+    cfg, rt, flush = strategy.config, strategy._rt, strategy._flush_callback
+    grad_hooks = flush is None or bool(flush.observers.grads)  # (no callback: set-up did not run for fitting)
+    return (
+        (cfg.defer_update is True or cfg.defer_update == "auto" and not grad_hooks)
+        and rt.controller.phase.deferrable
+        and strategy.lightning_module.automatic_optimization
+        and len(strategy.optimizers) == 1
+        and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + cfg.deferrable_optimizers)
+        and getattr(strategy.precision_plugin, "scaler", None) is None
+    )
+
+
 def _refuse_kwargs(bad: list[str]) -> None:
     """Raises:
         TypeError: naming each unsupported keyword argument, why, and the valid arguments."""
@@ -494,6 +493,16 @@ def _refuse_kwargs(bad: list[str]) -> None:
     reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
     raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons}); "
                     f"valid arguments: {', '.join(valid)}")
+
+
+
+def _refuse_self_communicating(optimizers: list) -> None:
+    """Raises:
+        ValueError: naming an optimizer that communicates by itself (ZeRO, post-local SGD, ...)."""
+    for opt in optimizers:
+        if type(opt).__name__ in _SELF_COMMUNICATING_OPTIMIZERS:
+            raise ValueError(f"pipedap: optimizer {type(opt).__name__} communicates by itself and cannot run under "
+                             "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
 
 
 PipeDAPStrategy.register_strategies(StrategyRegistry)

@@ -52,6 +52,26 @@ def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> 
             raise ValueError(f"pipedap: module {name!r} is a SyncBatchNorm, which needs CUDA; on CPU use BatchNorm")
 
 
+def start_compression_helper(config: PipeDAPConfig, device: torch.device, rank: int) -> Any:
+    """The fit's compression helper, started at set-up (its start-up overlaps the warm-up steps) and given
+    each final schedule's bucket layout by ``relayout``: one helper process per rank for the whole fit.
+
+    Raises:
+        ValueError: compression on a non-CPU device.
+    """
+    from lightning_pipedap.compress import CompressionPipeline  # noqa: PLC0415
+    from lightning_pipedap.compress.compressors import compressor_kwargs  # noqa: PLC0415
+
+    if device.type != "cpu":
+        raise ValueError("pipedap: compression= runs on CPU/gloo in this version; on CUDA use compression=None")
+    kwargs = dict(config.compression_kwargs)
+    if "rank" in compressor_kwargs(config.compression) and config.compression != "powersgd":
+        kwargs["rank"] = rank  # per-rank random streams (QSGD, DGC sampling)
+    return CompressionPipeline.start(config.compression, kwargs, threads=config.compression_threads,
+                                     timeout_s=config.wait_timeout_s, mode=config.compression_mode,
+                                     start_timeout_s=config.wait_timeout_s)
+
+
 class Runtime:
     """One fit's run-time state (module docstring).
 
@@ -115,7 +135,7 @@ class Runtime:
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
         #: the compression helper for the whole fit (started now, given a layout per final schedule)
-        self.pipe = self._start_compression() if config.compression else None
+        self.pipe = start_compression_helper(config, device, rank) if config.compression else None
 
     def start_heartbeat(self, on_stale: Callable[[str], None]) -> None:
         """Liveness of the peers (:class:`~lightning_pipedap.engine.collectives.Heartbeat`) with the
@@ -215,26 +235,6 @@ class Runtime:
         """Registration order, one all-reduce per bucket (WFBP), sync mode."""
         order = list(range(len(self.params)))
         self.install(order, self.builtin(order, "allreduce"), owners=None)
-
-    def _start_compression(self) -> Any:
-        """The compression helper, started at set-up (its start-up overlaps the warm-up steps) and given
-        each final schedule's bucket layout by ``relayout``: one helper process per rank for the whole fit.
-
-        Raises:
-            ValueError: compression on a non-CPU device.
-        """
-        from lightning_pipedap.compress import CompressionPipeline  # noqa: PLC0415
-        from lightning_pipedap.compress.compressors import compressor_kwargs  # noqa: PLC0415
-
-        cfg = self.config
-        if self.device.type != "cpu":
-            raise ValueError("pipedap: compression= runs on CPU/gloo in this version; on CUDA use compression=None")
-        kwargs = dict(cfg.compression_kwargs)
-        if "rank" in compressor_kwargs(cfg.compression) and cfg.compression != "powersgd":
-            kwargs["rank"] = self.rank  # per-rank random streams (QSGD, DGC sampling)
-        return CompressionPipeline.start(cfg.compression, kwargs, threads=cfg.compression_threads,
-                                         timeout_s=cfg.wait_timeout_s, mode=cfg.compression_mode,
-                                         start_timeout_s=cfg.wait_timeout_s)
 
     def _compression_factory(self) -> Callable[[list], Any]:
         from lightning_pipedap.engine.compressed import CompressedTransport  # noqa: PLC0415
