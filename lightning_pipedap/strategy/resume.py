@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel
@@ -24,9 +24,6 @@ from lightning_pipedap.strategy.controller import Phase
 from lightning_pipedap.strategy.params import ParamInfo
 from lightning_pipedap.strategy.planning import predicted_busy_s
 from lightning_pipedap.strategy.tracing import owner_modules
-
-if TYPE_CHECKING:
-    from lightning_pipedap.strategy.runtime import Runtime
 
 #: checkpoint key of the installed final schedule
 PLAN_KEY = "pipedap_plan"
@@ -170,8 +167,8 @@ class CompressionCarry:
                      f"({', '.join(fresh[:5])}{', ...' if len(fresh) > 5 else ''}); they start from zero")
 
 
-def install_plan(rt: "Runtime") -> None:
-    """Install the loaded checkpoint's final schedule directly when it fits this run (same world size,
+def install_plan(rt: Any) -> None:
+    """``rt``: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime`. Install the loaded checkpoint's final schedule directly when it fits this run (same world size,
     parameters, schedule and fusion cap): no trace or profiling steps, so a resumed run with compression
     compresses from its first step, as the uninterrupted run did. Otherwise log which keys differ and
     leave the run to trace and plan again (the compression state then goes to the next engine)."""
@@ -197,8 +194,8 @@ def install_plan(rt: "Runtime") -> None:
     rt.info("pipedap: resumed with the checkpoint's schedule (no trace or profiling steps)")
 
 
-def add_to_checkpoint(rt: "Runtime", checkpoint: dict[str, Any]) -> None:
-    """Put :data:`PLAN_KEY` (only once a final plan runs: a checkpoint taken mid-trial makes the resume plan
+def add_to_checkpoint(rt: Any, checkpoint: dict[str, Any]) -> None:
+    """``rt``: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime`. Put :data:`PLAN_KEY` (only once a final plan runs: a checkpoint taken mid-trial makes the resume plan
     again) and the compression state of every rank (one ``all_gather_object``: every rank must call it)
     into ``checkpoint``. Pending updates are applied first; called from inside a step (a user's
     ``save_checkpoint`` in ``training_step``) it adds nothing, as the state is in flux."""
