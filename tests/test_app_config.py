@@ -189,3 +189,12 @@ def test_schema_has_every_strategy_option_with_the_same_default():
         mine = f.default_factory() if f.default is dataclasses.MISSING else f.default
         theirs = schema[f.name].default_factory() if schema[f.name].default is dataclasses.MISSING else schema[f.name].default
         assert mine == theirs, (f.name, mine, theirs)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "auto"])
+def test_compression_with_a_strategy_that_does_not_compress_is_refused(strategy):
+    cfg = _compose(f"strategy={strategy}", "compression=powersgd")
+    with pytest.raises(ConfigError, match="compression=powersgd applies to strategy=pipedap only"):
+        validate(cfg)
+    validate(_compose(f"strategy={strategy}"))  # compression=none (the default) is fine
+    validate(_compose("compression=powersgd"))  # and so is compression with pipedap

@@ -160,3 +160,18 @@ def validate(cfg: DictConfig) -> None:
         except Exception as e:  # OmegaConf may wrap errors raised in __post_init__
             cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
             raise ConfigError(str(cause or e)) from e
+    _check_compression_applies(cfg)
+
+
+def _check_compression_applies(cfg: DictConfig) -> None:
+    """``compression=`` only configures ``strategy=pipedap``: with another strategy it would be ignored.
+
+    Raises:
+        ConfigError: a compression method chosen together with a strategy that does not compress.
+    """
+    node = cfg.get("compression")
+    method = node.get("name") if node is not None else None
+    target = str(cfg.strategy.get("_target_", ""))
+    if method not in (None, "none") and not target.endswith("PipeDAPStrategy"):
+        raise ConfigError(f"compression={method} applies to strategy=pipedap only; strategy {target or '?'} would "
+                          "train uncompressed. Use strategy=pipedap, or compression=none (the default)")
