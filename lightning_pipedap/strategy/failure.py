@@ -97,11 +97,12 @@ def reap_children(launcher: Any, wait_s: float = 5.0) -> list[int]:
     stopped with SIGSTOP, or hung), so no process outlives the job. Returns the pids killed.
 
     ``launcher``: Lightning's subprocess launcher (its ``procs``: ``subprocess.Popen`` of the other
-    local ranks); anything without ``procs`` (spawn, or ranks started by torchrun/SLURM) is left alone.
+    local ranks); anything else (spawned processes, which torch's spawn joins, or ranks started by
+    torchrun/SLURM) is left alone.
     """
     import time  # noqa: PLC0415
 
-    procs = list(getattr(launcher, "procs", None) or [])
+    procs = [p for p in getattr(launcher, "procs", None) or [] if hasattr(p, "poll")]  # (Popen only)
     deadline = time.monotonic() + wait_s
     while procs and time.monotonic() < deadline and any(p.poll() is None for p in procs):
         time.sleep(0.1)

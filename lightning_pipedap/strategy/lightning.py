@@ -31,12 +31,12 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
+import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.engine.threads import lower_current_thread_priority
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
 from lightning_pipedap.measure.timeline import OpRecord
@@ -211,7 +211,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         _refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if not lm.automatic_optimization or len(self.optimizers) != 1:
-            rank_zero_info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
+            M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
         self._rt.trainable_key = self._rt.trainable_signature()  # (the optimizers exist now)
         self._flush_callback = ObservationFlush(self)
         trainer.callbacks.insert(0, self._flush_callback)
@@ -235,8 +235,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
         self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
         self._rt = rt = Runtime(self.config, model, lambda: self.optimizers, self._comm, self.world_size,
-                                self.global_rank, self.root_device, self._measured, self._resume, rank_zero_info,
-                                rank_zero_warn, self.update_counts, self._records, lambda: self._timeline_enabled)
+                                self.global_rank, self.root_device, self._measured, self._resume, M.info,
+                                M.warn, self.update_counts, self._records, lambda: self._timeline_enabled)
         rt.start_heartbeat(exit_on_lost_peer)
         rt.hook_params(self._on_grad_ready)
         # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
@@ -409,7 +409,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if self._aborted:
             pending = self._rt is not None and self._rt.deferred is not None and self._rt.deferred.pending is not None
             if pending:  # the parameters miss the update of the last step, which its global_step counts
-                rank_zero_warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
+                M.warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
                                "still being communicated, so the parameters would not match the step count")
                 return
         elif self._rt is not None:
@@ -428,7 +428,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         cfg = self.config
         for note in self._resume.load_state_dict(checkpoint, cfg.compression, cfg.compression_kwargs,
                                                  self.world_size, self.global_rank):
-            (rank_zero_warn if "fresh" in note else rank_zero_info)(note)
+            (M.warn if "fresh" in note else M.info)(note)
         return checkpoint
 
     # ------------------------------------------------------------------ teardown
