@@ -1,7 +1,7 @@
 """The Hydra application: ``pipedap-train`` / ``python -m lightning_pipedap.app.train``.
 
-* :mod:`~lightning_pipedap.app.train`: the entry point (``@hydra.main``; config in ``conf/`` at the
-  repository root).
+* :mod:`~lightning_pipedap.app.train`: the entry point (``@hydra.main``; config in
+  ``lightning_pipedap/conf/``, package data).
 * :mod:`~lightning_pipedap.app.schema`: structured-config schemas (dataclasses in Hydra's ConfigStore)
   and the validation run before any process starts.
 * :mod:`~lightning_pipedap.app.launch`: making multi-process training work under Hydra multirun.

@@ -2,7 +2,7 @@
 
 With no arguments it trains the digits CNN on scikit-learn's digits with ``strategy=pipedap``
 (schedule ``optimal``) on 2 CPU processes and prints a short summary. Everything is created from the
-config in ``conf/`` (repository root) with ``hydra.utils.instantiate``; see ``conf/train.yaml``.
+config in ``lightning_pipedap/conf/`` (package data) with ``hydra.utils.instantiate``; see ``conf/train.yaml``.
 
 Examples::
 
@@ -35,10 +35,10 @@ import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn"
 from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
 
-#: ``conf/`` at the repository root, as an absolute path computed from this file: Hydra would read a
-#: relative path as a package path when the app runs as the ``pipedap-train`` console script.
-#: Works from a checkout and with ``pip install -e .`` (a wheel does not carry ``conf/``).
-CONFIG_PATH = str(Path(__file__).resolve().parents[2] / "conf")
+#: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
+#: read a relative path as a package path when the app runs as the ``pipedap-train`` console script.
+#: The same from a checkout, an editable install, ``pip install .`` or a wheel.
+CONFIG_PATH = str(Path(__file__).resolve().parents[1] / "conf")
 RESULTS_FILE = "results.json"
 MEASURE_FILE = "measure_summary.json"
 
