@@ -171,6 +171,17 @@ def test_no_replan_within_the_margin_or_past_max_replans():
     assert ctl2.measured_iteration_s == pytest.approx(1.1)  # refreshed every 5 steps
 
 
+def test_a_run_faster_than_predicted_never_replans():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
+    ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=3)
+    for _ in range(20):
+        clock.t += 0.5  # 50% faster than predicted
+        ctl.at_deferred_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0
+    assert ctl.measured_iteration_s == pytest.approx(0.5)
+
+
 def test_restart_returns_to_trace_and_resume_goes_straight_to_run():
     clock = Clock()
     fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))

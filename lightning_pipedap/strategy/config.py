@@ -77,8 +77,8 @@ class PipeDAPConfig:
             :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
             process group (a few seconds; cached per backend, world size and hosts).
         cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
-        replan_margin: re-profile and re-plan when the measured median iteration time differs from
-            the prediction by more than this fraction (checked every ``replan_every`` steps, at most
+        replan_margin: re-profile and re-plan when the measured median iteration time is slower than
+            the prediction by more than this fraction (a faster run never re-plans) (checked every ``replan_every`` steps, at most
             ``max_replans`` times). When the engine's measured communication busy time exceeds the
             α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
         calibrate_cost_model: before the first plan, compare the engine's measured communication busy

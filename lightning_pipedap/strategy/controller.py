@@ -108,8 +108,8 @@ class Controller:
         profile_steps: profiled steps in PROFILE (>= 1).
         trial_steps: measured steps per candidate in TRIAL (each after one settling step).
         replan_every, replan_margin, max_replans: drift check in RUN (every ``replan_every``
-            deferred steps; re-plan when the median iteration time leaves the prediction by more
-            than ``replan_margin``, at most ``max_replans`` times).
+            deferred steps; re-plan when the median iteration time is slower than the prediction
+            by more than ``replan_margin``, at most ``max_replans`` times; faster never re-plans).
         clock: time source in seconds (``time.perf_counter``).
 
     Attributes (read by the strategy and the measurement callbacks):
@@ -261,7 +261,8 @@ class Controller:
         if not check:
             return
         ratio = statistics.median(self._busy) / self._planned_busy_s if self._busy and self._planned_busy_s else 1.0
-        drift, ratio = self.effects.agree((abs(measured / self.predicted_iteration_s - 1.0), ratio))
+        # only a slower run re-plans: a faster one than predicted is not a reason to change the schedule
+        drift, ratio = self.effects.agree((measured / self.predicted_iteration_s - 1.0, ratio))
         if drift <= self.replan_margin:
             return
         if ratio > 1.05 and self.effects.rescale_cost_model(ratio):
@@ -269,7 +270,7 @@ class Controller:
             # threads and the ring's additions share the cores): calibrate α-β before re-planning
             self.effects.info(f"pipedap: communication busy {ratio:.2f}x the α-β prediction; scaling α and β")
         self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "
-                          f"{self.predicted_iteration_s * 1e3:.1f} ms (drift {drift:.0%} > "
+                          f"{self.predicted_iteration_s * 1e3:.1f} ms ({drift:.0%} slower, more than the margin "
                           f"{self.replan_margin:.0%}): re-planning")
         self.replans_done += 1
         self.effects.flush()
