@@ -108,6 +108,15 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
     _check_sweep(tmp_path, proc, marker, ["pipedap", "pipedap"])
     res = [json.loads((tmp_path / "sweep" / j / "results.json").read_text()) for j in ("0", "1")]
     assert [r["schedule"] for r in res] == ["allreduce", "dear"]
+    # what ran: the installed final schedule in results.json and the log file, not only the configured name
+    ran = [r["pipedap"] for r in res]
+    assert [r["installed"]["name"] for r in ran] == ["allreduce", "dear"]
+    assert [op[0] for op in ran[1]["installed"]["ops"]] == ["RS", "AG"] * ran[1]["buckets"]
+    assert all(r["compressed_buckets"] == 0 and r["compression_note"] is None for r in ran)
+    for j in ("0", "1"):
+        logs = list((tmp_path / "sweep" / j).glob("*.log"))
+        text = "".join(f.read_text() for f in logs)
+        assert "[lightning_pipedap][INFO] - pipedap: schedule " in text, [f.name for f in logs]
     # same seed and data: both schedules apply the same averaged gradients, so the same model
     assert res[1]["val_acc"] == pytest.approx(res[0]["val_acc"], abs=1e-6)
     assert res[1]["val_loss"] == pytest.approx(res[0]["val_loss"], rel=1e-5)

@@ -17,6 +17,7 @@ directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep dire
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -60,6 +61,38 @@ class CloseProcessGroup(pl.Callback):
         if stage == "fit" and C.is_initialized():
             C.barrier()
             C.shutdown()
+
+
+class LogToJobDir(pl.Callback):
+    """Spawned ranks (multirun): write the ``lightning_pipedap`` log to the job's log file too.
+
+    Hydra configures logging in its own process only; a rank started with ``spawn`` is a fresh
+    interpreter. Rank 0 appends to the job's ``<task>.log``, rank r to ``<task>_rank<r>.log``.
+    """
+
+    pipedap_reads_model = False
+
+    def __init__(self, log_dir: str, task: str) -> None:
+        self.log_dir, self.task = log_dir, task
+        self._handler: Optional[logging.Handler] = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._handler is not None:
+            return
+        rank = trainer.global_rank
+        name = f"{self.task}.log" if rank == 0 else f"{self.task}_rank{rank}.log"
+        os.makedirs(self.log_dir, exist_ok=True)
+        self._handler = logging.FileHandler(os.path.join(self.log_dir, name), mode="a")
+        self._handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        log = logging.getLogger("lightning_pipedap")
+        log.addHandler(self._handler)
+        log.setLevel(logging.INFO)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._handler is not None:
+            logging.getLogger("lightning_pipedap").removeHandler(self._handler)
+            self._handler.close()
+            self._handler = None
 
 
 def _instantiate_group(node: Optional[DictConfig]) -> list[Any]:
@@ -144,6 +177,8 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "metrics": metrics,
         "output_dir": output_dir,
         "tensorboard_dir": tb_dirs[0] if tb_dirs else None,
+        # pipedap: the installed schedule, the measured candidates, compression actually applied
+        "pipedap": trainer.strategy.what_ran() if hasattr(trainer.strategy, "what_ran") else None,
     }
     ref_file = OmegaConf.select(cfg, "callbacks.speedup.reference_file")
     if ref_file and res["iteration_ms"]:
@@ -160,8 +195,14 @@ def _fmt(v: Any, spec: str, unit: str = "") -> str:
 def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
+    ran = res.get("pipedap") or {}
+    if sched and ran.get("installed"):
+        sched += f" -> installed {ran['installed']['name']}, {ran['buckets']} buckets"
     if sched:
-        sched += f", compression {res['compression']})" if res.get("compression") else ")"
+        if res.get("compression"):
+            sched += f", compression {res['compression']} on {ran.get('compressed_buckets', '?')} of " \
+                     f"{ran.get('buckets', '?')} buckets"
+        sched += ")"
     if res.get("speedup_vs_reference") is not None:
         speed = f"{res['speedup_vs_reference']:.3f}x vs the reference run"
     else:
@@ -177,6 +218,10 @@ def format_summary(res: dict[str, Any]) -> str:
         f"strategy        {res['strategy']}{sched}, {res['processes']} process(es), {res['accelerator']}",
         f"val/acc         {_fmt(res.get('val_acc'), '.4f')}   val/loss {_fmt(res.get('val_loss'), '.4f')}",
         f"iteration time  {it}",
+        *([f"compression     {ran['compression_note']}"] if ran.get("compression_note") else []),
+        *(["candidates      " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
+                                            + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]
+          if ran.get("candidates") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
@@ -214,6 +259,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     strategy = build_strategy(cfg, multirun)
     if getattr(strategy, "_start_method", None) == "spawn":
         callbacks.append(CloseProcessGroup())
+        if HydraConfig.initialized():
+            hc = HydraConfig.get()
+            callbacks.append(LogToJobDir(str(hc.runtime.output_dir), str(hc.job.name)))
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
                                                   logger=loggers or False)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+
 from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.strategy.controller import Phase
 
@@ -41,6 +43,36 @@ class RunResults:
     no_overlap_time_s = _FromRun("no_overlap_time_s", None, "Compute + update + all-reduce of every bucket (s).")
     replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
     installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
+
+    def what_ran(self) -> dict[str, Any]:
+        """What the last fit ran, as plain JSON-able data (for result files and summaries).
+
+        Keys: ``schedule`` (the configured name), ``installed`` (the final schedule's
+        :meth:`~lightning_pipedap.schedule.Schedule.to_dict`, None before one ran), ``buckets`` and
+        ``compressed_buckets`` (counts), ``compression`` (the configured method), ``compression_note``
+        (why nothing is compressed when a method is configured and the plan compresses no bucket),
+        ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
+        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``.
+        """
+        rt = self._rt or self._last
+        if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
+            return dict(self._what_ran_in_worker)  # (the fit ran in spawned processes)
+        final = rt.final_schedule if rt is not None else None
+        method = self.config.compression
+        compressed = final.num_compressed if final is not None else 0
+        note = None
+        if method and final is not None and compressed == 0:
+            note = (f"the {final.name} plan sends every bucket dense: the planner found no bucket where compression "
+                    "pays on this link (the fixed schedules 'dear'/'allreduce' compress every bucket)")
+        return {
+            "schedule": self.config.schedule, "installed": None if final is None else final.to_dict(),
+            "buckets": None if final is None else len(final.buckets), "compressed_buckets": compressed,
+            "compression": method, "compression_note": note,
+            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "chosen")}
+                           for r in self.trial_results],
+            "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+            "replans": self.replans_done,
+        }
 
     @property
     def phase(self) -> Optional[Phase]:
@@ -92,3 +124,21 @@ class RunResults:
         if self._rt is not None and self._rt.engine is not None:
             out = as_op_records(self._rt.engine.take_timings()) + out
         return sorted(out, key=lambda r: r.start_s)
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        if isinstance(self._launcher, _MultiProcessingLauncher):
+            self._launcher = _ResultsBackLauncher(self, start_method=self._start_method)
+
+
+class _ResultsBackLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn launcher, also bringing rank 0's :meth:`RunResults.what_ran` back to the main process."""
+
+    def get_extra_results(self, trainer: Any) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra["pipedap_what_ran"] = trainer.strategy.what_ran()
+        return extra
+
+    def update_main_process_results(self, trainer: Any, extra: dict[str, Any]) -> None:
+        super().update_main_process_results(trainer, extra)
+        trainer.strategy._what_ran_in_worker = extra.get("pipedap_what_ran")

@@ -105,6 +105,7 @@ class Runtime:
         self.order: list[int] = []
         self.owners: list[Optional[torch.nn.Module]] = []
         self.installed_schedule: Optional[str] = None
+        self.final_schedule: Optional[Schedule] = None
         self.controller = Controller(self, planned=config.planned, warmup_steps=config.warmup_steps,
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
@@ -227,7 +228,7 @@ class Runtime:
                                         self.timeline, self.counts)
         self.deferred.set_owners(owners, self.module)
         if final:
-            self.installed_schedule = schedule.describe()
+            self.installed_schedule, self.final_schedule = schedule.describe(), schedule
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
         self.info(f"pipedap: {what} {schedule.describe()[:300]}")
 
