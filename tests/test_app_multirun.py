@@ -132,3 +132,30 @@ def test_multirun_with_the_default_sweep_dir(tmp_path):
     assert json.loads((sweep / "0" / "results.json").read_text())["output_dir"] == str(sweep / "0")
     assert (sweep / "sweep_summary.csv").is_file()
     assert _processes_with(marker) == []
+
+
+def test_ckpt_path_resumes_as_ddp_does(tmp_path):
+    """``pipedap-train ckpt_path=...``: one epoch, then a second from its last.ckpt, gives exactly what DDP's
+    resumed run gives (a resumed run is not the uninterrupted one under DDP either: the shuffling RNG restarts)."""
+    common = [*TINY, "callbacks.model_checkpoint.save_last=true", "scheduler=dear"]
+    res = {}
+    for strategy in ("ddp", "pipedap"):
+        out = tmp_path / strategy
+        first, marker = _run([*common, f"strategy={strategy}", "trainer.max_epochs=1", f"paths.output_dir={out}/1"],
+                             tmp_path)
+        assert first.returncode == 0, first.stderr[-3000:]
+        resumed, _ = _run([*common, f"strategy={strategy}", "trainer.max_epochs=2",
+                           f"ckpt_path={out / '1' / 'checkpoints' / 'last.ckpt'}", f"paths.output_dir={out}/2"], tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
+        res[strategy] = [json.loads((out / k / "results.json").read_text()) for k in ("1", "2")]
+        assert _processes_with(marker) == []
+    for k in range(2):
+        assert res["pipedap"][k]["val_loss"] == pytest.approx(res["ddp"][k]["val_loss"], abs=1e-6)
+        assert res["pipedap"][k]["val_acc"] == res["ddp"][k]["val_acc"]
+    assert res["pipedap"][1]["val_loss"] != res["pipedap"][0]["val_loss"]  # the second epoch trained
+
+
+def test_missing_ckpt_path_is_refused_before_any_process(tmp_path):
+    proc, _ = _run(["ckpt_path=/nonexistent/x.ckpt"], tmp_path, timeout=120)
+    assert proc.returncode == 2 and "no such checkpoint file" in proc.stderr, proc.stderr[-2000:]

@@ -161,6 +161,7 @@ def validate(cfg: DictConfig) -> None:
             cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
             raise ConfigError(str(cause or e)) from e
     _check_compression_applies(cfg)
+    _check_ckpt_path(cfg)
 
 
 def _check_compression_applies(cfg: DictConfig) -> None:
@@ -175,3 +176,19 @@ def _check_compression_applies(cfg: DictConfig) -> None:
     if method not in (None, "none") and not target.endswith("PipeDAPStrategy"):
         raise ConfigError(f"compression={method} applies to strategy=pipedap only; strategy {target or '?'} would "
                           "train uncompressed. Use strategy=pipedap, or compression=none (the default)")
+
+
+def _check_ckpt_path(cfg: DictConfig) -> None:
+    """``ckpt_path`` is null, one of Lightning's names, or an existing file.
+
+    Raises:
+        ConfigError: naming the missing file.
+    """
+    import os  # noqa: PLC0415
+
+    path = cfg.get("ckpt_path")
+    if path is None or str(path) in ("last", "best", "hpc", "registry"):
+        return
+    if not os.path.isfile(str(path)):
+        raise ConfigError(f"ckpt_path={path!r}: no such checkpoint file (give a .ckpt path, 'last' or 'best', "
+                          "or null to start afresh)")

@@ -267,7 +267,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     with distributed_env():
         t0 = time.perf_counter()
-        trainer.fit(model, datamodule=datamodule)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
         fit_s = time.perf_counter() - t0
 
     if trainer.global_rank != 0:

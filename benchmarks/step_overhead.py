@@ -1,0 +1,144 @@
+"""Per-step overhead of pipedap against DDP on models whose communication costs next to nothing.
+
+Runs each variant as its own 2-process CPU job (Lightning's default launcher), interleaved over
+``--rounds`` rounds, and prints the median iteration time (start-to-start of ``on_train_batch_start``,
+after ``--warmup`` steps) per variant and its ratio to DDP in the same round::
+
+    python benchmarks/step_overhead.py --model tiny_mlp --rounds 2
+    python benchmarks/step_overhead.py --model digits_cnn --variants ddp,pipedap
+    python benchmarks/step_overhead.py --model tiny_mlp --variants pipedap --profile prof.txt
+
+``--profile FILE`` runs rank 0 under cProfile and writes the functions with the most cumulative time
+spent in lightning_pipedap per step (the overhead breakdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+VARIANTS = ("ddp", "pipedap", "pipedap-allreduce", "pipedap-dear")
+
+
+def _job(args: argparse.Namespace) -> None:
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_pipedap  # noqa: F401
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    if args.model == "tiny_mlp":
+        net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                  torch.nn.Linear(64, 10))
+        x, y = torch.randn(4096, 32), torch.randint(0, 10, (4096,))
+    else:
+        from lightning_pipedap.models.cnn import DigitsCNN
+
+        net = DigitsCNN()
+        x, y = torch.randn(4096, 1, 8, 8), torch.randint(0, 10, (4096,))
+
+    class Clock(pl.Callback):
+        pipedap_reads_model = False  # reads no parameter: pipedap need not apply pending updates before it
+
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.starts.append(time.perf_counter())
+
+    class Timed(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def training_step(self, batch, batch_idx):
+            return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    if args.variant == "ddp":
+        strategy: object = "ddp"
+    else:
+        from lightning_pipedap import PipeDAPStrategy
+
+        schedule = {"pipedap": "optimal", "pipedap-allreduce": "allreduce", "pipedap-dear": "dear"}[args.variant]
+        strategy = PipeDAPStrategy(schedule=schedule)
+    model, clock = Timed(), Clock()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+                         callbacks=[clock],
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         use_distributed_sampler=False)
+    loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+    prof = None
+    if args.profile and trainer.global_rank == 0:
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
+    trainer.fit(model, loader)
+    if trainer.global_rank != 0:
+        return
+    gaps = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:])][args.warmup:]
+    with open(args.out, "w") as f:
+        json.dump({"median_s": statistics.median(gaps), "steps": len(gaps)}, f)
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        s = io.StringIO()
+        st = pstats.Stats(prof, stream=s)
+        st.sort_stats("cumulative").print_stats("lightning_pipedap", 40)
+        with open(args.profile, "w") as f:
+            f.write(f"{args.steps} steps\n" + s.getvalue())
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=("tiny_mlp", "digits_cnn"), default="tiny_mlp")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--warmup", type=int, default=100, help="intervals discarded (warm-up, profiling, trials)")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--profile", default=None)
+    p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", default="ddp", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.job:
+        _job(args)
+        return
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
+    results: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for v in variants:
+                out = os.path.join(tmp, f"{v}.{r}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--job", "--variant", v, "--out", out,
+                       "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                if args.profile:
+                    cmd += ["--profile", args.profile]
+                subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+                with open(out) as f:
+                    results[v].append(json.load(f)["median_s"])
+    print(f"model {args.model}, 2 CPU processes, median iteration (ms) per round, ratio to ddp of the same round")
+    for v, times in results.items():
+        ratios = [t / d for t, d in zip(times, results["ddp"])] if "ddp" in results else []
+        print(f"  {v:18s} " + "  ".join(f"{t * 1e3:7.3f}" for t in times)
+              + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else ""))
+
+
+if __name__ == "__main__":
+    main()
