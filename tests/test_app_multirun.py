@@ -114,6 +114,8 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
     assert [op[0] for op in ran[1]["installed"]["ops"]] == ["RS", "AG"] * ran[1]["buckets"]
     assert all(r["compressed_buckets"] == 0 and r["compression_note"] is None for r in ran)
     for j in ("0", "1"):
+        hparams = list((tmp_path / "sweep" / j).rglob("hparams.yaml"))
+        assert hparams and "_target_: lightning_pipedap.PipeDAPStrategy" in hparams[0].read_text()
         logs = list((tmp_path / "sweep" / j).glob("*.log"))
         text = "".join(f.read_text() for f in logs)
         assert "[lightning_pipedap][INFO] - pipedap: schedule " in text, [f.name for f in logs]

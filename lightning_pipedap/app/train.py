@@ -265,6 +265,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     trainer: pl.Trainer = hydra.utils.instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks,
                                                   logger=loggers or False)
 
+    config = OmegaConf.to_container(cfg, resolve=True)
+    for lg in trainer.loggers:  # the job's full config as hyper-parameters (hparams.yaml, TensorBoard's HPARAMS tab)
+        lg.log_hyperparams({k: v for k, v in config.items() if k not in ("paths", "hydra")})
     with distributed_env():
         t0 = time.perf_counter()
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
