@@ -23,7 +23,7 @@ OUT, FAULT, FAULT_RANK = sys.argv[1], sys.argv[2], int(sys.argv[3])
 OPTS = dict(a.split("=", 1) for a in sys.argv[4:])
 AT = int(OPTS.get("at", 5))
 TIMEOUT = float(OPTS.get("timeout", 10))
-RANK = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", 0)))
+RANK = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 
 
 class Net(pl.LightningModule):
@@ -58,7 +58,8 @@ def main() -> None:
     if OPTS.get("save_on_exception") == "1":
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_on_exception=True))
     strategy = PipeDAPStrategy(schedule="dear", wait_timeout_s=TIMEOUT, compression=OPTS.get("compression"))
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_epochs=1, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=int(OPTS.get("devices", 2)), num_nodes=int(OPTS.get("nodes", 1)),
+                         strategy=strategy, max_epochs=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
                          callbacks=callbacks, use_distributed_sampler=False)
     trainer.fit(Net(hidden))
