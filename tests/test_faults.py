@@ -54,7 +54,8 @@ class Job:
                     self.procs.append(subprocess.Popen(args, env=renv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp))
         else:
             with open(self.logs[0], "w") as f:
-                self.procs.append(subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp))
+                self.procs.append(subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp,
+                                                   start_new_session=True))
 
     def pid_at_step(self, rank: int, step: int, timeout_s: float = 120.0) -> int:
         """The pid of ``rank`` once it has started step ``step``."""
@@ -197,3 +198,15 @@ def test_compression_helper_in_a_script_without_main_guard_does_not_rerun_it(job
     assert codes == [0, 0], (codes, j.output()[-3000:])
     assert sorted(p.name.split(".")[1] for p in tmp_path.glob("body_ran.*")) == ["0", "1"]  # once per rank
     assert (tmp_path / "done.0").read_text() == "12"
+
+
+def test_sigterm_to_the_whole_job_under_lightnings_launcher_exits_143_and_leaves_no_process(job):
+    """What a scheduler's pre-emption does: SIGTERM to every process of the job at once."""
+    j = job("none", 0, external=False, batches=400)
+    j.pid_at_step(1, 5)
+    t0 = time.monotonic()
+    os.killpg(os.getpgid(j.procs[0].pid), signal.SIGTERM)
+    codes = j.wait()
+    assert codes[0] == 143, (codes, j.output()[-3000:])
+    assert time.monotonic() - t0 < BOUND_S
+    _assert_no_abort(j, codes)

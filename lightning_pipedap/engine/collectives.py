@@ -286,7 +286,11 @@ def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
 
 # ---------------------------------------------------------------------- liveness of the peers
 _GONE = {"left": "left the fit (it finished, or ran out of batches: uneven inputs?)",
-         "failed": "failed with an exception (see its log)"}
+         "failed": "failed with an exception (see its log)",
+         "interrupted": "was interrupted (SIGINT / KeyboardInterrupt)",
+         "stopped": "stopped on SIGTERM"}
+#: peer states after which the watchdog need not wait for the timeout: the peer will not answer again
+_FAILED = ("failed", "interrupted", "stopped")
 
 
 class Heartbeat:
@@ -298,7 +302,8 @@ class Heartbeat:
     that marked itself as left (:meth:`stop`: it finished or abandoned the fit), or a store that does
     not answer for ``timeout_s`` (rank 0, which hosts it, is gone) is *not answering*.
 
-    After ``timeout_s + grace_s`` of a peer not answering, ``on_stale(message)`` is called once from
+    After ``timeout_s + grace_s`` of a peer not answering (``failed_grace_s`` after a peer said it failed,
+    was interrupted or stopped on SIGTERM: it will not answer again), ``on_stale(message)`` is called once from
     the watchdog thread with a message naming the rank(s), what was seen and ``context()`` (the
     strategy's phase and step). By then every collective of this rank should have failed by its own
     timeout; the call is the backstop for a wait nothing else bounds (a collective whose error a
@@ -311,6 +316,8 @@ class Heartbeat:
         grace_s: extra seconds before ``on_stale``.
         on_stale: called once with the message (None: only :meth:`not_answering` reports).
         context: ``() -> str`` describing what this rank is doing, for the message.
+        on_note: ``(rank, word)`` called once per word a peer publishes with its beats (:attr:`note`).
+        failed_grace_s: seconds after a peer's failure before ``on_stale``.
 
     Raises:
         RuntimeError: if the default group is not initialised or has no store.
@@ -319,13 +326,17 @@ class Heartbeat:
     PREFIX = "pipedap/heartbeat/"
 
     def __init__(self, timeout_s: float, interval_s: float = 1.0, grace_s: float = 10.0,
-                 on_stale=None, context=None) -> None:
+                 on_stale=None, context=None, on_note=None, failed_grace_s: float = 3.0) -> None:
         if not is_initialized():
             raise RuntimeError("pipedap: heartbeat needs the default process group")
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s, self.interval_s, self.grace_s = float(timeout_s), float(interval_s), float(grace_s)
         self.on_stale, self.context = on_stale, context or (lambda: "")
+        #: a word published with every beat (``"sigterm"``: this rank received SIGTERM); peers see it
+        self.note: Optional[str] = None
+        self.on_note, self.failed_grace_s = on_note, float(failed_grace_s)
+        self._noted: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
         now = _now()
         self._seen: dict[int, tuple[str, float]] = {r: ("", now) for r in range(self.world_size) if r != self.rank}
@@ -383,7 +394,10 @@ class Heartbeat:
 
     def stop(self, state: Optional[str] = "left") -> None:
         """Stop beating and tell the peers why: ``"left"`` (this rank's fit ended), ``"failed"`` (it saw an
-        exception) or None (say nothing: they will see no heartbeat)."""
+        exception), ``"interrupted"``, ``"stopped"`` (SIGTERM) or None (say nothing: they will see no
+        heartbeat). Only the first call publishes."""
+        if self._stop.is_set():
+            return
         self._stop.set()
         self._thread.join(timeout=2 * self.interval_s + 1)
         if state is not None:
@@ -395,7 +409,7 @@ class Heartbeat:
     # -------------------------------------------------------------- internals
     def _beat(self) -> None:
         self._count += 1
-        self.store.set(f"{self.PREFIX}{self.rank}", str(self._count))
+        self.store.set(f"{self.PREFIX}{self.rank}", f"{self._count} {self.note}" if self.note else str(self._count))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -408,17 +422,24 @@ class Heartbeat:
                     for r, v in values.items():
                         if v != self._seen[r][0]:
                             self._seen[r] = (v, now)
+                for r, v in values.items():
+                    word = v.partition(" ")[2]
+                    if word and (r, word) not in self._noted and self.on_note is not None:
+                        self._noted.add((r, word))
+                        self.on_note(r, word)
             except Exception:  # noqa: BLE001  (an unreachable store counts as not answering)
                 pass
             bad = self.not_answering()
             if bad and self.on_stale is not None and not self._fired:
                 with self._lock:
                     since = [t for r, (_, t) in self._seen.items() if r in bad] + [self._store_ok_at] * (0 in bad)
-                if _now() - min(since) > self.timeout_s + self.grace_s:
+                    failed = any(self._seen[r][0] in _FAILED for r in bad if r in self._seen)
+                if _now() - min(since) > (self.failed_grace_s if failed else self.timeout_s + self.grace_s):
                     self._fired = True
                     what = "; ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
-                    self.on_stale(f"pipedap: rank {self.rank}: peer(s) not answering for more than "
-                                  f"{self.timeout_s:g} s ({what}) while {self.context() or 'training'}")
+                    why = "gone" if failed else f"not answering for more than {self.timeout_s:g} s"
+                    self.on_stale(f"pipedap: rank {self.rank}: peer(s) {why} ({what}) while "
+                                  f"{self.context() or 'training'}; exiting")
 
 
 def _now() -> float:

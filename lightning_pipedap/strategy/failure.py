@@ -49,11 +49,19 @@ class CollectivesOffAfterFailure:
             return
         self._aborted = True
         rt = getattr(self, "_rt", None)
+        if rt is not None and rt.heartbeat is not None:  # tell the peers now: they stop waiting for this rank
+            rt.heartbeat.stop("interrupted" if isinstance(exception, KeyboardInterrupt)
+                              else "stopped" if isinstance(exception, SystemExit) else "failed")
         if rt is not None and rt.engine is not None:
             rt.engine.close(abort=True)
-        if exception is not None:
-            log.info("pipedap: %s on this rank; collectives of the default group are skipped from now on",
-                     type(exception).__name__)
+        if exception is not None and not isinstance(exception, (SystemExit, KeyboardInterrupt)):
+            # on every rank, so each rank's own log file (Hydra: <job>_rank<r>.log / train_ddp_process_<r>.log) has it
+            log.error("pipedap: rank %s failed; collectives of the default group are skipped from now on",
+                      getattr(self, "global_rank", "?"), exc_info=exception)
+
+    def on_train_start(self) -> None:
+        route_sigterm(self)
+        super().on_train_start()  # type: ignore[misc]
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._aborted:
@@ -114,3 +122,44 @@ def reap_children(launcher: Any, wait_s: float = 5.0) -> list[int]:
             p.kill()
             killed.append(p.pid)
     return killed
+
+
+def route_sigterm(strategy: Any) -> None:
+    """Replace Lightning's SIGTERM notifier (it runs a ``broadcast`` inside the signal handler, which pairs
+    with whatever collective the other ranks are in and desynchronises them) with one that only sets the
+    trainer's ``received_sigterm`` flag (and, on the launching rank, forwards the signal to the ranks it
+    started, as Lightning does). The flag reaches the other ranks through the heartbeat within a second;
+    Lightning's per-step broadcast of rank 0's flag then stops every rank at the same step.
+
+    Other handlers in Lightning's composed SIGTERM handler (the user's) are kept.
+    """
+    import signal  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector  # noqa: PLC0415
+
+    trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module is not None else None
+    rt = getattr(strategy, "_rt", None)
+    if trainer is None or rt is None or threading.current_thread() is not threading.main_thread():
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    if not isinstance(handler, _HandlersCompose):
+        return
+    connector = trainer._signal_connector
+
+    def notify(signum: int, frame: Any) -> None:
+        log.info("pipedap: rank %s received SIGTERM; stopping every rank at the next step", trainer.global_rank)
+        if not connector.received_sigterm and strategy.launcher is not None:
+            strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+        if rt.heartbeat is not None:
+            rt.heartbeat.note = "sigterm"
+
+    def peer_noted(rank: int, word: str) -> None:
+        if word == "sigterm":
+            connector.received_sigterm = True
+
+    handler.signal_handlers = [notify if getattr(h, "__func__", None) is _SignalConnector._sigterm_notifier_fn else h
+                               for h in handler.signal_handlers]
+    if rt.heartbeat is not None:
+        rt.heartbeat.on_note = peer_noted
