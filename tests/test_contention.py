@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,11 +15,10 @@ from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
 from lightning_pipedap.plan.simulator import simulate, to_op_records
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.plan.profile import PACKAGED_PROFILES_DIR
 
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
-needs_shared = pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(),
-                                  reason=f"shared reference profiles not found at {SHARED}")
+SHARED = PACKAGED_PROFILES_DIR  # the reference profiles shipped with the package
 
 
 def ops(text: str) -> tuple[Op, ...]:
@@ -215,7 +213,6 @@ def test_no_contention_equals_simulate_on_random_instances():
         assert_same_as_simulate(prof, cm, sched, comp, rng.choice([1, 2]))
 
 
-@needs_shared
 @pytest.mark.parametrize("model", ["resnet50", "vgg16", "densenet201", "bert_base", "gpt2"])
 def test_no_contention_equals_simulate_on_shared_profiles(model):
     prof = load_profile(model)

@@ -18,9 +18,10 @@ from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import load_profile
 from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.plan.profile import PACKAGED_PROFILES_DIR
 
 DATA = Path(__file__).resolve().parent / "data"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
+SHARED = PACKAGED_PROFILES_DIR  # the reference profiles shipped with the package
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -74,7 +75,6 @@ def test_bad_arguments_exit_2(argv, match, capsys):
     assert match in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(), reason=f"shared profiles not found at {SHARED}")
 def test_module_runs_on_shared_profile():
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                PIPEDAP_PROFILES_DIR=str(SHARED))
@@ -97,7 +97,6 @@ def test_profile_and_world_size_required_without_sweep_and_sweep_takes_no_what_i
     assert "drop --beta-scale" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(), reason=f"shared profiles not found at {SHARED}")
 def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
     # the full grid takes ~30 s; the CLI path is the same on a one-model, one-worker-count grid
     full = cli.run_sweep

@@ -17,9 +17,10 @@ from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import load_profile
 from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Schedule
+from lightning_pipedap.plan.profile import PACKAGED_PROFILES_DIR
 
 DATA = Path(__file__).resolve().parent / "data"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
+SHARED = PACKAGED_PROFILES_DIR  # the reference profiles shipped with the package
 #: a hand-made fp16 cost (not measured): half the bytes on the wire, cheap to compute
 COST = CompressionCost(alpha_c_s=2e-4, beta_c_s_per_byte=5e-11, payload_ratio=0.5, post_share=0.3,
                        extra_allreduces=1, method="fp16")
@@ -30,7 +31,6 @@ def _rows(out: str) -> dict[str, list[str]]:
     return {line.split()[0]: line.split() for line in out.splitlines() if line.split() and line.split()[0] in names}
 
 
-@pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(), reason=f"shared profiles not found at {SHARED}")
 def test_compressed_rows_equal_the_planners_with_the_cost_file(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("PIPEDAP_PROFILES_DIR", str(SHARED))
     cost_file = COST.save(tmp_path / "fp16.json")

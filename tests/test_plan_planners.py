@@ -13,12 +13,11 @@ from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
 from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.plan.profile import PACKAGED_PROFILES_DIR
 
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE
 DATA = Path(__file__).resolve().parent / "data"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
-needs_shared = pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(),
-                                  reason=f"shared profiles not found at {SHARED}")
+SHARED = PACKAGED_PROFILES_DIR  # the reference profiles shipped with the package
 NAMES = ("no_overlap", "wfbp", "dear", "pipedap", "optimal")
 
 
@@ -174,7 +173,6 @@ def test_world_size_must_match_cost_model():
         get_planner("dear")(prof, CostModel.from_allreduce(2e-4, 2e-9), 0)
 
 
-@needs_shared
 @pytest.mark.parametrize("model", ["vgg16", "resnet50", "bert_base", "densenet201", "gpt2"])
 @pytest.mark.parametrize("beta_scale", [1, 30])
 def test_shared_profiles_optimal_is_never_worse(model, beta_scale):
@@ -191,7 +189,6 @@ def test_shared_profiles_optimal_is_never_worse(model, beta_scale):
     assert times["no_overlap"] == pytest.approx(prof.t_backward + prof.t_forward + ab["alpha"] + ab["beta_elem"] * params)
 
 
-@needs_shared
 @pytest.mark.parametrize("model", ["vgg16", "resnet50", "bert_base"])
 def test_shared_profiles_optimal_reaches_window_bound_at_reference_constants(model):
     # at the shipped 8-worker constants these models are compute-bound: the best plan sits on the bound

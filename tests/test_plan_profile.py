@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile, save_profile
+from lightning_pipedap.plan.profile import PACKAGED_PROFILES_DIR
 
 DATA = Path(__file__).resolve().parent / "data"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
+SHARED = PACKAGED_PROFILES_DIR  # the reference profiles shipped with the package
 
 
 def test_tiny_profile_loads_with_bytes_and_times():
@@ -51,7 +52,6 @@ def test_reference_format_from_dict_uses_params_times_bytes():
     assert q.layers[0].nbytes == 300 and q.layers[0].t_b == 0.25
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared profiles not found at {SHARED}")
 def test_shared_reference_profiles_match_their_totals():
     for name in ("vgg16", "resnet50", "densenet201", "bert_base", "gpt2"):
         raw = json.loads((SHARED / f"{name}.json").read_text())

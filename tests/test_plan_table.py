@@ -16,11 +16,10 @@ from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
 from lightning_pipedap.plan.simulator import simulate, to_op_records
 from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.plan.profile import PACKAGED_PROFILES_DIR
 
 DATA = Path(__file__).resolve().parent / "data"
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "profiles"
-needs_shared = pytest.mark.skipif(not (SHARED / "alpha_beta.json").is_file(),
-                                  reason=f"shared reference profiles not found at {SHARED}")
+SHARED = PACKAGED_PROFILES_DIR  # the reference profiles shipped with the package
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE
 
 
@@ -43,7 +42,6 @@ def _reference_numbers(model: str, world_size: int, beta_scale: float) -> tuple[
     return max(compute, t_ar(cum)) * 1e3, window * 1e3, (compute + t_ar(cum)) * 1e3
 
 
-@needs_shared
 @pytest.mark.parametrize("model, beta_scale, optimal_ms, window_ms", [
     ("vgg16", 1.0, 548.2167, 548.2167),
     ("resnet50", 1.0, 336.8929, 336.8929),
