@@ -37,7 +37,8 @@ class CompressionMonitor(Callback):
         getter = getattr(trainer.strategy, "compression_stats", None)
         stats = getter() if getter is not None else {}
         if not stats:
-            if not self._said:
+            # quiet when nothing was asked to compress (the app adds this callback to every run)
+            if not self._said and getattr(trainer.strategy, "compression", None):
                 rank_zero_info("CompressionMonitor: the strategy reports no compression statistics; nothing to log")
                 self._said = True
             return
