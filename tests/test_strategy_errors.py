@@ -38,6 +38,7 @@ def test_import_registers_names_idempotently():
         ({"model_contention": 1}, ValueError, r"model_contention must be True or False, got 1"),
         ({"compression_mode": "thread"}, ValueError, r"need a compression method"),
         ({"trial_steps": True}, ValueError, r"trial_steps must be an integer >= 1, got True"),
+        ({"cost_model": "/nonexistent/cm.json"}, ValueError, r"cost_model='/nonexistent/cm.json': no such file"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, err, match):

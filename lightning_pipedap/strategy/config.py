@@ -8,6 +8,7 @@ is checked once, in ``__post_init__``; the Hydra schema (``app/schema.py``) vali
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
@@ -176,6 +177,9 @@ class PipeDAPConfig:
         if self.cost_model is not None and not isinstance(self.cost_model, (str, CostModel)):
             raise ValueError(f"cost_model must be a path to a cost-model JSON file, a CostModel or None, "
                              f"got {self.cost_model!r}")
+        if isinstance(self.cost_model, str) and not os.path.isfile(self.cost_model):
+            raise ValueError(f"cost_model={self.cost_model!r}: no such file (a JSON file written by CostModel.save; "
+                             "or None to measure the α-β model on the live group)")
         object.__setattr__(self, "deferrable_optimizers", tuple(self.deferrable_optimizers))
         object.__setattr__(self, "compression_kwargs", dict(self.compression_kwargs or {}))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
