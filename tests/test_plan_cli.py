@@ -167,3 +167,16 @@ def test_bad_schedule_arguments_exit_2(argv, match, tmp_path, capsys):
     rc = cli.main([*TINY, *[a.replace("{dir}", str(tmp_path)) for a in argv]])
     assert rc == 2
     assert match in capsys.readouterr().err
+
+
+def test_simulate_module_runs_the_cli_from_any_directory(tmp_path):
+    """``python -m lightning_pipedap.simulate`` (the documented command name) is the same CLI."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "lightning_pipedap.simulate", "--profile", "resnet50",
+                          "--world-size", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    direct = subprocess.run([sys.executable, "-m", "lightning_pipedap.plan.cli", "--profile", "resnet50",
+                             "--world-size", "8"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.stdout == direct.stdout and "optimal" in out.stdout

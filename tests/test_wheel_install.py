@@ -30,7 +30,7 @@ def test_wheel_carries_the_configs_and_profiles(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert job.returncode == 0, job.stderr[-3000:]
     assert "_target_: lightning_pipedap.PipeDAPStrategy" in job.stdout and "name: optimal" in job.stdout
-    cli = subprocess.run([str(py), "-m", "lightning_pipedap.plan.cli", "--profile", "resnet50", "--world-size", "4",
+    cli = subprocess.run([str(env_dir / "bin" / "pipedap-simulate"), "--profile", "resnet50", "--world-size", "4",
                           "--planner", "dear"], cwd=elsewhere, capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0, cli.stderr[-3000:]
     assert "dear" in cli.stdout
