@@ -382,10 +382,19 @@ class Heartbeat:
         return "; ".join(f"rank {r}: {what}" for r, what in sorted(bad.items()))
 
     def _read(self) -> dict[int, Optional[str]]:
-        """Every peer's current counter (None: not written yet or the store does not answer)."""
+        """Every peer's current counter (None: not written yet or the store does not answer).
+
+        Two store requests however many ranks (``check`` and ``multi_get`` of every key), then one per
+        peer only while some peer has not written its key yet."""
+        peers = list(self._seen)
+        keys = [f"{self.PREFIX}{r}" for r in peers]
+        try:
+            if self.store.check(keys):
+                return {r: v.decode() for r, v in zip(peers, self.store.multi_get(keys))}
+        except Exception:  # noqa: BLE001
+            return dict.fromkeys(peers)
         out: dict[int, Optional[str]] = {}
-        for r in self._seen:
-            k = f"{self.PREFIX}{r}"
+        for r, k in zip(peers, keys):
             try:
                 out[r] = self.store.get(k).decode() if self.store.check([k]) else None
             except Exception:  # noqa: BLE001
