@@ -16,14 +16,13 @@ with exit code 1.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from typing import Any, Optional
 
 from torch import Tensor
 
-log = logging.getLogger("lightning_pipedap")
+from lightning_pipedap.strategy.messages import log
 
 #: exit code of a process ended because a peer stopped answering
 LOST_PEER_EXIT_CODE = 1
@@ -136,7 +135,13 @@ def route_sigterm(strategy: Any) -> None:
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
-    from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector  # noqa: PLC0415
+    try:  # Lightning's private names: with another Lightning, keep its handler rather than fail
+        from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector  # noqa: PLC0415
+
+        lightning_notifier = _SignalConnector._sigterm_notifier_fn
+    except (ImportError, AttributeError):
+        log.info("pipedap: this Lightning has no _SignalConnector._sigterm_notifier_fn; its SIGTERM handler is kept")
+        return
 
     trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module is not None else None
     rt = getattr(strategy, "_rt", None)
@@ -159,7 +164,7 @@ def route_sigterm(strategy: Any) -> None:
         if word == "sigterm":
             connector.received_sigterm = True
 
-    handler.signal_handlers = [notify if getattr(h, "__func__", None) is _SignalConnector._sigterm_notifier_fn else h
+    handler.signal_handlers = [notify if getattr(h, "__func__", None) is lightning_notifier else h
                                for h in handler.signal_handlers]
     if rt.heartbeat is not None:
         rt.heartbeat.on_note = peer_noted
