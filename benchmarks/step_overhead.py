@@ -23,7 +23,8 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("ddp", "pipedap", "pipedap-allreduce", "pipedap-dear")
+VARIANTS = ("ddp", "pipedap", "pipedap-own", "pipedap-allreduce", "pipedap-dear")
+#: ``pipedap-own``: the default without the ``torch_ddp`` candidate (pipedap's own engine paths only)
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -70,8 +71,9 @@ def _job(args: argparse.Namespace) -> None:
     else:
         from lightning_pipedap import PipeDAPStrategy
 
-        schedule = {"pipedap": "optimal", "pipedap-allreduce": "allreduce", "pipedap-dear": "dear"}[args.variant]
-        strategy = PipeDAPStrategy(schedule=schedule)
+        schedule = {"pipedap": "optimal", "pipedap-own": "optimal", "pipedap-allreduce": "allreduce",
+                    "pipedap-dear": "dear"}[args.variant]
+        strategy = PipeDAPStrategy(schedule=schedule, torch_ddp_candidate=args.variant != "pipedap-own")
     model, clock = Timed(), Clock()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
                          callbacks=[clock],
@@ -89,7 +91,8 @@ def _job(args: argparse.Namespace) -> None:
         return
     gaps = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:])][args.warmup:]
     with open(args.out, "w") as f:
-        json.dump({"median_s": statistics.median(gaps), "steps": len(gaps)}, f)
+        ran = getattr(strategy, "installed_schedule", None) or "ddp"
+        json.dump({"median_s": statistics.median(gaps), "steps": len(gaps), "installed": ran.split(":")[0]}, f)
     if prof is not None:
         import io
         import pstats
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
     results: dict[str, list[float]] = {v: [] for v in variants}
+    installed: dict[str, set[str]] = {v: set() for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for v in variants:
@@ -132,12 +136,15 @@ def main(argv: list[str] | None = None) -> None:
                     cmd += ["--profile", args.profile]
                 subprocess.run(cmd, check=True, capture_output=True, timeout=600)
                 with open(out) as f:
-                    results[v].append(json.load(f)["median_s"])
+                    job = json.load(f)
+                results[v].append(job["median_s"])
+                installed[v].add(job["installed"])
     print(f"model {args.model}, 2 CPU processes, median iteration (ms) per round, ratio to ddp of the same round")
     for v, times in results.items():
         ratios = [t / d for t, d in zip(times, results["ddp"])] if "ddp" in results else []
         print(f"  {v:18s} " + "  ".join(f"{t * 1e3:7.3f}" for t in times)
-              + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else ""))
+              + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else "")
+              + f"   ran: {', '.join(sorted(installed[v]))}")
 
 
 if __name__ == "__main__":

@@ -278,11 +278,12 @@ def run_case(name: str) -> dict[str, float]:
 
 
 def run_trials_case() -> dict[str, Any]:
-    """Measured plan selection (engine switches between candidates mid-epoch) keeps DDP parity."""
+    """Measured plan selection (engine switches between candidates mid-epoch, into DDP's reducer and out
+    of it again: 4 candidates in 2 interleaved rounds) keeps DDP parity."""
     kw = {"opt": "adamw", "sched": "step"}
-    ref = train("mlp", kw, {}, "ddp")
-    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1)
-    out = train("mlp", kw, {}, strategy)
+    ref = train("mlp", kw, {}, "ddp", epochs=6)
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2)
+    out = train("mlp", kw, {}, strategy, epochs=6)
     return {"optimal": max_diff(out, ref), "trials": strategy.trial_results,
             "installed": strategy.installed_schedule}
 
@@ -323,11 +324,25 @@ def _shared_dir(local: str) -> str:
 
 
 def run_replan_case() -> dict[str, float]:
-    """A forced re-profile/re-plan in the middle of training keeps DDP parity."""
+    """A forced re-profile/re-plan in the middle of training keeps DDP parity.
+
+    The drift is made certain: once the plan runs, a callback sleeps 50 ms per step, so the measured
+    iteration time is far slower than predicted (only a slower run re-plans)."""
+    import time  # noqa: PLC0415
+
+    class SlowDown(pl.Callback):
+        pipedap_reads_model = False  # reads no parameter: pipedap need not apply pending updates before it
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            phase = getattr(trainer.strategy, "phase", None)
+            if phase is not None and phase.value == "run" and not trainer.strategy.replans_done:
+                time.sleep(0.05)
+
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp")
-    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=1e-9, max_replans=1, plan_trials=1)
-    out = train("mlp", kw, {}, strategy)
+    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=0.5, max_replans=1, plan_trials=1)
+    with tempfile.TemporaryDirectory() as d:
+        out = train("mlp", kw, {"enable_checkpointing": False}, strategy, callbacks=[SlowDown()], root_dir=_shared_dir(d))
     return {"optimal": max_diff(out, ref), "replans": strategy.replans_done,
             "predicted_ms": (strategy.predicted_iteration_s or 0) * 1e3}
 

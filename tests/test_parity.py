@@ -78,14 +78,16 @@ def test_compressed_training_through_the_engine(parity_results):
 def test_measured_plan_selection_keeps_parity(parity_results):
     res = parity_results["plan_trials"]
     assert "error" not in res, res.get("error")
-    assert res["optimal"] <= TOL  # three engine switches mid-epoch change nothing
+    # engine switches mid-epoch, into DDP's reducer and out of it again, change nothing
+    assert res["optimal"] <= TOL
     trials = res["trials"]
-    assert 2 <= len(trials) <= 3 and len({t["describe"] for t in trials}) == len(trials)
-    assert trials[0]["name"] == "optimal"
-    assert all(t["measured_s"] > 0 for t in trials)
+    assert 3 <= len(trials) <= 4 and len({t["describe"] for t in trials}) == len(trials)
+    assert trials[0]["name"] == "optimal" and trials[-1]["name"] == "torch_ddp"
+    assert all(len(t["windows_s"]) == 2 and t["measured_s"] > 0 for t in trials)  # two interleaved rounds
     chosen = [t for t in trials if t["chosen"]]
-    assert len(chosen) == 1 and chosen[0]["measured_s"] == min(t["measured_s"] for t in trials)
-    assert res["installed"] == chosen[0]["describe"]  # every rank ends on the fastest measured candidate
+    # the fastest, or a preferred one within the noise band (at most 10 %) of it
+    assert len(chosen) == 1 and chosen[0]["measured_s"] <= 1.10 * min(t["measured_s"] for t in trials)
+    assert res["installed"] == chosen[0]["describe"]  # every rank ends on the chosen candidate
 
 
 @pytest.mark.multiprocess

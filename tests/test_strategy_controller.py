@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lightning_pipedap.strategy.controller import Controller, Phase
+from lightning_pipedap.strategy.controller import Controller, Phase, choose_candidate
 
 
 @dataclass
@@ -23,8 +23,9 @@ class Sched:
 class FakeEffects:
     """Records what the controller asks for; ``agree`` returns the value as rank 0 would."""
 
-    def __init__(self, candidates=None, profiled=(1, 2, 3), busy=None, rescale_ok=True):
+    def __init__(self, candidates=None, profiled=(1, 2, 3), busy=None, rescale_ok=True, floor=None):
         self.calls: list = []
+        self.floor = floor
         self.candidates = candidates or [Sched("plan", 1.0)]
         self._profiled = iter(profiled)
         self.busy = busy
@@ -59,6 +60,9 @@ class FakeEffects:
 
     def last_busy_s(self):
         return self.busy
+
+    def comm_floor_s(self):
+        return self.floor
 
     def rescale_cost_model(self, ratio):
         self.calls.append(("rescale", round(ratio, 3)))
@@ -122,7 +126,7 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     for name in ("a", "b", "c"):
         for k in range(3):  # the settling interval, then trial_steps measured ones (the last one switches)
             clock.t += step_s[name] if k else 5.0  # the settling interval is long and must not count
-            ctl.at_deferred_step_start()
+            ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.trial is None
     installs = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "install_run"]
     assert installs == ["a", "b", "c", "b"]  # b measured fastest, installed again at the end
@@ -130,7 +134,65 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     assert [r["chosen"] for r in ctl.trial_results] == [False, True, False]
     assert ctl.predicted_iteration_s == 0.9 and ctl.no_overlap_time_s == 3.0
     assert fx.calls.count("flush") == 3  # before every engine change
-    assert ("agree", [pytest.approx(0.3), pytest.approx(0.1), pytest.approx(0.2)]) in fx.calls
+    agreed = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "agree"]
+    assert agreed == [([[pytest.approx(0.3)], [pytest.approx(0.1)], [pytest.approx(0.2)]], None)]
+
+
+def _trial(fx, clock, step_s, rounds, trial_steps=2):
+    """Drive a whole trial: ``step_s[name]`` is a list of step intervals, one per round."""
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=trial_steps, trial_rounds=rounds)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.TRIAL
+    for r in range(rounds):
+        for name in [c.name for c in fx.candidates]:
+            for k in range(trial_steps + 1):
+                clock.t += step_s[name][r] if k else 5.0
+                ctl.at_step_start()
+    return ctl
+
+
+def test_trial_rounds_interleave_candidates_and_pool_their_windows():
+    clock = Clock()
+    cands = [Sched("a", 1.0), Sched("b", 0.9)]
+    fx = FakeEffects(candidates=cands, profiled=(1,))
+    # a burst of load in b's first window: one round alone would choose a
+    ctl = _trial(fx, clock, {"a": [0.20, 0.20], "b": [0.25, 0.10]}, rounds=2)
+    installs = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "install_run"]
+    assert installs == ["a", "b", "a", "b"]  # interleaved; b is installed last, so it stays
+    assert [r["windows_s"] for r in ctl.trial_results] == [[pytest.approx(0.2)] * 2,
+                                                           [pytest.approx(0.25), pytest.approx(0.1)]]
+    # b's median 0.175 s beats a's 0.2 s by more than the noise band (clamped to 10 %)
+    assert [r["chosen"] for r in ctl.trial_results] == [False, True]
+    assert ctl.phase is Phase.RUN and fx.calls.count("flush") == 4
+
+
+def test_choose_candidate_decides_ties_by_preference_and_rejects_steps_below_the_floor():
+    # within noise: the preferred name wins although it measured 1 % slower
+    best, med, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.101, 0.102]])
+    assert best == 1 and med == [pytest.approx(0.1005), pytest.approx(0.1015)] and "within noise" in notes[0]
+    # outside the band (5 % slower, windows agree to 1 %): the fastest wins
+    best, _, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.105, 0.106]])
+    assert best == 0 and notes == []
+    # a noisy fastest candidate widens the band (spread 8 %): a 6 % slower preferred one is a tie
+    best, _, _ = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.108], [0.110, 0.110]])
+    assert best == 1
+    # below 0.9 x the communication floor: mismeasured, not chosen
+    best, _, notes = choose_candidate(["dear", "wfbp"], [[0.50, 0.51], [0.60, 0.60]], floor_s=0.562)
+    assert best == 1 and "below the physical floor 562.0 ms" in notes[0] and "dear 505.0 ms" in notes[0]
+    # every candidate below the floor: the floor is not trusted, the fastest is chosen
+    best, _, notes = choose_candidate(["dear", "wfbp"], [[0.40], [0.45]], floor_s=0.562)
+    assert best == 0 and notes == []
+    with pytest.raises(ValueError, match="at least one measured window"):
+        choose_candidate(["a"], [[]])
+
+
+def test_trial_floor_comes_from_the_effects_and_is_agreed():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,), floor=0.3)
+    ctl = _trial(fx, clock, {"a": [0.20], "b": [0.35]}, rounds=1)
+    assert [r["chosen"] for r in ctl.trial_results] == [False, True]  # a's 0.2 s beats the 0.3 s floor
+    assert any(isinstance(c, tuple) and c[0] == "info" and "below the physical floor" in c[1] for c in fx.calls)
 
 
 def _run_phase(fx, clock, **kw):
@@ -147,7 +209,7 @@ def test_drift_beyond_the_margin_rescales_and_replans_once():
     ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=1)
     for _ in range(5):
         clock.t += 1.5  # 50% slower than predicted
-        ctl.at_deferred_step_start()
+        ctl.at_step_start()
     assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
     assert ("rescale", 1.6) in fx.calls
     assert _names(fx.calls)[-2:] == ["flush", "start_profiling"]
@@ -160,13 +222,13 @@ def test_no_replan_within_the_margin_or_past_max_replans():
     ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=0)
     for _ in range(20):
         clock.t += 3.0
-        ctl.at_deferred_step_start()
+        ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.replans_done == 0
     fx2 = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
     ctl2 = _run_phase(fx2, clock, replan_every=4, replan_margin=0.15, max_replans=1)
     for _ in range(20):
         clock.t += 1.1  # 10% off: inside the margin
-        ctl2.at_deferred_step_start()
+        ctl2.at_step_start()
     assert ctl2.phase is Phase.RUN and "start_profiling" not in fx2.calls[2:]
     assert ctl2.measured_iteration_s == pytest.approx(1.1)  # refreshed every 5 steps
 
@@ -177,7 +239,7 @@ def test_a_run_faster_than_predicted_never_replans():
     ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=3)
     for _ in range(20):
         clock.t += 0.5  # 50% faster than predicted
-        ctl.at_deferred_step_start()
+        ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.replans_done == 0
     assert ctl.measured_iteration_s == pytest.approx(0.5)
 

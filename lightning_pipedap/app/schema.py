@@ -82,6 +82,8 @@ class PipeDAPStrategyConf:
     model_contention: bool = True
     plan_trials: int = 4
     trial_steps: int = 3
+    trial_rounds: int = 2
+    torch_ddp_candidate: bool = True
     train_thread_nice: int = 0
     compression: Optional[str] = None
     compression_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -274,6 +274,29 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
+def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: float,
+              find_unused_parameters: bool) -> torch.nn.Module:
+    """Wrap ``module`` in PyTorch's ``DistributedDataParallel`` on the default process group.
+
+    The C++ reducer all-reduces gradient buckets of ``bucket_cap_mb`` MiB inside backward (WFBP) and
+    averages them into ``.grad``; construction broadcasts rank 0's parameters and buffers (a collective:
+    every rank must call it at the same point). Dropping the returned wrapper (and collecting it) removes
+    its autograd hooks, so the module computes local gradients again.
+
+    Args:
+        module: the model (already on ``device``), identical on every rank.
+        device: the model's device (``device_ids`` is set for CUDA).
+        bucket_cap_mb: DDP's bucket size, MiB (> 0).
+        find_unused_parameters: traverse the graph each step for parameters without a gradient.
+
+    Returns:
+        The ``DistributedDataParallel`` wrapper.
+    """
+    ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
+                                                     find_unused_parameters=find_unused_parameters)
+
+
 def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     """All-gather a 1-D tensor of the same size on every rank; returns ``[N, len(buf)]`` (rank order).
 

@@ -95,12 +95,23 @@ class PipeDAPConfig:
         plan_trials: measured plan selection, for planned schedules without compression: after
             planning, run up to this many candidate schedules (the planner's, DeAR and WFBP with
             ``bucket_cap_mb`` fusion, then the other planners; see
-            :func:`~lightning_pipedap.plan.candidates.trial_candidates`) for ``trial_steps`` measured
-            steps each (plus one settling step) and keep the one with the lowest median measured
-            iteration time on rank 0. 1 = install the planner's schedule directly. The α-β model does
+            :func:`~lightning_pipedap.plan.candidates.trial_candidates`), plus ``torch_ddp`` when
+            enabled, for ``trial_steps`` measured steps each (plus one settling step), in
+            ``trial_rounds`` interleaved rounds, and keep the one with the lowest median measured
+            iteration time on rank 0 (:func:`~lightning_pipedap.strategy.controller.choose_candidate`:
+            candidates within noise of the fastest are decided by a fixed preference, ``torch_ddp``
+            first, so that reruns pick the same). 1 = install the planner's schedule directly. The α-β model does
             not see the CPU that communication takes from compute, so the model's favourite can be
             slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
-        trial_steps: measured steps per candidate (>= 1).
+        trial_steps: measured steps per candidate and round (>= 1).
+        trial_rounds: interleaved rounds over the candidates (>= 1): with 2, every candidate is
+            measured twice, a burst of load on a shared machine hits one round of one candidate, and
+            the spread of its two rounds is the noise the choice allows for.
+        torch_ddp_candidate: measure PyTorch's own ``DistributedDataParallel`` reducer (WFBP
+            all-reduce inside backward, ``bucket_cap_mb`` buckets) among the trial candidates and, when
+            it is the fastest, train the rest of the fit under it
+            (:mod:`~lightning_pipedap.strategy.handover`): on a small or compute-bound model, where
+            communication is negligible, pipedap's per-step bookkeeping then costs nothing.
         model_contention: before the first plan, measure how much communication and compute slow
             each other down when they overlap (:func:`~lightning_pipedap.probe.slowdown.
             measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
@@ -144,6 +155,8 @@ class PipeDAPConfig:
     compression_threads: int = 1
     plan_trials: int = 4
     trial_steps: int = 3
+    trial_rounds: int = 2
+    torch_ddp_candidate: bool = True
     model_contention: bool = True
 
     def __post_init__(self) -> None:
@@ -155,10 +168,11 @@ class PipeDAPConfig:
         if self.wait_timeout_s == float("inf"):
             raise ValueError("wait_timeout_s must be finite (seconds), got inf")
         for name, low in (("warmup_steps", 1), ("profile_steps", 1), ("replan_every", 2), ("max_replans", 0),
-                          ("plan_trials", 1), ("trial_steps", 1), ("compression_threads", 1)):
+                          ("plan_trials", 1), ("trial_steps", 1), ("trial_rounds", 1),
+                          ("compression_threads", 1)):
             _integer(name, getattr(self, name), low)
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
-        for name in ("calibrate_cost_model", "model_contention", "cost_model_cache"):
+        for name in ("calibrate_cost_model", "model_contention", "cost_model_cache", "torch_ddp_candidate"):
             _boolean(name, getattr(self, name))
         if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:
             raise ValueError(f"defer_update must be 'auto', True or False, got {self.defer_update!r}")

@@ -14,8 +14,9 @@
 run-time) does *what* a transition needs: install an engine, measure, plan, flush. The controller
 has no Lightning, torch or ``torch.distributed`` import, takes an injectable clock, and every
 decision that must be identical on all ranks goes through :meth:`Effects.agree` (rank 0's value).
-Sync steps (TRACE, PROFILE) report :meth:`Controller.after_sync_step`; deferred steps (TRIAL, RUN)
-report :meth:`Controller.at_deferred_step_start`.
+Steps of the warm-up schedules (TRACE, PROFILE) report :meth:`Controller.after_sync_step`; steps
+with a final schedule installed (TRIAL, RUN; deferred where the step allows it, else in sync mode)
+report :meth:`Controller.at_step_start`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 
 class Phase(enum.Enum):
@@ -33,8 +34,8 @@ class Phase(enum.Enum):
 
     TRACE = "trace"  #: sync steps of the warm-up schedule; the first one traces the forward
     PROFILE = "profile"  #: sync steps of the profiling schedule, per-layer times measured
-    TRIAL = "trial"  #: deferred steps of measured plan selection, one candidate after another
-    RUN = "run"  #: deferred steps of the installed schedule, drift checked
+    TRIAL = "trial"  #: steps of measured plan selection, candidates in interleaved rounds
+    RUN = "run"  #: steps of the installed schedule, drift checked
 
     @property
     def deferrable(self) -> bool:
@@ -72,6 +73,10 @@ class Effects(Protocol):
     def last_busy_s(self) -> Optional[float]:
         """The engine's communication busy time of its last round (s), or None."""
 
+    def comm_floor_s(self) -> Optional[float]:
+        """Lower bound of a step's communication (s): the α-β all-reduce of every gradient byte measured
+        alone, None when unknown. A dense candidate measured faster than this is a bad measurement."""
+
     def rescale_cost_model(self, ratio: float) -> bool:
         """Scale α and β by ``ratio`` (communication slower in training than measured); False if not allowed."""
 
@@ -86,16 +91,72 @@ class Trial:
     Attributes:
         schedules: candidate engine schedules (``name``, ``describe()``, ``predicted_iteration_s``).
         no_overlap_s: no-overlap time of each candidate (s).
-        starts: clock at each step start of the current candidate (s).
-        measured_s: median step interval of each measured candidate (s).
-        gaps_s: every step interval of each measured candidate, the settling one first (s).
+        order: the candidate index of each measurement window (``rounds`` interleaved rounds).
+        window: the window being measured (index into ``order``).
+        starts: clock at each step start of the current window (s).
+        gaps_s: per candidate, every step interval of each of its windows, the settling one first (s).
     """
 
     schedules: list[Any]
     no_overlap_s: list[float]
+    order: list[int] = field(default_factory=list)
+    window: int = 0
     starts: list[float] = field(default_factory=list)
-    measured_s: list[float] = field(default_factory=list)
-    gaps_s: list[list[float]] = field(default_factory=list)
+    gaps_s: list[list[list[float]]] = field(default_factory=list)
+
+
+def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]], floor_s: Optional[float] = None,
+                     *, min_tolerance: float = 0.02, max_tolerance: float = 0.10,
+                     prefer: Sequence[str] = ("torch_ddp",)) -> tuple[int, list[float], list[str]]:
+    """Pick the fastest candidate from interleaved trial windows, robust to a noisy machine.
+
+    Args:
+        names: candidate names, in trial order (the planner's first).
+        windows_s: per candidate, the median step interval of each of its measurement windows (s).
+        floor_s: physical lower bound of a dense step (s, see :meth:`Effects.comm_floor_s`); a candidate
+            whose median is below ``0.9 * floor_s`` was mismeasured and is not chosen while another one
+            was measured at or above it.
+        min_tolerance, max_tolerance: the noise band, as a fraction of the fastest median: the spread
+            between the windows of the two fastest candidates (max/min - 1), clamped to this range.
+        prefer: names chosen first among candidates within the noise band of the fastest (then trial
+            order): a tie is decided the same way on every rerun.
+
+    Returns:
+        ``(chosen index, median of each candidate's windows (s), notes)``: notes say which candidates
+        were rejected below the floor and which were within noise of the fastest.
+
+    Raises:
+        ValueError: no candidate, or a candidate without a window.
+    """
+    if not names or len(names) != len(windows_s) or any(not w for w in windows_s):
+        raise ValueError(f"every candidate needs at least one measured window, got {list(windows_s)!r} for {names!r}")
+    medians = [statistics.median(w) for w in windows_s]
+    notes: list[str] = []
+    valid = list(range(len(names)))
+    if floor_s is not None and floor_s > 0:
+        low = [i for i in valid if medians[i] < 0.9 * floor_s]
+        if low and len(low) < len(valid):
+            valid = [i for i in valid if i not in low]
+            notes.append("below the physical floor " + f"{floor_s * 1e3:.1f} ms, not chosen: "
+                         + ", ".join(f"{names[i]} {medians[i] * 1e3:.1f} ms" for i in low))
+    ranked = sorted(valid, key=medians.__getitem__)
+    best = ranked[0]
+
+    def spread(i: int) -> float:
+        w = windows_s[i]
+        return max(w) / min(w) - 1.0 if min(w) > 0 else 0.0
+
+    noise = max(spread(i) for i in ranked[:2])
+    tol = min(max_tolerance, max(min_tolerance, noise))
+    tied = [i for i in ranked if medians[i] <= medians[best] * (1.0 + tol)]
+    if len(tied) > 1:
+        rank_of = {n: k for k, n in enumerate(prefer)}
+        chosen = min(tied, key=lambda i: (rank_of.get(names[i], len(prefer)), i))
+        why = "the fastest" if chosen == best else "by preference"
+        notes.append(f"within noise ({tol:.0%}) of the fastest: " + ", ".join(
+            f"{names[i]} {medians[i] * 1e3:.1f} ms" for i in tied) + f"; chose {names[chosen]} ({why})")
+        best = chosen
+    return best, medians, notes
 
 
 class Controller:
@@ -106,9 +167,10 @@ class Controller:
         planned: the schedule is planned (else a fixed schedule is installed after the trace).
         warmup_steps: sync steps in TRACE (>= 1).
         profile_steps: profiled steps in PROFILE (>= 1).
-        trial_steps: measured steps per candidate in TRIAL (each after one settling step).
+        trial_steps: measured steps per candidate and round in TRIAL (each window after one settling step).
+        trial_rounds: interleaved rounds over the candidates in TRIAL (>= 1).
         replan_every, replan_margin, max_replans: drift check in RUN (every ``replan_every``
-            deferred steps; re-plan when the median iteration time is slower than the prediction
+            steps of the final schedule; re-plan when the median iteration time is slower than the prediction
             by more than ``replan_margin``, at most ``max_replans`` times; faster never re-plans).
         clock: time source in seconds (``time.perf_counter``).
 
@@ -124,11 +186,12 @@ class Controller:
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
-                 trial_steps: int = 3, replan_every: int = 50, replan_margin: float = 0.15, max_replans: int = 1,
+                 trial_steps: int = 3, trial_rounds: int = 1, replan_every: int = 50, replan_margin: float = 0.15, max_replans: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.effects = effects
         self.planned = planned
         self.warmup_steps, self.profile_steps, self.trial_steps = warmup_steps, profile_steps, trial_steps
+        self.trial_rounds = trial_rounds
         self.replan_every, self.replan_margin, self.max_replans = replan_every, replan_margin, max_replans
         self.clock = clock
         self.phase = Phase.TRACE
@@ -174,8 +237,8 @@ class Controller:
             if done is not None and done >= self.profile_steps:
                 self._finish_profiling()
 
-    def at_deferred_step_start(self) -> None:
-        """A deferred step starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
+    def at_step_start(self) -> None:
+        """A step of a final schedule starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
         if self.phase is Phase.TRIAL:
             self._trial_step()
         elif self.phase is Phase.RUN:
@@ -186,9 +249,13 @@ class Controller:
         schedules, no_overlap = self.effects.plan()
         self.trial_results = []
         if len(schedules) > 1:
+            rounds = self.trial_rounds
             self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.trial_steps} steps "
-                              f"each: {', '.join(s.name for s in schedules)}")
-            self.trial = Trial(list(schedules), list(no_overlap))
+                              f"each{f' in {rounds} interleaved rounds' if rounds > 1 else ''}: "
+                              f"{', '.join(s.name for s in schedules)}")
+            n = len(schedules)
+            self.trial = Trial(list(schedules), list(no_overlap), order=[i for _ in range(rounds) for i in range(n)],
+                               gaps_s=[[] for _ in range(n)])
             self._enter(schedules[0], no_overlap[0])
             self.phase = Phase.TRIAL
             self.trial.starts = [self.clock()]
@@ -216,27 +283,33 @@ class Controller:
         if len(tr.starts) < self.trial_steps + 2:  # the first interval after a switch settles, not counted
             return
         gaps = [b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])]
-        tr.gaps_s.append(gaps)
-        tr.measured_s.append(statistics.median(gaps[1:]))
+        tr.gaps_s[tr.order[tr.window]].append(gaps)
         self.effects.flush()  # the previous step's updates, before the engine changes
-        if len(tr.measured_s) < len(tr.schedules):
-            nxt = len(tr.measured_s)
-            self._enter(tr.schedules[nxt], tr.no_overlap_s[nxt])
+        tr.window += 1
+        if tr.window < len(tr.order):
+            nxt = tr.order[tr.window]
+            if nxt != tr.order[tr.window - 1]:
+                self._enter(tr.schedules[nxt], tr.no_overlap_s[nxt])
             tr.starts = [self.clock()]
             return
-        measured = self.effects.agree(tr.measured_s)
-        best = min(range(len(measured)), key=measured.__getitem__)
+        windows = [[statistics.median(g[1:]) for g in per] for per in tr.gaps_s]
+        windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
+        names = [s.name for s in tr.schedules]
+        best, measured, notes = choose_candidate(names, windows, floor)
         self.trial = None
         self.trial_results = [
             {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
-             "chosen": i == best, "steps_s": tr.gaps_s[i], **self.predictions.get(s.name, {})}
+             "chosen": i == best, "windows_s": windows[i], "steps_s": tr.gaps_s[i],
+             **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
-        self.effects.info("pipedap: measured candidates: " + "; ".join(
+        self.effects.info("pipedap: measured candidates (median step): " + "; ".join(
             f"{r['name']} {r['measured_s'] * 1e3:.1f} ms (predicted "
             + (f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] is not None else "-") + " ms)"
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
-        if best != len(tr.schedules) - 1:  # the last candidate is the one installed now
+        for note in notes:
+            self.effects.info(f"pipedap: {note}")
+        if best != tr.order[-1]:  # the last window's candidate is the one installed now
             self._enter(tr.schedules[best], tr.no_overlap_s[best])
         else:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")

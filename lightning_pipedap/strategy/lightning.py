@@ -78,7 +78,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
             compression_kwargs, compression_mode, compression_threads, plan_trials, trial_steps,
-            model_contention: the options, validated into :attr:`config`, a
+            trial_rounds, torch_ddp_candidate, model_contention: the options, validated into :attr:`config`, a
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
             readable as an attribute: ``strategy.bucket_cap_mb``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -123,6 +123,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         compression_threads: int = 1,
         plan_trials: int = 4,
         trial_steps: int = 3,
+        trial_rounds: int = 2,
+        torch_ddp_candidate: bool = True,
         model_contention: bool = True,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -155,7 +157,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         self._records: list[OpRecord] = []
         self._timeline_enabled = False
         self._aborted = False
-        self._hook_handles: list[Any] = []
         self._orig_clip: Optional[Callable] = None
         self._restore_priority: Optional[Callable[[], bool]] = None
         self._flush_callback: Optional[ObservationFlush] = None
@@ -177,7 +178,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         state = dict(super().__getstate__())  # Lightning's Strategy drops its optimizer wrappers
         for k in ("_rt", "_last", "_comm", "_orig_clip", "_flush_callback"):
             state[k] = None
-        state["_hook_handles"] = []
         return state
 
     # ------------------------------------------------------------------ registration
@@ -242,11 +242,11 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
         # from `weight_g`/`weight_v` in a pre-hook, which must see the updated values); not inside compiled
         # regions, whose hooks dynamo would trace (their parameters are updated before training_step)
-        on_forward = torch.compiler.disable(self._on_module_forward)  # eager under torch.compile (dynamo: lazily)
+        rt.hook_modules(torch.compiler.disable(self._on_module_forward))  # eager under torch.compile
         for m in eager_modules(model):
-            self._hook_handles.append(m.register_forward_pre_hook(on_forward, prepend=True))
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
                 rt.wrap_train(m, self.flush)  # a module that reads its weights in train()/eval() (LoRA merge)
+        rt.enable_handover(self._set_model)
         rt.install_warmup()
         if self.config.train_thread_nice and self.root_device.type == "cpu" and self._restore_priority is None:
             self._restore_priority = lower_current_thread_priority(self.config.train_thread_nice)
@@ -261,6 +261,10 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                 self._flush_callback.before_batch_transfer(trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
 
+    def _set_model(self, model: torch.nn.Module) -> None:
+        """The ``torch_ddp`` candidate: ``model`` (DDP's wrapper, or the module again) is what Lightning runs."""
+        self.model = model
+
     # ------------------------------------------------------------------ hooks on parameters and modules
     def _on_grad_ready(self, p: Tensor) -> None:
         if self._rt is not None:
@@ -273,8 +277,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._rt is None:
-            return super().training_step(*args, **kwargs)
+        if self._rt is None or self._rt.handed_over:
+            return super().training_step(*args, **kwargs)  # (handed over: through DDP's wrapper, as DDPStrategy)
         return self._rt.training_step(lambda: super(PipeDAPStrategy, self).training_step(*args, **kwargs))
 
     @override
@@ -291,6 +295,10 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if rt is None:
             yield
             return
+        if rt.handed_over:
+            with super().block_backward_sync():  # DDP's no_sync()
+                yield
+            return
         prev, rt.sync_grads = rt.sync_grads, False
         try:
             yield
@@ -299,7 +307,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._rt is not None:
+        if self._rt is not None and self._rt.handed_over:
+            super().pre_backward(closure_loss)
+        elif self._rt is not None:
             self._rt.before_backward()
 
     @override
@@ -320,7 +330,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             if rt is not None and rt.deferred.late_applied and "modified by an inplace operation" in str(exc):
                 raise RuntimeError(rt.deferred.stale_message()) from exc
             raise
-        if self._rt is not None:
+        if self._rt is not None and not self._rt.handed_over:
             self._rt.finish_backward()
         closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
         self.post_backward(closure_loss)
@@ -336,6 +346,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         rt = self._rt
         if rt is not None:
             rt.retrain_if_changed(self._on_grad_ready)
+            if rt.controller.phase.deferrable and (len(self.optimizers) < 2 or optimizer is self.optimizers[0]):
+                rt.controller.at_step_start()  # a final schedule runs: time the step (once), switch candidates
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.t_backward_done = None
@@ -343,7 +355,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             if rt is not None:
                 rt.after_sync_step()
             return out
-        rt.controller.at_deferred_step_start()
         step = DeferredStep(optimizer)
         engine = rt.engine
         rounds_before = engine.iteration
@@ -446,8 +457,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                     self.flush()
             finally:
                 rt.close(abort=aborted)
-        for h in self._hook_handles:
-            h.remove()
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         if trainer is not None and self._flush_callback in trainer.callbacks:
             trainer.callbacks.remove(self._flush_callback)
@@ -456,7 +465,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if self._restore_priority is not None:
             self._restore_priority()
         self._last, self._rt, self._comm, self._aborted = rt or self._last, None, None, False
-        self._hook_handles, self._orig_clip, self._restore_priority = [], None, None
+        self._orig_clip, self._restore_priority = None, None
         self._flush_callback = None
         if comm is not None and not aborted:
             C.destroy_comm_group(comm)
@@ -472,6 +481,7 @@ def _can_defer(strategy: PipeDAPStrategy, optimizer: Optimizer) -> bool:
     return (
         (cfg.defer_update is True or cfg.defer_update == "auto" and not grad_hooks)
         and rt.controller.phase.deferrable
+        and not rt.handed_over
         and strategy.lightning_module.automatic_optimization
         and len(strategy.optimizers) == 1
         and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + cfg.deferrable_optimizers)

@@ -108,6 +108,12 @@ class TrainableSet:
         return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
                 for b in buckets]
 
+    def unhook(self) -> None:
+        """Remove the gradient hooks (``train()`` wrappers stay); :meth:`hook` installs them again."""
+        for h in self._handles:
+            h.remove()
+        self._handles, self._hooked = [], set()
+
     def close(self) -> None:
         """Remove the hooks and the ``train()`` wrappers."""
         for h in self._handles:

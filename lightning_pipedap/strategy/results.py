@@ -48,7 +48,9 @@ class RunResults:
         """What the last fit ran, as plain JSON-able data (for result files and summaries).
 
         Keys: ``schedule`` (the configured name), ``installed`` (the final schedule's
-        :meth:`~lightning_pipedap.schedule.Schedule.to_dict`, None before one ran), ``buckets`` and
+        :meth:`~lightning_pipedap.schedule.Schedule.to_dict`, or the ``torch_ddp`` candidate's
+        :meth:`~lightning_pipedap.strategy.handover.TorchDDPCandidate.to_dict` when DDP's reducer was
+        chosen; None before one ran), ``buckets`` (None for ``torch_ddp``) and
         ``compressed_buckets`` (counts), ``compression`` (the configured method), ``compression_note``
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
@@ -66,9 +68,10 @@ class RunResults:
                     "pays on this link (the fixed schedules 'dear'/'allreduce' compress every bucket)")
         return {
             "schedule": self.config.schedule, "installed": None if final is None else final.to_dict(),
-            "buckets": None if final is None else len(final.buckets), "compressed_buckets": compressed,
+            "buckets": None if getattr(final, "buckets", None) is None else len(final.buckets),
+            "compressed_buckets": compressed,
             "compression": method, "compression_note": note,
-            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "chosen")}
+            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
             "replans": self.replans_done,

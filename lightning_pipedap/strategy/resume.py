@@ -200,6 +200,8 @@ def add_to_checkpoint(rt: Any, checkpoint: dict[str, Any]) -> None:
     into ``checkpoint``. Pending updates are applied first; called from inside a step (a user's
     ``save_checkpoint`` in ``training_step``) it adds nothing, as the state is in flux."""
     rt.flush()
+    if rt.engine is None:  # DDP's reducer runs (the torch_ddp candidate): no engine state; a resume plans again
+        return
     if rt.engine.collecting:
         return
     rt.engine.wait_idle()

@@ -26,12 +26,13 @@ import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.measure.timeline import OpRecord
-from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack
+from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack, eager_modules
 from lightning_pipedap.schedule import Schedule, builtin_schedule
 from lightning_pipedap.strategy import resume as R
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Controller, Phase
 from lightning_pipedap.strategy.deferred import DeferredUpdates
+from lightning_pipedap.strategy.handover import TorchDDPCandidate, TorchDDPHandover
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.planning import Measured, Planning, predicted_busy_s
 from lightning_pipedap.strategy.tracing import consumer_mode, owner_modules, plan_owners
@@ -108,6 +109,7 @@ class Runtime:
         self.final_schedule: Optional[Schedule] = None
         self.controller = Controller(self, planned=config.planned, warmup_steps=config.warmup_steps,
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
+                                     trial_rounds=config.trial_rounds,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
                                      max_replans=config.max_replans)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
@@ -135,6 +137,13 @@ class Runtime:
         self.params = self.tset.collect()
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
+        self.saw_unused = False  # a sync step so far left a trainable parameter without a gradient
+        self._on_grad: Optional[Callable[[Tensor], None]] = None
+        self._on_forward: Optional[Callable[..., Any]] = None
+        self._module_hooks: list[Any] = []
+        #: DDP's reducer for the rest of the fit, when the ``torch_ddp`` candidate runs
+        #: (``set_model`` is given by the strategy: :meth:`enable_handover`)
+        self.handover: Optional[TorchDDPHandover] = None
         #: the compression helper for the whole fit (started now, given a layout per final schedule)
         self.pipe = start_compression_helper(config, device, rank) if config.compression else None
 
@@ -152,7 +161,35 @@ class Runtime:
     # ------------------------------------------------------------------ parameters
     def hook_params(self, on_grad: Callable[[Tensor], None]) -> None:
         """Post-accumulate-grad hooks on every trainable parameter not hooked yet (again after unfreezing)."""
+        self._on_grad = on_grad
         self.tset.hook(self.params, on_grad)
+
+    def hook_modules(self, on_forward: Callable[..., Any]) -> None:
+        """Forward pre-hooks on the eager modules (prepended: they run before hooks registered earlier)."""
+        self._on_forward = on_forward
+        for m in eager_modules(self.module):
+            self._module_hooks.append(m.register_forward_pre_hook(on_forward, prepend=True))
+
+    def _unhook(self) -> None:
+        self.tset.unhook()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    def _rehook(self) -> None:
+        if self._on_grad is not None:
+            self.hook_params(self._on_grad)
+        if self._on_forward is not None:
+            self.hook_modules(self._on_forward)
+
+    def enable_handover(self, set_model: Callable[[torch.nn.Module], None]) -> None:
+        """Allow the ``torch_ddp`` candidate: ``set_model(m)`` makes ``m`` what the strategy runs."""
+        self.handover = TorchDDPHandover(self.module, self.device, set_model, self._unhook, self._rehook)
+
+    @property
+    def handed_over(self) -> bool:
+        """Whether DDP's reducer synchronises the gradients now (the ``torch_ddp`` candidate)."""
+        return self.handover is not None and self.handover.active
 
     def trainable_signature(self) -> int:
         return self.tset.key(self.optimizers())
@@ -207,13 +244,7 @@ class Runtime:
         ``final``: the schedule training runs with (compression, if configured, starts here; warm-up and
         profiling steps communicate uncompressed).
         """
-        if self.engine is not None:
-            self.engine.wait_idle()
-            if self.deferred is not None:
-                self.deferred.write_unwritten()  # .grad shows the averaged gradients, as under DDP
-            if self.carry is not None:
-                self.carry.keep(self.engine)
-            self.engine.close()
+        self._close_engine()
         params = [self.params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params  # (engine order: what the consumer trace watches)
@@ -231,6 +262,19 @@ class Runtime:
             self.installed_schedule, self.final_schedule = schedule.describe(), schedule
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
         self.info(f"pipedap: {what} {schedule.describe()[:300]}")
+
+    def _close_engine(self) -> None:
+        """Finish and close the current engine, or leave DDP's reducer."""
+        if self.handover is not None:
+            self.handover.leave()
+        if self.engine is not None:
+            self.engine.wait_idle()
+            if self.deferred is not None:
+                self.deferred.write_unwritten()  # .grad shows the averaged gradients, as under DDP
+            if self.carry is not None:
+                self.carry.keep(self.engine)
+            self.engine.close()
+            self.engine, self.deferred = None, None
 
     def install_warmup(self) -> None:
         """Registration order, one all-reduce per bucket (WFBP), sync mode."""
@@ -276,12 +320,27 @@ class Runtime:
     def plan(self) -> tuple[list[Schedule], list[float]]:
         names = {id(m): n or "<root>" for n, m in self.module.named_modules()}
         layer_names = [names.get(id(self.owners[layer[0]]), "<unused>") for layer in self.planning.layers]
-        out = self.planning.plan(type(self.module).__name__, layer_names, [self.params[i] for i in self.order],
-                                 self.engine)
+        schedules, no_overlap = self.planning.plan(type(self.module).__name__, layer_names,
+                                                   [self.params[i] for i in self.order], self.engine)
         self.controller.predictions = self.planning.predictions
-        return out
+        cfg = self.config
+        if self.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression:
+            # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
+            same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
+            unused = self.saw_unused or any(o is None for o in self.owners)
+            schedules = [*schedules, TorchDDPCandidate(
+                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s)]
+            no_overlap = [*no_overlap, no_overlap[same] if same is not None else max(no_overlap)]
+        return schedules, no_overlap
 
-    def install_run(self, schedule: Schedule) -> Optional[float]:
+    def install_run(self, schedule: Any) -> Optional[float]:
+        if isinstance(schedule, TorchDDPCandidate):
+            self._close_engine()
+            assert self.handover is not None
+            self.handover.enter(schedule)  # (a collective on the default group, at the same step on every rank)
+            self.installed_schedule, self.final_schedule = schedule.describe(), schedule
+            self.info(f"pipedap: schedule {schedule.describe()}")
+            return None
         self.install(self.order, schedule, self.owners, final=True)
         cm = self.planning.cost_model
         return None if cm is None else predicted_busy_s(cm, self.engine)
@@ -294,7 +353,14 @@ class Runtime:
         return C.broadcast_object(value if self.rank == 0 else None, src=0)
 
     def last_busy_s(self) -> Optional[float]:
-        return self.engine.last_round_busy_s
+        return self.engine.last_round_busy_s if self.engine is not None else None
+
+    def comm_floor_s(self) -> Optional[float]:
+        """The α-β all-reduce time of every gradient byte, measured alone (s; rank 0's model)."""
+        cm = self.planning.raw_cost_model or self.planning.cost_model
+        if cm is None or self.config.compression:
+            return None
+        return cm.all_reduce(sum(p.numel() * p.element_size() for p in self.params))
 
     def rescale_cost_model(self, ratio: float) -> bool:
         return self.planning.rescale(ratio)
@@ -444,7 +510,9 @@ class Runtime:
             self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
         with torch.no_grad():
             for b in range(engine.num_buckets):
-                write_back_grads(engine.wait_done(b), engine.used_flags(b))
+                used = engine.used_flags(b)
+                self.saw_unused = self.saw_unused or not all(used)
+                write_back_grads(engine.wait_done(b), used)
         self.sync_device()
         self.t_backward_done = time.perf_counter()
 
@@ -455,7 +523,12 @@ class Runtime:
         self._tracing = self._tracing and self.controller.phase is Phase.TRACE
 
     def close(self, abort: bool = False) -> None:
-        """Close the engine, remove the parameter hooks and the ``train()`` wrappers."""
+        """Close the engine (or leave DDP's reducer), remove the hooks and the ``train()`` wrappers."""
+        if self.handover is not None:
+            self.handover.leave()  # (local: unwrapping communicates nothing)
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
         if self.engine is not None:
             self.engine.close(abort=abort)
         if self.heartbeat is not None:
