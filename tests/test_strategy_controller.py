@@ -97,7 +97,8 @@ def test_fixed_schedule_goes_from_trace_to_run_after_the_warmup_steps():
     assert ctl.phase is Phase.TRACE and fx.calls == []
     ctl.after_sync_step(0.0)
     assert ctl.phase is Phase.RUN and ctl.phase.deferrable
-    assert fx.calls == ["adopt_trace", "install_fixed"]
+    assert _names(fx.calls) == ["adopt_trace", "install_fixed"]
+    assert ctl.startup["trace_steps"] == 2 and ctl.startup["total_steps"] == 2
 
 
 def test_planned_schedule_profiles_then_runs_the_single_candidate():
@@ -134,6 +135,11 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     assert [r["chosen"] for r in ctl.trial_results] == [False, True, False]
     assert ctl.predicted_iteration_s == 0.9 and ctl.no_overlap_time_s == 3.0
     assert fx.calls.count("flush") == 3  # before every engine change
+    # time to steady state: 1 trace + 1 profile step at t = 0, then 3 windows of 5 s + 2 measured steps
+    assert ctl.startup == pytest.approx({"trace_s": 0.0, "trace_steps": 1, "profile_s": 0.0, "profile_steps": 1,
+                                         "trial_s": 16.2, "trial_steps": 9, "total_s": 16.2, "total_steps": 11})
+    assert any(isinstance(c, tuple) and c[0] == "info" and c[1].startswith("pipedap: steady state after 11 steps, "
+                                                                          "16.20 s") for c in fx.calls)
     agreed = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "agree"]
     assert agreed == [([[pytest.approx(0.3)], [pytest.approx(0.1)], [pytest.approx(0.2)]], None)]
 

@@ -197,7 +197,8 @@ def format_summary(res: dict[str, Any]) -> str:
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
     ran = res.get("pipedap") or {}
     if sched and ran.get("installed"):
-        sched += f" -> installed {ran['installed']['name']}, {ran['buckets']} buckets"
+        sched += f" -> installed {ran['installed']['name']}"
+        sched += f", {ran['buckets']} buckets" if ran.get("buckets") is not None else " (DDP's reducer)"
     if sched:
         if res.get("compression"):
             sched += f", compression {res['compression']} on {ran.get('compressed_buckets', '?')} of " \
@@ -222,6 +223,9 @@ def format_summary(res: dict[str, Any]) -> str:
         *(["candidates      " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
                                             + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]
           if ran.get("candidates") else []),
+        *([f"start-up        {ran['startup']['total_steps']} steps, {ran['startup']['total_s']:.1f} s to steady state "
+           f"(profile {ran['startup']['profile_steps']} steps {ran['startup']['profile_s']:.1f} s, trials "
+           f"{ran['startup']['trial_steps']} steps {ran['startup']['trial_s']:.1f} s)"] if ran.get("startup") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",

@@ -183,6 +183,10 @@ class Controller:
         predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
         replans_done: re-plans triggered by drift.
         predictions: rank 0's predictions per candidate name (filled by the planner side).
+        startup: time to steady state, filled when RUN is first reached: ``{"trace_s", "trace_steps",
+            "profile_s", "profile_steps", "trial_s", "trial_steps", "total_s", "total_steps"}`` (s, from
+            the controller's creation at set-up; profiling includes the α-β fit and the contention
+            measurement, trial the candidates' engine switches). Empty before.
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
@@ -207,11 +211,35 @@ class Controller:
         self._starts: deque[float] = deque(maxlen=replan_every + 1)
         self._busy: deque[float] = deque(maxlen=replan_every)
         self._run_steps = 0
+        self.startup: dict[str, float] = {}
+        self._t_phase = clock()
+        self._phase_steps = 0
+        self._spent: dict[str, float] = {}
+
+    def _leave(self, new: Phase) -> None:
+        """Account the time and steps of the phase being left (until RUN is first reached)."""
+        if not self.startup:
+            key = self.phase.value
+            now = self.clock()
+            self._spent[f"{key}_s"] = self._spent.get(f"{key}_s", 0.0) + now - self._t_phase
+            self._spent[f"{key}_steps"] = self._spent.get(f"{key}_steps", 0) + self._phase_steps
+            self._t_phase, self._phase_steps = now, 0
+            if new is Phase.RUN:
+                out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0) for k in ("trace", "profile", "trial") for u in ("s", "steps")}
+                out["total_s"] = out["trace_s"] + out["profile_s"] + out["trial_s"]
+                out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
+                self.startup = out
+                self.effects.info(
+                    f"pipedap: steady state after {out['total_steps']} steps, {out['total_s']:.2f} s since set-up "
+                    f"(trace {out['trace_steps']} steps {out['trace_s']:.2f} s, profile {out['profile_steps']} steps "
+                    f"{out['profile_s']:.2f} s incl. the α-β fit, trials {out['trial_steps']} steps {out['trial_s']:.2f} s)")
+        self.phase = new
 
     # ------------------------------------------------------------------ transitions
     def restart(self) -> None:
         """Back to TRACE (the trainable set changed): the next sync steps trace and plan again."""
-        self.phase, self.sync_steps, self.trial = Phase.TRACE, 0, None
+        self._leave(Phase.TRACE)
+        self.sync_steps, self.trial = 0, None
 
     def resumed(self, predicted_s: Optional[float], no_overlap_s: Optional[float],
                 planned_busy_s: Optional[float]) -> None:
@@ -219,19 +247,20 @@ class Controller:
         self.predicted_iteration_s, self.no_overlap_time_s = predicted_s, no_overlap_s
         self._planned_busy_s = planned_busy_s
         self._reset_drift()
-        self.phase = Phase.RUN
+        self._leave(Phase.RUN)
 
     def after_sync_step(self, t_step_end: float) -> None:
         """A sync step ended (TRACE or PROFILE): advance warm-up identically on every rank."""
         self.sync_steps += 1
+        self._phase_steps += 1
         if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
             self.effects.adopt_trace()
             if self.planned:
                 self.effects.start_profiling()
-                self.phase = Phase.PROFILE
+                self._leave(Phase.PROFILE)
             else:
                 self.effects.install_fixed()
-                self.phase = Phase.RUN
+                self._leave(Phase.RUN)
         elif self.phase is Phase.PROFILE:
             done = self.effects.take_profile_step(t_step_end)
             if done is not None and done >= self.profile_steps:
@@ -240,6 +269,7 @@ class Controller:
     def at_step_start(self) -> None:
         """A step of a final schedule starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
         if self.phase is Phase.TRIAL:
+            self._phase_steps += 1
             self._trial_step()
         elif self.phase is Phase.RUN:
             self._drift_step()
@@ -257,11 +287,11 @@ class Controller:
             self.trial = Trial(list(schedules), list(no_overlap), order=[i for _ in range(rounds) for i in range(n)],
                                gaps_s=[[] for _ in range(n)])
             self._enter(schedules[0], no_overlap[0])
-            self.phase = Phase.TRIAL
+            self._leave(Phase.TRIAL)
             self.trial.starts = [self.clock()]
         else:
             self._enter(schedules[0], no_overlap[0])
-            self.phase = Phase.RUN
+            self._leave(Phase.RUN)
 
     def _enter(self, schedule: Any, no_overlap_s: float) -> None:
         self._planned_busy_s = self.effects.install_run(schedule)
@@ -314,7 +344,7 @@ class Controller:
         else:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
-        self.phase = Phase.RUN
+        self._leave(Phase.RUN)
 
     # ------------------------------------------------------------------ RUN: drift
     def _drift_step(self) -> None:
@@ -348,5 +378,5 @@ class Controller:
         self.replans_done += 1
         self.effects.flush()
         self.effects.start_profiling()
-        self.phase = Phase.PROFILE
+        self._leave(Phase.PROFILE)
 

@@ -43,6 +43,8 @@ class RunResults:
     no_overlap_time_s = _FromRun("no_overlap_time_s", None, "Compute + update + all-reduce of every bucket (s).")
     replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
     installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
+    startup = _FromRun("startup", {}, "Time to steady state of the last fit: seconds and steps in trace, profile "
+                       "(with the α-β fit) and trials, and their totals ({} until the plan runs).")
 
     def what_ran(self) -> dict[str, Any]:
         """What the last fit ran, as plain JSON-able data (for result files and summaries).
@@ -54,7 +56,7 @@ class RunResults:
         ``compressed_buckets`` (counts), ``compression`` (the configured method), ``compression_note``
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
-        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``.
+        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`).
         """
         rt = self._rt or self._last
         if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
@@ -74,7 +76,7 @@ class RunResults:
             "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
-            "replans": self.replans_done,
+            "replans": self.replans_done, "startup": dict(self.startup),
         }
 
     @property

@@ -18,8 +18,8 @@ from lightning_pipedap.bench.matrix.report import (format_text_report, machine_d
 from lightning_pipedap.bench.matrix.results import CellResult, combine
 from lightning_pipedap.bench.matrix.spec import (COMPRESS_SEP, COMPRESSOR_KWARGS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS,
                                                  MODELS, NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS, PRESETS,
-                                                 QUICK_PLAN_TRIALS, QUICK_TRIAL_STEPS, TRIAL_STEPS, compressor_names,
-                                                 valid_strategies)
+                                                 QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS, TRIAL_ROUNDS,
+                                                 TRIAL_STEPS, compressor_names, valid_strategies)
 
 #: the module every rank runs (``python -m <this> --worker <spec JSON>``)
 WORKER_MODULE = "lightning_pipedap.bench.matrix"
@@ -33,6 +33,7 @@ def worker_spec(model: str, link: str, args: argparse.Namespace) -> dict:
                 sweep_steps=args.sweep_steps, repeats=args.repeats, quick=bool(args.quick),
                 trial_steps=QUICK_TRIAL_STEPS if args.quick else TRIAL_STEPS,
                 plan_trials=QUICK_PLAN_TRIALS if args.quick else PLAN_TRIALS,
+                trial_rounds=QUICK_TRIAL_ROUNDS if args.quick else TRIAL_ROUNDS,
                 threads=args.threads, watts=args.watts, timeline=bool(args.timeline), link=link,
                 weight_reader=bool(args.weight_reader),
                 timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)

@@ -26,11 +26,13 @@ POWERSGD_START = 2
 POWERSGD_ONE_BUCKET_MB = 4096
 #: measured plan selection of ``pipedap-optimal``: candidates and measured steps per candidate
 #: (the strategy's defaults)
-PLAN_TRIALS, TRIAL_STEPS = 4, 3
+PLAN_TRIALS, TRIAL_STEPS, TRIAL_ROUNDS = 4, 3, 2
 #: ``--quick``: measured steps per candidate (the 60 s budget of the headline cell)
 QUICK_TRIAL_STEPS = 2
 #: ``--quick``: candidates of the measured plan selection (the plan, DeAR and WFBP at 25 MiB)
 QUICK_PLAN_TRIALS = 3
+#: ``--quick``: one round over the candidates
+QUICK_TRIAL_ROUNDS = 1
 #: ``--quick``: warm-up steps of ``ddp`` (no warm-up phases; two steps settle its buckets, as in the cap sweep)
 QUICK_DDP_WARMUP = 2
 PIPEDAP_PREFIX = "pipedap-"
@@ -179,19 +181,21 @@ def plan_trials(name: str, candidates: int = PLAN_TRIALS) -> int:
         and sp.compressor is None else 1
 
 
-def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS, candidates: int = PLAN_TRIALS) -> int:
+def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS, candidates: int = PLAN_TRIALS,
+                       rounds: int = TRIAL_ROUNDS) -> int:
     """Warm-up steps a variant runs on top of ``--warmup``: ``POWERSGD_START`` (2) for pipedap with PowerSGD,
     whose first ``start_step`` compressed-engine steps send dense gradients (as ``start_powerSGD_iter`` does
     in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
     every measured step is compressed; with measured plan selection (:func:`plan_trials` > 1), the
-    trial steps (``trial_steps + 1`` per candidate); 0 otherwise.
+    trial steps (``trial_steps + 1`` per candidate and round, the strategy's ``torch_ddp`` candidate
+    included); 0 otherwise.
 
     Raises:
         ValueError: a bad name (see :func:`parse_strategy`).
     """
     extra = POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
     trials = plan_trials(name, candidates)
-    return extra + (trials * (trial_steps + 1) if trials > 1 else 0)
+    return extra + (rounds * (trials + 1) * (trial_steps + 1) if trials > 1 else 0)
 
 
 def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from lightning_pipedap import PipeDAPStrategy
 from lightning_pipedap.bench.matrix.models import build_net, first_layer_numel, make_module
 from lightning_pipedap.bench.matrix.results import median_step_s, summarize_compression
 from lightning_pipedap.bench.matrix.spec import (COMPRESSOR_KWARGS, DDP_HOOKS, PLAN_TRIALS, POWERSGD_ONE_BUCKET_MB,
-                                                 POWERSGD_RANK, POWERSGD_START, QUICK_DDP_WARMUP, TRIAL_STEPS,
+                                                 POWERSGD_RANK, POWERSGD_START, QUICK_DDP_WARMUP, TRIAL_ROUNDS, TRIAL_STEPS,
                                                  extra_warmup_steps, parse_strategy, plan_trials)
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.measure.energy import EstimateReader
@@ -230,7 +230,7 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
                                                   compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
-                               trial_steps=trial_steps, **comp)
+                               trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS), **comp)
     strategy.timeline_enabled = bool(spec["timeline"])
     return strategy
 
@@ -241,7 +241,8 @@ def _run_variant(spec: dict, name: str, ds: TensorDataset, world: int, bucket_mb
     result dict of this rank (keys of :class:`~lightning_pipedap.bench.matrix.results.VariantResult`)."""
     steps = steps or spec["steps"]
     warmup = spec["warmup"] + extra_warmup_steps(name, spec.get("trial_steps", TRIAL_STEPS),
-                                                 spec.get("plan_trials", PLAN_TRIALS))
+                                                 spec.get("plan_trials", PLAN_TRIALS),
+                                                 spec.get("trial_rounds", TRIAL_ROUNDS))
     sp = parse_strategy(name)
     if spec.get("quick") and sp.family == "ddp":
         warmup = QUICK_DDP_WARMUP
@@ -378,7 +379,8 @@ def worker(spec: dict) -> dict:
         spec = dict(spec, world=world)
         _, _, make_batch = build_net(spec["model"], spec["size"])
         trial_steps, candidates = spec.get("trial_steps", TRIAL_STEPS), spec.get("plan_trials", PLAN_TRIALS)
-        total = spec["warmup"] + max(extra_warmup_steps(n, trial_steps, candidates) for n in spec["strategies"]) \
+        rounds = spec.get("trial_rounds", TRIAL_ROUNDS)
+        total = spec["warmup"] + max(extra_warmup_steps(n, trial_steps, candidates, rounds) for n in spec["strategies"]) \
             + max(spec["steps"], spec["sweep_steps"])
         g = torch.Generator().manual_seed(1234)
         ds = TensorDataset(*make_batch(spec["batch"] * (total + 1) * world, g))
