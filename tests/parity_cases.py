@@ -282,7 +282,8 @@ def run_trials_case() -> dict[str, Any]:
     of it again: 4 candidates in 2 interleaved rounds) keeps DDP parity."""
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp", epochs=6)
-    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2)
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2,
+                               trial_window_s=0)
     out = train("mlp", kw, {}, strategy, epochs=6)
     return {"optimal": max_diff(out, ref), "trials": strategy.trial_results,
             "installed": strategy.installed_schedule}

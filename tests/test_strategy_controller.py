@@ -173,6 +173,24 @@ def test_trial_rounds_interleave_candidates_and_pool_their_windows():
     assert ctl.phase is Phase.RUN and fx.calls.count("flush") == 4
 
 
+def test_short_steps_get_longer_trial_windows():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,))  # no-overlap time 2 s
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_window_s=9.0)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.window_steps == 5  # ceil(9 s / 2 s) measured steps per window, more than trial_steps
+    for _ in range(5 + 1):
+        clock.t += 1.0
+        ctl.at_step_start()
+    assert ("install_run", "b") in fx.calls  # a's window ended after its settling step and 5 measured ones
+    ctl = _ctl(FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,)), clock, profile_steps=1,
+               trial_steps=2, trial_window_s=1e6)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.window_steps == 50  # capped
+
+
 def test_choose_candidate_decides_ties_by_preference_and_rejects_steps_below_the_floor():
     # within noise: the preferred name wins although it measured 1 % slower
     best, med, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.101, 0.102]])
@@ -188,6 +206,12 @@ def test_choose_candidate_decides_ties_by_preference_and_rejects_steps_below_the
     assert best == 1 and "below the physical floor 562.0 ms" in notes[0] and "dear 505.0 ms" in notes[0]
     # every candidate below the floor: the floor is not trusted, the fastest is chosen
     best, _, notes = choose_candidate(["dear", "wfbp"], [[0.40], [0.45]], floor_s=0.562)
+    assert best == 0 and notes == []
+    # negligible communication (0.1 ms floor): a 1 ms gain over DDP's reducer is impossible, so noise
+    best, _, notes = choose_candidate(["wfbp", "torch_ddp"], [[0.005], [0.006]], floor_s=1e-4)
+    assert best == 1 and "more than 3 x its whole communication (0.10 ms alone)" in notes[0]
+    # a bandwidth-bound model (560 ms floor): a 180 ms gain is possible and beyond noise, so it is real
+    best, _, notes = choose_candidate(["optimal", "torch_ddp"], [[0.646, 0.650], [0.818, 0.820]], floor_s=0.56)
     assert best == 0 and notes == []
     with pytest.raises(ValueError, match="at least one measured window"):
         choose_candidate(["a"], [[]])

@@ -83,6 +83,7 @@ class PipeDAPStrategyConf:
     plan_trials: int = 4
     trial_steps: int = 3
     trial_rounds: int = 2
+    trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
     train_thread_nice: int = 0
     compression: Optional[str] = None

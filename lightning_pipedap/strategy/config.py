@@ -103,7 +103,11 @@ class PipeDAPConfig:
             first, so that reruns pick the same). 1 = install the planner's schedule directly. The α-β model does
             not see the CPU that communication takes from compute, so the model's favourite can be
             slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
-        trial_steps: measured steps per candidate and round (>= 1).
+        trial_steps: measured steps per candidate and round (>= 1), at least.
+        trial_window_s: shortest measured window per candidate and round (s, >= 0): short steps are
+            measured over ``ceil(trial_window_s / step)`` steps (at most 50), the step time being the
+            plan's no-overlap time, so that their median is stable on a noisy machine. 0 = exactly
+            ``trial_steps``.
         trial_rounds: interleaved rounds over the candidates (>= 1): with 2, every candidate is
             measured twice, a burst of load on a shared machine hits one round of one candidate, and
             the spread of its two rounds is the noise the choice allows for.
@@ -156,6 +160,7 @@ class PipeDAPConfig:
     plan_trials: int = 4
     trial_steps: int = 3
     trial_rounds: int = 2
+    trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
     model_contention: bool = True
 
@@ -165,6 +170,10 @@ class PipeDAPConfig:
             raise ValueError(f"unknown schedule {self.schedule!r}; valid: {', '.join(names)}")
         for name in ("bucket_cap_mb", "wait_timeout_s", "ring_chunk_mb", "replan_margin"):
             _positive(name, getattr(self, name))
+        if isinstance(self.trial_window_s, bool) or not isinstance(self.trial_window_s, (int, float)) \
+                or not 0 <= self.trial_window_s < float("inf"):
+            raise ValueError(f"trial_window_s must be a finite number of seconds >= 0, got {self.trial_window_s!r}")
+        object.__setattr__(self, "trial_window_s", float(self.trial_window_s))
         if self.wait_timeout_s == float("inf"):
             raise ValueError("wait_timeout_s must be finite (seconds), got inf")
         for name, low in (("warmup_steps", 1), ("profile_steps", 1), ("replan_every", 2), ("max_replans", 0),

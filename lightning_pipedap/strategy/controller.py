@@ -22,11 +22,16 @@ report :meth:`Controller.at_step_start`.
 from __future__ import annotations
 
 import enum
+import math
 import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
+
+
+#: most measured steps of one trial window (short steps are measured over ``trial_window_s``)
+MAX_WINDOW_STEPS = 50
 
 
 class Phase(enum.Enum):
@@ -107,7 +112,8 @@ class Trial:
 
 def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]], floor_s: Optional[float] = None,
                      *, min_tolerance: float = 0.02, max_tolerance: float = 0.10,
-                     prefer: Sequence[str] = ("torch_ddp",)) -> tuple[int, list[float], list[str]]:
+                     prefer: Sequence[str] = ("torch_ddp",), reducer: str = "torch_ddp",
+                     reducer_comm_factor: float = 3.0) -> tuple[int, list[float], list[str]]:
     """Pick the fastest candidate from interleaved trial windows, robust to a noisy machine.
 
     Args:
@@ -120,6 +126,11 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
             between the windows of the two fastest candidates (max/min - 1), clamped to this range.
         prefer: names chosen first among candidates within the noise band of the fastest (then trial
             order): a tie is decided the same way on every rerun.
+        reducer, reducer_comm_factor: no schedule can beat DDP's reducer (candidate ``reducer``) by more
+            than the reducer's own communication time, exposed at most, plus what that communication
+            slows compute down: at most ``reducer_comm_factor * floor_s``. A measured gain beyond that is
+            noise, and the reducer is chosen (on a model whose communication is negligible this is
+            what keeps a noisy trial from choosing a slower schedule).
 
     Returns:
         ``(chosen index, median of each candidate's windows (s), notes)``: notes say which candidates
@@ -146,6 +157,14 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
         w = windows_s[i]
         return max(w) / min(w) - 1.0 if min(w) > 0 else 0.0
 
+    r = names.index(reducer) if reducer in names else None
+    if r is not None and r in valid and r != best and floor_s is not None and floor_s > 0:
+        gain = medians[r] - medians[best]
+        if gain > reducer_comm_factor * floor_s:
+            notes.append(f"{names[best]} measured {gain * 1e3:.2f} ms faster than {reducer}, more than "
+                         f"{reducer_comm_factor:g} x its whole communication ({floor_s * 1e3:.2f} ms alone): noise; "
+                         f"chose {reducer}")
+            return r, medians, notes
     noise = max(spread(i) for i in ranked[:2])
     tol = min(max_tolerance, max(min_tolerance, noise))
     tied = [i for i in ranked if medians[i] <= medians[best] * (1.0 + tol)]
@@ -167,7 +186,11 @@ class Controller:
         planned: the schedule is planned (else a fixed schedule is installed after the trace).
         warmup_steps: sync steps in TRACE (>= 1).
         profile_steps: profiled steps in PROFILE (>= 1).
-        trial_steps: measured steps per candidate and round in TRIAL (each window after one settling step).
+        trial_steps: measured steps per candidate and round in TRIAL (each window after one settling step),
+            at least; more when the steps are short (``trial_window_s``).
+        trial_window_s: shortest measured window (s): a window has ``ceil(trial_window_s / t)`` steps
+            (at most :data:`MAX_WINDOW_STEPS`), ``t`` the first candidate's no-overlap time, identical on
+            every rank, so that short steps are measured over enough of them for a stable median.
         trial_rounds: interleaved rounds over the candidates in TRIAL (>= 1).
         replan_every, replan_margin, max_replans: drift check in RUN (every ``replan_every``
             steps of the final schedule; re-plan when the median iteration time is slower than the prediction
@@ -190,12 +213,13 @@ class Controller:
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
-                 trial_steps: int = 3, trial_rounds: int = 1, replan_every: int = 50, replan_margin: float = 0.15, max_replans: int = 1,
+                 trial_steps: int = 3, trial_rounds: int = 1, trial_window_s: float = 0.0, replan_every: int = 50, replan_margin: float = 0.15, max_replans: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.effects = effects
         self.planned = planned
         self.warmup_steps, self.profile_steps, self.trial_steps = warmup_steps, profile_steps, trial_steps
-        self.trial_rounds = trial_rounds
+        self.trial_rounds, self.trial_window_s = trial_rounds, trial_window_s
+        self.window_steps = trial_steps  # measured steps per trial window (set when TRIAL starts)
         self.replan_every, self.replan_margin, self.max_replans = replan_every, replan_margin, max_replans
         self.clock = clock
         self.phase = Phase.TRACE
@@ -280,7 +304,10 @@ class Controller:
         self.trial_results = []
         if len(schedules) > 1:
             rounds = self.trial_rounds
-            self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.trial_steps} steps "
+            step_s = no_overlap[0]
+            longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
+            self.window_steps = max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
+            self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.window_steps} steps "
                               f"each{f' in {rounds} interleaved rounds' if rounds > 1 else ''}: "
                               f"{', '.join(s.name for s in schedules)}")
             n = len(schedules)
@@ -310,7 +337,7 @@ class Controller:
         tr = self.trial
         assert tr is not None
         tr.starts.append(self.clock())
-        if len(tr.starts) < self.trial_steps + 2:  # the first interval after a switch settles, not counted
+        if len(tr.starts) < self.window_steps + 2:  # the first interval after a switch settles, not counted
             return
         gaps = [b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])]
         tr.gaps_s[tr.order[tr.window]].append(gaps)

@@ -78,7 +78,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
             compression_kwargs, compression_mode, compression_threads, plan_trials, trial_steps,
-            trial_rounds, torch_ddp_candidate, model_contention: the options, validated into :attr:`config`, a
+            trial_rounds, trial_window_s, torch_ddp_candidate, model_contention: the options, validated into :attr:`config`, a
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
             readable as an attribute: ``strategy.bucket_cap_mb``).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
@@ -124,6 +124,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         plan_trials: int = 4,
         trial_steps: int = 3,
         trial_rounds: int = 2,
+        trial_window_s: float = 0.25,
         torch_ddp_candidate: bool = True,
         model_contention: bool = True,
         accelerator: Optional[Any] = None,

@@ -109,7 +109,7 @@ class Runtime:
         self.final_schedule: Optional[Schedule] = None
         self.controller = Controller(self, planned=config.planned, warmup_steps=config.warmup_steps,
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
-                                     trial_rounds=config.trial_rounds,
+                                     trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
                                      max_replans=config.max_replans)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)

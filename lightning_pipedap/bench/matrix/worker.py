@@ -230,7 +230,8 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
                                                   compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
-                               trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS), **comp)
+                               trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
+                               trial_window_s=0, **comp)  # (window = trial_steps: the warm-up count is exact)
     strategy.timeline_enabled = bool(spec["timeline"])
     return strategy
 
