@@ -119,6 +119,14 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
         logs = list((tmp_path / "sweep" / j).glob("*.log"))
         text = "".join(f.read_text() for f in logs)
         assert "[lightning_pipedap][INFO] - pipedap: schedule " in text, [f.name for f in logs]
+        # and in TensorBoard's TEXT tab
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
+
+        events = list((tmp_path / "sweep" / j).rglob("events.out.tfevents.*"))
+        acc = [EventAccumulator(str(e), size_guidance={"tensors": 0}).Reload() for e in events]
+        texts = [t.tensor_proto.string_val[0].decode() for a in acc if "pipedap/what_ran/text_summary" in a.Tags()["tensors"]
+                 for t in a.Tensors("pipedap/what_ran/text_summary")]
+        assert texts and f"**installed** `{ran[int(j)]['installed']['name']}`" in texts[0], texts
     # same seed and data: both schedules apply the same averaged gradients, so the same model
     assert res[1]["val_acc"] == pytest.approx(res[0]["val_acc"], abs=1e-6)
     assert res[1]["val_loss"] == pytest.approx(res[0]["val_loss"], rel=1e-5)

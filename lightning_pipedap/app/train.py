@@ -283,9 +283,35 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
         json.dump(res, f, indent=2)
+    if res.get("pipedap"):
+        for lg in trainer.loggers:  # TensorBoard's TEXT tab: what ran, next to the curves
+            if isinstance(lg, TensorBoardLogger):
+                lg.experiment.add_text("pipedap/what_ran", what_ran_markdown(res["pipedap"]), trainer.global_step)
+                lg.experiment.flush()
     if cfg.get("print_summary", True):
         print(format_summary(res), flush=True)
     return res
+
+
+def what_ran_markdown(ran: dict[str, Any]) -> str:
+    """Markdown of the strategy's ``what_ran()``: the installed schedule, the measured candidates (ms) and the
+    time to steady state."""
+    inst = ran.get("installed") or {}
+    lines = [f"**configured** `{ran.get('schedule')}`, **installed** `{inst.get('name', 'none')}`"
+             + (f", {ran['buckets']} buckets ({ran.get('compressed_buckets', 0)} compressed)"
+                if ran.get("buckets") is not None else "")]
+    if ran.get("compression_note"):
+        lines.append(f"compression: {ran['compression_note']}")
+    if ran.get("candidates"):
+        lines += ["", "| candidate | predicted (ms) | measured (ms) | chosen |", "|---|---|---|---|"]
+        lines += [f"| {c['name']} | {_fmt(c.get('predicted_s') and 1e3 * c['predicted_s'], '.2f')} | "
+                  f"{_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | {'yes' if c.get('chosen') else ''} |"
+                  for c in ran["candidates"]]
+    st = ran.get("startup") or {}
+    if st:
+        lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s (trace {st['trace_steps']}, "
+                      f"profile {st['profile_steps']}, trials {st['trial_steps']} steps)"]
+    return "\n".join(lines)
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_PATH, config_name="train")
