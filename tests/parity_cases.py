@@ -369,7 +369,39 @@ def run_resume_boundary_case() -> dict[str, float]:
             "ddp_6": _resume(lambda: "ddp", at=6), "ddp_12": _resume(lambda: "ddp", at=12)}
 
 
-SPECIAL = {"resume_epoch_boundary": run_resume_boundary_case, "plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+#: cases re-run with DDP's reducer forced as the trial's choice (``run_torch_ddp_case``)
+TORCH_DDP_CASES = ("accumulate2", "clip_norm", "batchnorm", "frozen", "unused_some_steps", "manual_optimization",
+                   "plateau_with_val", "manual_two_optimizers")
+
+
+def run_torch_ddp_case() -> dict[str, Any]:
+    """The ``torch_ddp`` candidate chosen (forced: the trial's choice is patched to it), then trained under
+    DDP's reducer to the end: each model must equal DDP's, and the run must really end under it."""
+    import lightning_pipedap.strategy.controller as ctl  # noqa: PLC0415
+
+    real = ctl.choose_candidate
+
+    def forced(names: Any, windows: Any, floor: Any = None, **kw: Any) -> Any:
+        _, medians, notes = real(names, windows, floor, **kw)
+        return list(names).index("torch_ddp"), medians, notes
+
+    out: dict[str, Any] = {}
+    ctl.choose_candidate = forced
+    try:
+        for name in TORCH_DDP_CASES:
+            model_name, model_kw, trainer_kw = CASES[name]
+            ref = train(model_name, model_kw, trainer_kw,
+                        "ddp_find_unused_parameters_true" if model_name == "unused" else "ddp")
+            st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1,
+                                 trial_window_s=0)
+            res = train(model_name, model_kw, trainer_kw, st)
+            out[name] = {"diff": max_diff(res, ref), "installed": st.installed_schedule}
+    finally:
+        ctl.choose_candidate = real
+    return out
+
+
+SPECIAL = {"torch_ddp_forced": run_torch_ddp_case, "resume_epoch_boundary": run_resume_boundary_case, "plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 
 def main(out_path: str, names: list[str]) -> None:

@@ -99,3 +99,18 @@ def test_resume_at_an_epoch_boundary_matches_ddp(parity_results):
     assert "error" not in res, res.get("error")
     for at in (6, 12):
         assert res[f"dear_{at}"] == pytest.approx(res[f"ddp_{at}"], abs=1e-7)
+
+
+@pytest.mark.multiprocess
+def test_torch_ddp_candidate_trains_exactly_as_ddp(parity_results):
+    """When measured selection chooses DDP's reducer (forced here), the rest of the fit runs under it: the
+    models equal DDP's, with accumulation, clipping, BatchNorm buffers, frozen and sometimes-unused
+    parameters (``find_unused_parameters`` is set from what the sync steps saw) and validation."""
+    res = parity_results["torch_ddp_forced"]
+    assert "error" not in res, res.get("error")
+    for name, r in res.items():
+        assert r["diff"] <= TOL, (name, r)
+        if name not in ("manual_optimization", "manual_two_optimizers"):  # (their plans stay in the warm-up here)
+            assert r["installed"].startswith("torch_ddp"), (name, r)
+    assert "find_unused_parameters" in res["unused_some_steps"]["installed"]
+    assert "find_unused_parameters" not in res["batchnorm"]["installed"]
