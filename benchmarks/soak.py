@@ -114,7 +114,7 @@ def run_rank(args: argparse.Namespace, out: Path) -> None:
     compression = None if args.compression == "none" else args.compression
     kwargs = json.loads(args.kwargs) if args.kwargs else DEFAULT_KWARGS.get(args.compression, {})
     strategy = PipeDAPStrategy(schedule="dear", compression=compression, compression_kwargs=kwargs if compression else {},
-                               wait_timeout_s=60)
+                               wait_timeout_s=60, nonfinite=args.nonfinite)
     sampler = Sampler()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, max_epochs=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -175,6 +175,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
 def report(args: argparse.Namespace, results: list[dict], took: float, shm_before: tuple[float, int],
            shm_after: tuple[float, int]) -> None:
     print(f"soak: {results[0]['steps']} steps, 2 CPU ranks, schedule dear, compression {args.compression}, "
+          f"nonfinite={args.nonfinite!r}, "
           f"MLP 128-{args.hidden}-{args.hidden}-10; {took:.0f} s in all ({results[0]['seconds']:.0f} s of fit)")
     print(f"slopes over steps >= {int(0.2 * args.steps)} (MB per 1000 steps)\n")
     head = ("rank", "RSS first MB", "RSS last MB", "RSS slope", "helper RSS last", "helper slope",
@@ -203,6 +204,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     p.add_argument("--compression", default="topk", help="compressor name, or 'none' (default topk)")
     p.add_argument("--kwargs", default="", help='compressor keyword arguments as JSON (default: {"ratio": 0.01} for topk)')
+    p.add_argument("--nonfinite", default="warn", help="the strategy's nonfinite option (default warn)")
     p.add_argument("--every", type=int, default=25, help="steps between samples (default 25)")
     p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")
     p.add_argument("--quick", action="store_true", help="600 steps, sampled every 10: under a minute")

@@ -165,3 +165,10 @@ def test_skip_equals_ddp_without_that_optimizer_step(results, variant):
     assert len(res["warnings"]) == 1 and "optimizer step is skipped on every rank" in res["warnings"][0], res
     if variant.endswith("deferred"):
         assert res["forward_updates"] > 0, res
+
+
+def test_a_sum_that_overflows_with_finite_values_is_not_a_finding():
+    big = torch.finfo(torch.float32).max
+    assert first_nonfinite([_bucket([[big, big], [1.0]])], lambda p: "x", step=0) is None
+    found = first_nonfinite([_bucket([[big, big]]), _bucket([[1.0, float("inf")]])], lambda p: "y", step=2)
+    assert found is not None and (found.name, found.inf) == ("y", 1)

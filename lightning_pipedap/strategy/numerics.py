@@ -68,20 +68,22 @@ def first_nonfinite(buckets: Sequence[Any], name_of: Callable[[Tensor], str], st
     """The first parameter whose reduced gradient (in ``buckets``, in order) holds NaN/inf, or None.
 
     ``buckets`` are :class:`~lightning_pipedap.engine.buckets.FlatBucket` whose reduction has finished
-    (identical data on every rank). One pass over the gradient data, one host sync.
+    (identical data on every rank). One sum per bucket and one host sync: a sum is finite only if every
+    element is (NaN and inf propagate); a bucket whose sum is not finite is then checked element by
+    element (its sum may have overflowed with finite elements: that bucket is then finite).
     """
     if not buckets:
         return None
-    ok = torch.stack([b.buffer[: b.numel].isfinite().all() for b in buckets])
-    if bool(ok.all()):
+    sums = torch.stack([b.buffer[: b.numel].sum() for b in buckets])
+    if bool(sums.isfinite().all()):
         return None
-    bad = int((~ok).nonzero()[0, 0])
-    bucket = buckets[bad]
-    for slot, p in enumerate(bucket.params):
-        g = bucket.grad_view(slot)
-        if not bool(g.isfinite().all()):
-            return Finding(step, bucket.index, name_of(p), int(g.isnan().sum()), int(g.isinf().sum()), g.numel())
-    return Finding(step, bucket.index, "<padding>", 0, 0, 0)  # (not reached: the flags and padding are finite)
+    for k in (~sums.isfinite()).nonzero()[:, 0].tolist():
+        bucket = buckets[k]
+        for slot, p in enumerate(bucket.params):
+            g = bucket.grad_view(slot)
+            if not bool(g.isfinite().all()):
+                return Finding(step, bucket.index, name_of(p), int(g.isnan().sum()), int(g.isinf().sum()), g.numel())
+    return None
 
 
 class NonFiniteCheck:
