@@ -113,7 +113,8 @@ def run_rank(args: argparse.Namespace, out: Path) -> None:
     data = TensorDataset(torch.randn(64 * 32, 128, generator=g), torch.randint(0, 10, (64 * 32,), generator=g))
     compression = None if args.compression == "none" else args.compression
     kwargs = json.loads(args.kwargs) if args.kwargs else DEFAULT_KWARGS.get(args.compression, {})
-    strategy = PipeDAPStrategy(schedule="dear", compression=compression, compression_kwargs=kwargs if compression else {},
+    strategy = PipeDAPStrategy(schedule="dear", compression=compression,
+                               compression_kwargs=kwargs if compression else {},
                                wait_timeout_s=60, nonfinite=args.nonfinite)
     sampler = Sampler()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, max_epochs=-1,
@@ -203,7 +204,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=1500, help="optimizer steps (default 1500)")
     p.add_argument("--compression", default="topk", help="compressor name, or 'none' (default topk)")
-    p.add_argument("--kwargs", default="", help='compressor keyword arguments as JSON (default: {"ratio": 0.01} for topk)')
+    p.add_argument("--kwargs", default="",
+                   help='compressor keyword arguments as JSON (default: {"ratio": 0.01} for topk)')
     p.add_argument("--nonfinite", default="warn", help="the strategy's nonfinite option (default warn)")
     p.add_argument("--every", type=int, default=25, help="steps between samples (default 25)")
     p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")

@@ -108,6 +108,7 @@ class NonFiniteCheck:
         self.verdict: Optional[Finding] = None
         self.skipped: list[int] = []
         self._warned = False
+        self._logged: Optional[Finding] = None
 
     @property
     def active(self) -> bool:
@@ -150,11 +151,17 @@ class NonFiniteCheck:
             raise self.error(self.verdict)
 
     def skip_now(self) -> bool:
-        """Sync mode: whether the optimizer step about to run must be skipped (logged)."""
+        """Sync mode: whether the optimizer step about to run must be skipped: the last synced backward was not
+        finite (every optimizer stepped after it is skipped, e.g. two in manual optimization; logged once).
+
+        Raises:
+            NonFiniteGradientError: ``"raise"`` (see :meth:`raise_if_bad`).
+        """
         self.raise_if_bad()
         if self.verdict is not None and self.mode == "skip" and self.enabled:
-            found, self.verdict = self.verdict, None
-            self.skip(found)
+            if self._logged is not self.verdict:
+                self._logged = self.verdict
+                self.skip(self.verdict)
             return True
         return False
 

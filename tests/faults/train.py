@@ -6,7 +6,8 @@ the others 40), ``mismatch`` (FAULT_RANK's model is wider), ``mismatch_compressi
 top-k with ``ratio=0.02``, the others ``0.01``), ``nan`` (FAULT_RANK's gradient of the parameter ``extra``
 holds NaN and inf at step ``at``), ``perturb`` (FAULT_RANK adds 1 to ``net.0.weight[0, 0]`` after step
 ``at``). Signals are sent by the test from outside, after the rank has written ``step.<rank>`` >= ``at``.
-``nonfinite=``, ``defer=`` (auto/true/false) and ``check_params=`` set the strategy options of those names. ``launch=lightning`` (default): Lightning's
+``nonfinite=``, ``defer=`` (auto/true/false) and ``check_params=`` set the strategy options of those names.
+``launch=lightning`` (default): Lightning's
 subprocess launcher starts the other rank; ``launch=external``: the test starts every rank with
 torchrun-style variables. ``save_on_exception=1`` adds ``ModelCheckpoint(save_on_exception=True)``.
 """
