@@ -12,7 +12,7 @@ over the samples after the first 20% of the steps (warm-up, allocator growth and
 start are excluded)::
 
     python benchmarks/soak.py                      # 1500 steps, top-k (ratio 0.01) in the helper process
-    python benchmarks/soak.py --quick              # 600 steps, < 60 s
+    python benchmarks/soak.py --quick              # 400 steps, < 60 s
     python benchmarks/soak.py --compression powersgd --kwargs '{"rank": 4}' --steps 5000
     python benchmarks/soak.py --compression none   # dense gradients
 """
@@ -209,13 +209,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--nonfinite", default="warn", help="the strategy's nonfinite option (default warn)")
     p.add_argument("--every", type=int, default=25, help="steps between samples (default 25)")
     p.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (default 512)")
-    p.add_argument("--quick", action="store_true", help="600 steps, sampled every 10: under a minute")
+    p.add_argument("--quick", action="store_true", help="400 steps, sampled every 10: under a minute")
     p.add_argument("--limit-s", type=float, default=3600.0, help="kill the ranks after this many seconds")
     p.add_argument("--verbose", action="store_true", help="show the ranks' output")
     p.add_argument("--rank-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.every = 600, 10
+        args.steps, args.every = 400, 10
     if args.steps < 10 or args.every < 1:
         p.error(f"--steps must be >= 10 and --every >= 1, got {args.steps} and {args.every}")
     return args
