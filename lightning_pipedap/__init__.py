@@ -21,13 +21,16 @@ from typing import Any
 
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
-__all__ = ["PipeDAPStrategy", "Schedule", "Op", "OpKind", "register", "valid_schedule_names"]
+__all__ = ["NonFiniteGradientError", "ParameterDivergenceError", "PipeDAPStrategy", "Schedule", "Op", "OpKind",
+           "register", "valid_schedule_names"]
 __version__ = "0.1.0"
 
 _REGISTRY_MODULE = "lightning.pytorch"
 _STRATEGY_MODULE = "lightning_pipedap.strategy.lightning"
 _LAZY = {"PipeDAPStrategy": _STRATEGY_MODULE,
-         "valid_schedule_names": "lightning_pipedap.strategy.config"}
+         "valid_schedule_names": "lightning_pipedap.strategy.config",
+         "NonFiniteGradientError": "lightning_pipedap.strategy.numerics",
+         "ParameterDivergenceError": "lightning_pipedap.strategy.numerics"}
 
 
 def __getattr__(name: str) -> Any:

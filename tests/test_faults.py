@@ -210,3 +210,45 @@ def test_sigterm_to_the_whole_job_under_lightnings_launcher_exits_143_and_leaves
     assert codes[0] == 143, (codes, j.output()[-3000:])
     assert time.monotonic() - t0 < BOUND_S
     _assert_no_abort(j, codes)
+
+
+@pytest.mark.parametrize("defer", ["true", "false"])
+def test_nonfinite_raise_stops_every_rank_naming_the_step_and_parameter(job, defer):
+    """A NaN/inf gradient on rank 1 only: every rank sees it in the averaged gradients and raises."""
+    j = job("nan", 1, at=5, nonfinite="raise", defer=defer)
+    t0 = time.monotonic()
+    codes = j.wait()
+    took = time.monotonic() - t0
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    assert took < BOUND_S + 30, took  # (includes start-up: the fault comes at step 5)
+    for r in range(2):
+        text = j.output(r)
+        assert "NonFiniteGradientError: pipedap: step 5: the averaged gradients are not finite (first: 'extra' " \
+               "in bucket" in text, text[-3000:]
+        assert "1 NaN and 1 inf of 4 values" in text, text[-3000:]
+    assert not (j.tmp / "done.0").exists() and not (j.tmp / "done.1").exists()
+    _assert_no_abort(j, codes)
+
+
+def test_diverged_parameter_is_named_on_every_rank(job):
+    """check_params_every_n_steps=2 finds rank 1's changed net.0.weight at the next check (step 6)."""
+    j = job("perturb", 1, at=5, check_params=2)
+    codes = j.wait()
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    for r in range(2):
+        text = j.output(r)
+        assert "ParameterDivergenceError: pipedap: step 6: parameter 'net.0.weight' differs between ranks: " \
+               "rank(s) 1 hold other values than rank 0" in text, text[-3000:]
+    _assert_no_abort(j, codes)
+
+
+def test_rank_dependent_compression_config_is_refused_on_every_rank_naming_both_values(job):
+    j = job("mismatch_compression", 1)
+    t0 = time.monotonic()
+    codes = j.wait()
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    assert time.monotonic() - t0 < BOUND_S
+    for r in range(2):
+        text = j.output(r)
+        assert ("the strategy options differ between ranks (rank 1: compression_kwargs {'ratio': 0.02} vs "
+                "rank 0: {'ratio': 0.01})") in text, text[-3000:]

@@ -90,6 +90,8 @@ class PipeDAPStrategyConf:
     compression_kwargs: dict[str, Any] = field(default_factory=dict)
     compression_mode: str = "process"
     compression_threads: int = 1
+    nonfinite: str = "warn"  # "warn" | "raise" | "skip" | "ignore" (see PipeDAPStrategy)
+    check_params_every_n_steps: Optional[int] = None
     start_method: str = "popen"
     process_group_backend: Optional[str] = None
 

@@ -49,8 +49,10 @@ class ClipRequest:
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """``min(1, max_norm / (total_norm + 1e-6))``, the factor ``clip_grad_norm_`` applies (torch semantics)."""
-    return min(1.0, max_norm / (total_norm + 1e-6))
+    """``min(1, max_norm / (total_norm + 1e-6))``, the factor ``clip_grad_norm_`` applies (torch semantics:
+    a NaN norm gives a NaN factor, so every clipped gradient becomes NaN, as ``torch.clamp`` keeps NaN)."""
+    coef = max_norm / (total_norm + 1e-6)
+    return coef if coef != coef else min(1.0, coef)
 
 
 def shard_sum_of_squares(buckets: Iterable[FlatBucket], rank: int) -> float:

@@ -18,8 +18,14 @@ from lightning_pipedap.schedule import BUILTIN_SCHEDULES
 #: runtime schedule name -> planner name; a planner whose name is a fixed schedule gets "_tuned"
 PLANNED = {(n if n not in BUILTIN_SCHEDULES else f"{n}_tuned"): n for n in PLANNERS}
 
+#: options that may differ between ranks: rank 0's cost model plans for every rank; the others are local
+PER_RANK_OPTIONS = ("cost_model", "cost_model_cache", "train_thread_nice", "compression_threads")
+
 DeferUpdate = Union[bool, Literal["auto"]]
 CompressionMode = Literal["process", "inline"]
+NonFinite = Literal["warn", "raise", "skip", "ignore"]
+#: valid values of ``nonfinite``
+NONFINITE_CHOICES: tuple[str, ...] = ("warn", "raise", "skip", "ignore")
 
 
 def valid_schedule_names() -> tuple[str, ...]:
@@ -115,7 +121,10 @@ class PipeDAPConfig:
             all-reduce inside backward, ``bucket_cap_mb`` buckets) among the trial candidates and, when
             it is the fastest, train the rest of the fit under it
             (:mod:`~lightning_pipedap.strategy.handover`): on a small or compute-bound model, where
-            communication is negligible, pipedap's per-step bookkeeping then costs nothing.
+            communication is negligible, pipedap's per-step bookkeeping then costs nothing. Not offered
+            with compression, ``nonfinite="raise"``/``"skip"`` or ``check_params_every_n_steps`` (they
+            need pipedap's own reduction); under it, non-finite gradients behave exactly as under DDP
+            (``nonfinite="warn"`` gives no warning).
         model_contention: before the first plan, measure how much communication and compute slow
             each other down when they overlap (:func:`~lightning_pipedap.probe.slowdown.
             measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
@@ -132,6 +141,27 @@ class PipeDAPConfig:
             its gradients are complete (PipeCompress, ICC 2022); ``"inline"``: in the communication
             worker, at the bucket's slot in the op list.
         compression_threads: torch threads of the helper process (>= 1).
+        nonfinite: what a step whose *averaged* gradients hold NaN or inf does. The decision is taken
+            from the reduced buckets, which are identical on every rank (a NaN on one rank is in the
+            reduced sum of all), so every rank decides alike with no extra collective. ``"warn"``
+            (default): log once on rank 0 (step and first parameter named) and apply the update as DDP
+            does. ``"raise"``: every rank raises
+            :class:`~lightning_pipedap.strategy.nonfinite.NonFiniteGradientError` naming the step, the
+            bucket and the first parameter, before any of that step's update is applied.
+            ``"skip"``: the whole optimizer step is skipped on every rank (parameters and optimizer
+            state unchanged, as AMP's ``GradScaler`` skips a step), logged on rank 0. ``"ignore"``:
+            no check (no cost). The check reads the reduced gradients once per step. In deferred
+            mode ``"raise"`` and ``"skip"`` wait for every bucket's all-gather before the first
+            bucket of the step is applied (the all-gathers still overlap the gap between steps, no
+            longer the next forward). With an fp16 ``GradScaler`` the scaler's own skip applies
+            (scaled gradients overflow by design) and the check is off.
+        check_params_every_n_steps: debug option: every N optimizer steps (at the start of the next
+            step, pending updates applied first) every rank hashes each trainable parameter's bytes
+            and the hashes are compared across ranks (one ``all_gather_object``); on a difference
+            every rank raises
+            :class:`~lightning_pipedap.strategy.nonfinite.ParameterDivergenceError` naming the first
+            diverging parameter and the ranks. Costs one read of the parameters (a device-to-host
+            copy on CUDA) every N steps. None (default) = off; else an integer >= 1.
 
     Raises:
         ValueError: any value out of range or not among the choices; the message names the option
@@ -163,6 +193,8 @@ class PipeDAPConfig:
     trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
     model_contention: bool = True
+    nonfinite: NonFinite = "warn"
+    check_params_every_n_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
         names = valid_schedule_names()
@@ -183,6 +215,11 @@ class PipeDAPConfig:
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
         for name in ("calibrate_cost_model", "model_contention", "cost_model_cache", "torch_ddp_candidate"):
             _boolean(name, getattr(self, name))
+        if not isinstance(self.nonfinite, str) or self.nonfinite not in NONFINITE_CHOICES:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE_CHOICES))}, "
+                             f"got {self.nonfinite!r}")
+        if self.check_params_every_n_steps is not None:
+            _integer("check_params_every_n_steps", self.check_params_every_n_steps, 1, note=" or None (off)")
         if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:
             raise ValueError(f"defer_update must be 'auto', True or False, got {self.defer_update!r}")
         if self.compression is None and (self.compression_kwargs or self.compression_mode != "process"):
@@ -214,6 +251,21 @@ class PipeDAPConfig:
     def option_names(cls) -> tuple[str, ...]:
         """Every option, in declaration order."""
         return tuple(f.name for f in dataclasses.fields(cls))
+
+    def signature(self) -> list[tuple[str, str]]:
+        """``(option, repr(value))`` of every option that must be the same on every rank (compared at set-up):
+        all but :data:`PER_RANK_OPTIONS`. Dicts are sorted by key, classes named by module and qualified name."""
+        out = []
+        for name in self.option_names():
+            if name in PER_RANK_OPTIONS:
+                continue
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                value = dict(sorted(value.items()))
+            elif name == "deferrable_optimizers":
+                value = tuple(f"{c.__module__}.{c.__qualname__}" for c in value)
+            out.append((name, repr(value)))
+        return out
 
     @property
     def planned(self) -> bool:

@@ -16,6 +16,11 @@ it bucket by bucket:
   arrives for one of those parameters proves that the forward read it stale, and is an error;
 - at flush points (validation, checkpoints, observer hooks, the end).
 
+With ``nonfinite="raise"`` or ``"skip"`` (:mod:`~lightning_pipedap.strategy.numerics`) the first of
+these places waits for every bucket of the step and scans the averaged gradients before any bucket
+is applied: a non-finite step raises on every rank, or is dropped as a whole (parameters and
+optimizer state unchanged).
+
 The update of a bucket is the optimizer's step restricted to it
 (:class:`~lightning_pipedap.engine.update.BucketOptimizer`, DeAR ICDCS 2023 §III-B), with the
 hyper-parameters and clip request snapshotted when the step was recorded.
@@ -37,6 +42,7 @@ from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_
                                              snapshot_hparams, write_back_grads)
 from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.probe.consumers import transform_active
+from lightning_pipedap.strategy.numerics import NonFiniteCheck
 
 #: where a bucket update was applied (``PipeDAPStrategy.update_counts``): in the next forward, at the
 #: start of backward (module not called), at a flush point, before an observing hook, by the guard
@@ -52,12 +58,16 @@ class Pending:
         clip: the step's clip request, or None.
         remaining: buckets not applied yet.
         coef: the global clip-by-norm coefficient, once computed.
+        step: the optimizer step it belongs to (Lightning's ``global_step`` then), for messages.
+        decided: whether the non-finite check that must come before the first bucket has run.
     """
 
     hparams: list[dict[str, Any]]
     clip: Optional[ClipRequest]
     remaining: set[int]
     coef: Optional[float] = None
+    step: int = -1
+    decided: bool = False
 
 
 class DeferredStep:
@@ -93,11 +103,13 @@ class DeferredUpdates:
         records: the strategy's timeline list (wait/update records are appended when ``timeline()``).
         timeline: whether op timings are recorded now.
         counts: ``UPDATE_PLACES`` counters, incremented per applied bucket.
+        nonfinite: the fit's non-finite check (None: no check).
     """
 
     def __init__(self, engine: CommEngine, comm: Any, device: torch.device, name_of: Callable[[Tensor], str],
                  say: Callable[[str, str], None], records: list[OpRecord], timeline: Callable[[], bool],
-                 counts: dict[str, int]) -> None:
+                 counts: dict[str, int], nonfinite: Optional[NonFiniteCheck] = None) -> None:
+        self.nonfinite = nonfinite
         self.engine, self.comm, self.device = engine, comm, device
         self.name_of, self.say, self.records, self.timeline, self.counts = name_of, say, records, timeline, counts
         self.pending: Optional[Pending] = None
@@ -130,11 +142,11 @@ class DeferredUpdates:
                     self.triggers.setdefault(id(owners[idxs[0]]), []).append(b)
 
     # ------------------------------------------------------------------ recording a step
-    def record(self, optimizer: Optimizer, clip: Optional[ClipRequest]) -> None:
+    def record(self, optimizer: Optimizer, clip: Optional[ClipRequest], step: int = -1) -> None:
         """This step's gradients are being reduced: their update is pending (hyper-parameters snapshotted)."""
         if self.updater is None:
             self.updater = BucketOptimizer(optimizer, self.engine.buckets)
-        self.pending = Pending(snapshot_hparams(optimizer), clip, set(range(self.engine.num_buckets)))
+        self.pending = Pending(snapshot_hparams(optimizer), clip, set(range(self.engine.num_buckets)), step=step)
 
     # ------------------------------------------------------------------ where buckets land
     def before_training_step(self) -> None:
@@ -142,7 +154,8 @@ class DeferredUpdates:
         self._applied_in_forward, self._forward_params = False, set()
         if self.pending is not None:
             self._clip_coefficient(self.pending)
-            if self.root:
+            self._decide(self.pending)  # (nonfinite raise/skip: before any bucket of the step lands)
+            if self.root and self.pending is not None:
                 self.apply(list(self.root))
 
     def at_module(self, module: torch.nn.Module) -> None:
@@ -235,6 +248,9 @@ class DeferredUpdates:
         pending = self.pending
         if pending is None:
             return
+        self._decide(pending)
+        if self.pending is None:  # the step was skipped
+            return
         self.applying = True
         try:
             with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
@@ -256,6 +272,8 @@ class DeferredUpdates:
         self._clip_coefficient(pending)
         bucket = engine.wait_done(b)
         t1 = time.perf_counter()
+        if self.nonfinite is not None and self.nonfinite.mode == "warn":
+            self.nonfinite.scan([bucket], pending.step)  # (logs the first finding of the fit; DDP's update)
         used = engine.used_flags(b)
         self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
         if write_grads:
@@ -270,6 +288,49 @@ class DeferredUpdates:
         if where == "forward":
             self._applied_in_forward = True
             self._forward_params.update(self.engine.buckets[b].param_indices)
+
+    def _decide(self, pending: Pending) -> None:
+        """``nonfinite="raise"``/``"skip"``: before the first bucket of ``pending`` is applied, wait for every
+        bucket's all-gather and scan the averaged gradients (identical on every rank: every rank decides
+        alike, with no collective). A non-finite step raises, or is skipped as a whole.
+
+        Raises:
+            NonFiniteGradientError: ``"raise"``, naming the step, the bucket and the first parameter.
+        """
+        check = self.nonfinite
+        if pending.decided:
+            return
+        pending.decided = True
+        if check is None or not check.decides_first:
+            return
+        engine = self.engine
+        for b in range(engine.num_buckets):
+            engine.wait_done(b)
+        found = check.scan(engine.buckets, pending.step)
+        if found is None:
+            return
+        if check.mode == "raise":
+            raise check.error(found)
+        self._skip(pending)
+        check.skip(found)
+
+    def _skip(self, pending: Pending) -> None:
+        """Drop the pending step: no bucket is stepped. ``.grad`` still shows the averaged (clipped)
+        gradients when read, as DDP shows them after a skipped ``optimizer.step``."""
+        self._clip_coefficient(pending)
+        with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
+            for b in sorted(pending.remaining):
+                bucket = self.engine.buckets[b]
+                for slot, used in enumerate(self.engine.used_flags(b)):
+                    if used and pending.clip is not None:
+                        g = bucket.grad_view(slot)
+                        if pending.clip.algorithm == "value":
+                            g.clamp_(-pending.clip.value, pending.clip.value)
+                        elif pending.coef is not None:
+                            g.mul_(pending.coef)
+                self._unwritten.add(b)
+        pending.remaining.clear()
+        self.pending = None
 
     def _write_grads(self, b: int) -> None:
         with torch.no_grad(), torch._C.DisableTorchFunction():

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
 
@@ -44,6 +44,7 @@ from lightning_pipedap.plan import CostModel
 from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep, intercept_clipping
+from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
 from lightning_pipedap.strategy.planning import Measured
@@ -78,9 +79,13 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
             compression_kwargs, compression_mode, compression_threads, plan_trials, trial_steps,
-            trial_rounds, trial_window_s, torch_ddp_candidate, model_contention: the options, validated into :attr:`config`, a
+            trial_rounds, trial_window_s, torch_ddp_candidate, model_contention, nonfinite,
+            check_params_every_n_steps: the options, validated into :attr:`config`, a
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
-            readable as an attribute: ``strategy.bucket_cap_mb``).
+            readable as an attribute: ``strategy.bucket_cap_mb``). ``nonfinite`` (``"warn"``, ``"raise"``,
+            ``"skip"``, ``"ignore"``; default ``"warn"``) says what a step whose averaged gradients hold NaN
+            or inf does, decided alike on every rank from the reduced data; ``check_params_every_n_steps``
+            (None or an integer >= 1) compares a hash of every parameter across ranks every N steps.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
             bounds the default group's collectives (Lightning's barriers and broadcasts) and defaults
@@ -89,9 +94,15 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
 
     Raises:
         ValueError: unknown ``schedule``, non-positive ``bucket_cap_mb``/``ring_chunk_mb``/
-            ``wait_timeout_s``, ``warmup_steps < 1``, ``defer_update`` not ``"auto"``/True/False; at
-            set-up: world size 1, a model without trainable parameters, parameters that differ
-            between ranks, sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU.
+            ``wait_timeout_s``, ``warmup_steps < 1``, ``defer_update`` not ``"auto"``/True/False,
+            ``nonfinite`` not one of its choices, ``check_params_every_n_steps`` not None or >= 1; at
+            set-up: world size 1, a model without trainable parameters, parameters or strategy options
+            (schedule, compression method/kwargs/mode, ...) that differ between ranks (on every rank,
+            naming the first difference), sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU.
+        NonFiniteGradientError: ``nonfinite="raise"`` and a step's averaged gradients hold NaN/inf
+            (every rank, naming the step, bucket and first parameter).
+        ParameterDivergenceError: ``check_params_every_n_steps`` found a parameter that differs between
+            ranks (every rank, naming it and the ranks).
         RuntimeError: during training, when a forward read a parameter while its update was
             pending (a data-dependent path the trace and the guard steps did not see); the message
             names the parameter.
@@ -127,6 +138,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         trial_window_s: float = 0.25,
         torch_ddp_candidate: bool = True,
         model_contention: bool = True,
+        nonfinite: str = "warn",
+        check_params_every_n_steps: Optional[int] = None,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -214,6 +227,11 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
         self._rt.trainable_key = self._rt.trainable_signature()  # (the optimizers exist now)
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            self._rt.nonfinite.enabled = False  # (scaled fp16 gradients overflow by design; the scaler skips)
+            if self.config.nonfinite in ("raise", "skip"):
+                M.info(f"pipedap: nonfinite={self.config.nonfinite!r} is not applied under the fp16 grad scaler, "
+                       "which skips steps with non-finite gradients itself (as under DDP)")
         self._flush_callback = ObservationFlush(self)
         trainer.callbacks.insert(0, self._flush_callback)
         self._flush_callback.find(trainer)
@@ -231,6 +249,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         assert isinstance(model, torch.nn.Module)
         refuse_unsupported_modules(model, self.root_device)
         same_on_every_rank(model_signature(model), "parameters and buffers", "every rank must build the same model")
+        same_on_every_rank(self.config.signature(), "strategy options",
+                           "every rank must be given the same PipeDAPStrategy options")
         with torch.no_grad():
             C.broadcast_coalesced_(list(model.parameters()) + list(model.buffers()), src=0)
         self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
@@ -238,6 +258,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         self._rt = rt = Runtime(self.config, model, lambda: self.optimizers, self._comm, self.world_size,
                                 self.global_rank, self.root_device, self._measured, self._resume, M.info,
                                 M.warn, self.update_counts, self._records, lambda: self._timeline_enabled)
+        rt.step_of = lambda: self.lightning_module.global_step
         rt.start_heartbeat(exit_on_lost_peer)
         rt.hook_params(self._on_grad_ready)
         # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
@@ -333,6 +354,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             raise
         if self._rt is not None and not self._rt.handed_over:
             self._rt.finish_backward()
+            self._rt.nonfinite.raise_if_bad()  # (nonfinite="raise": every rank, the same step)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
         self.post_backward(closure_loss)
         return closure_loss
@@ -352,7 +374,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.t_backward_done = None
-            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            skip = rt is not None and rt.nonfinite.decides_first
+            with skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
+                out = super().optimizer_step(optimizer, closure, model, **kwargs)
             if rt is not None:
                 rt.after_sync_step()
             return out
@@ -368,7 +392,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if engine.collecting:  # backward did not run (e.g. training_step returned None)
             engine.finish_backward()
         if engine.iteration != rounds_before:  # this step's gradients are being reduced
-            rt.deferred.record(optimizer, step.clip)
+            rt.deferred.record(optimizer, step.clip, self.lightning_module.global_step)
         return out
 
     # ------------------------------------------------------------------ flush points

@@ -33,6 +33,7 @@ from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Controller, Phase
 from lightning_pipedap.strategy.deferred import DeferredUpdates
 from lightning_pipedap.strategy.handover import TorchDDPCandidate, TorchDDPHandover
+from lightning_pipedap.strategy.numerics import NonFiniteCheck, check_replicas_agree
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.planning import Measured, Planning, predicted_busy_s
 from lightning_pipedap.strategy.tracing import consumer_mode, owner_modules, plan_owners
@@ -144,6 +145,12 @@ class Runtime:
         #: DDP's reducer for the rest of the fit, when the ``torch_ddp`` candidate runs
         #: (``set_model`` is given by the strategy: :meth:`enable_handover`)
         self.handover: Optional[TorchDDPHandover] = None
+        #: ``() -> int``: the current optimizer step (Lightning's ``global_step``; set by the strategy)
+        self.step_of: Callable[[], int] = lambda: -1
+        #: the ``nonfinite`` check of this fit (the strategy turns it off under an fp16 grad scaler)
+        self.nonfinite = NonFiniteCheck(config.nonfinite, self.name_of, warn)
+        self.nonfinite.step_of = lambda: self.step_of()
+        self._params_checked_at = 0
         #: the compression helper for the whole fit (started now, given a layout per final schedule)
         self.pipe = start_compression_helper(config, device, rank) if config.compression else None
 
@@ -256,7 +263,7 @@ class Runtime:
         if self.carry is not None and self.resume.plan is None:  # (a checkpoint's plan is installed next)
             self.carry.restore(self.engine)
         self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
-                                        self.timeline, self.counts)
+                                        self.timeline, self.counts, self.nonfinite)
         self.deferred.set_owners(owners, self.module)
         if final:
             self.installed_schedule, self.final_schedule = schedule.describe(), schedule
@@ -324,7 +331,9 @@ class Runtime:
                                                    [self.params[i] for i in self.order], self.engine)
         self.controller.predictions = self.planning.predictions
         cfg = self.config
-        if self.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression:
+        checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
+        if self.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
+                and not checks:
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
             unused = self.saw_unused or any(o is None for o in self.owners)
@@ -432,6 +441,8 @@ class Runtime:
     # ------------------------------------------------------------------ one step
     def training_step(self, call: Callable[[], Any]) -> Any:
         """Run Lightning's ``training_step`` (``call``): trace it, guard it or just time it."""
+        self.nonfinite.verdict = None
+        self.check_params()
         if self.buffers_sync_next:
             bufs = list(self.module.buffers())
             if bufs:
@@ -452,6 +463,21 @@ class Runtime:
                 return self._timed_step(call)
             finally:
                 self._adopt_misses()
+
+    def check_params(self) -> None:
+        """``check_params_every_n_steps=N``: at the first ``training_step`` of every N-th optimizer step, apply
+        pending updates and compare every parameter's hash across ranks (every rank reaches this point at the
+        same step; one ``all_gather_object``).
+
+        Raises:
+            ParameterDivergenceError: on every rank, naming the first diverging parameter and the ranks.
+        """
+        every, step = self.config.check_params_every_n_steps, self.step_of()
+        if not every or step <= 0 or step % every or step == self._params_checked_at:
+            return
+        self._params_checked_at = step
+        self.flush()
+        check_replicas_agree(self.module, step, every)
 
     def _adopt_misses(self) -> None:
         """Parameters the guard caught read before their trigger are owned by the root from now on (every
@@ -513,6 +539,8 @@ class Runtime:
                 used = engine.used_flags(b)
                 self.saw_unused = self.saw_unused or not all(used)
                 write_back_grads(engine.wait_done(b), used)
+        # (the reduced buckets are identical on every rank: every rank finds the same)
+        self.nonfinite.verdict = self.nonfinite.scan(engine.buckets) if self.nonfinite.active else None
         self.sync_device()
         self.t_backward_done = time.perf_counter()
 

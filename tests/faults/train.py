@@ -2,8 +2,12 @@
 
 Usage: python train.py OUT_DIR FAULT FAULT_RANK [options as KEY=VALUE]. FAULT is one of ``none``,
 ``raise`` (RuntimeError in training_step at step ``at``), ``uneven`` (FAULT_RANK has ``at`` batches,
-the others 40), ``mismatch`` (FAULT_RANK's model is wider). Signals are sent by the test from outside,
-after the rank has written ``step.<rank>`` >= ``at``. ``launch=lightning`` (default): Lightning's
+the others 40), ``mismatch`` (FAULT_RANK's model is wider), ``mismatch_compression`` (FAULT_RANK asks for
+top-k with ``ratio=0.02``, the others ``0.01``), ``nan`` (FAULT_RANK's gradient of the parameter ``extra``
+holds NaN and inf at step ``at``), ``perturb`` (FAULT_RANK adds 1 to ``net.0.weight[0, 0]`` after step
+``at``). Signals are sent by the test from outside, after the rank has written ``step.<rank>`` >= ``at``.
+``nonfinite=``, ``defer=`` (auto/true/false) and ``check_params=`` set the strategy options of those names.
+``launch=lightning`` (default): Lightning's
 subprocess launcher starts the other rank; ``launch=external``: the test starts every rank with
 torchrun-style variables. ``save_on_exception=1`` adds ``ModelCheckpoint(save_on_exception=True)``.
 """
@@ -30,6 +34,7 @@ class Net(pl.LightningModule):
     def __init__(self, hidden: int) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 4))
+        self.extra = torch.nn.Parameter(torch.zeros(4))
 
     def training_step(self, batch, batch_idx):
         rank = self.global_rank
@@ -39,7 +44,10 @@ class Net(pl.LightningModule):
             raise RuntimeError(f"injected failure on rank {rank} at step {AT}")
         time.sleep(float(OPTS.get("step_sleep", 0.05)))
         x, y = batch
-        return torch.nn.functional.cross_entropy(self.net(x), y)
+        w = torch.zeros(4)
+        if FAULT == "nan" and rank == FAULT_RANK and self.global_step == AT:
+            w = torch.tensor([0.0, float("nan"), float("inf"), 0.0])
+        return torch.nn.functional.cross_entropy(self.net(x), y) + (self.extra * w).sum()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -51,16 +59,35 @@ class Net(pl.LightningModule):
         return DataLoader(data, batch_size=4)
 
 
+class Perturb(pl.Callback):
+    """``perturb``: FAULT_RANK changes one weight after step ``at`` (a replica that diverges)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_rank == FAULT_RANK and trainer.global_step == AT + 1:
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] += 1.0
+
+
 def main() -> None:
     torch.manual_seed(0)
     hidden = 48 if FAULT == "mismatch" and RANK == FAULT_RANK else 32
     callbacks = []
+    if FAULT == "perturb":
+        callbacks.append(Perturb())
     if OPTS.get("save_on_exception") == "1":
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_on_exception=True))
-    strategy = PipeDAPStrategy(schedule="dear", wait_timeout_s=TIMEOUT, compression=OPTS.get("compression"))
+    compression, kwargs = OPTS.get("compression"), {}
+    if FAULT == "mismatch_compression":
+        compression, kwargs = "topk", {"ratio": 0.02 if RANK == FAULT_RANK else 0.01}
+    defer = {"auto": "auto", "true": True, "false": False}[OPTS.get("defer", "auto")]
+    check = int(OPTS["check_params"]) if "check_params" in OPTS else None
+    strategy = PipeDAPStrategy(schedule="dear", wait_timeout_s=TIMEOUT, compression=compression,
+                               compression_kwargs=kwargs, defer_update=defer, nonfinite=OPTS.get("nonfinite", "warn"),
+                               check_params_every_n_steps=check)
     trainer = pl.Trainer(accelerator="cpu", devices=int(OPTS.get("devices", 2)), num_nodes=int(OPTS.get("nodes", 1)),
                          strategy=strategy, max_epochs=1, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=bool(callbacks),
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=OPTS.get("save_on_exception") == "1",
                          callbacks=callbacks, use_distributed_sampler=False)
     trainer.fit(Net(hidden))
     with open(os.path.join(OUT, f"done.{trainer.global_rank}"), "w") as f:
