@@ -252,3 +252,34 @@ def test_rank_dependent_compression_config_is_refused_on_every_rank_naming_both_
         text = j.output(r)
         assert ("the strategy options differ between ranks (rank 1: compression_kwargs {'ratio': 0.02} vs "
                 "rank 0: {'ratio': 0.01})") in text, text[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(d))
+            except (OSError, ValueError, IndexError):
+                continue
+    return out
+
+
+def test_killed_compression_helper_fails_every_rank_naming_it(job):
+    """SIGKILL of rank 1's compression helper process (top-k, process mode) mid-training."""
+    j = job("none", 0, batches=400, compression="topk")
+    pid = j.pid_at_step(1, 5)
+    helpers = _children(pid)
+    assert helpers, "rank 1 has no compression helper process"
+    for h in helpers:
+        os.kill(h, signal.SIGKILL)
+    t0 = time.monotonic()
+    codes = j.wait()
+    took = time.monotonic() - t0
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    assert took < BOUND_S, took
+    assert "HelperDiedError" in j.output(1), j.output(1)[-3000:]
+    assert "rank 1" in j.output(0), j.output(0)[-3000:]
+    _assert_no_abort(j, codes)
