@@ -1,6 +1,7 @@
 """The Lightning strategy: options (``config``), the run-time state machine (``controller``), one fit's
 run-time (``runtime``: engine, ``deferred`` updates, ``tracing``, ``planning``, ``resume``), the hooks
-that can observe a deferred update (``observers``), and the Lightning glue (``lightning``)."""
+that can observe a deferred update (``observers``), and the Lightning glue (``lightning``; Fabric's:
+``fabric``, imported on its own by ``lightning_pipedap.register``)."""
 
 from lightning_pipedap.strategy.config import PipeDAPConfig, valid_schedule_names
 from lightning_pipedap.strategy.lightning import PipeDAPStrategy
