@@ -1,14 +1,17 @@
 """lightning_pipedap: a PyTorch Lightning strategy for scheduled, decoupled gradient communication.
 
 ``import lightning_pipedap`` makes the strategy names ``"pipedap"`` and ``"pipedap_spawn"`` known to
-Lightning's strategy registry. Then ``Trainer(strategy="pipedap", devices=2)`` trains with it;
-``PipeDAPStrategy(...)`` works as an instance too.
+Lightning's strategy registry and to Lightning Fabric's. Then ``Trainer(strategy="pipedap", devices=2)``
+and ``Fabric(strategy="pipedap", devices=2)`` train with it; ``PipeDAPStrategy(...)`` and
+``PipeDAPFabricStrategy(...)`` work as instances too.
 
 The import itself is light: it does not import Lightning. Lightning 2.6 has no entry-point discovery
 for strategies, so registration happens when ``lightning.pytorch`` is imported: at once if it already
 is, otherwise through an import hook that registers right after that package (which loads the
-strategy registry) has finished executing. Processes that only need the planner, the CLI or the compression helper therefore never pay for
-importing Lightning. ``PipeDAPStrategy`` and ``valid_schedule_names`` are loaded on first access.
+strategy registry, and Fabric's) has finished executing. ``import lightning`` and ``import lightning.fabric``
+import ``lightning.pytorch`` too, so the hook covers Fabric-only scripts. Processes that only need the planner, the CLI or the compression helper therefore never pay for
+importing Lightning. ``PipeDAPStrategy``, ``PipeDAPFabricStrategy`` and ``valid_schedule_names`` are loaded on
+first access.
 """
 
 from __future__ import annotations
@@ -21,13 +24,14 @@ from typing import Any
 
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
-__all__ = ["NonFiniteGradientError", "ParameterDivergenceError", "PipeDAPStrategy", "Schedule", "Op", "OpKind",
-           "register", "valid_schedule_names"]
+__all__ = ["NonFiniteGradientError", "ParameterDivergenceError", "PipeDAPFabricStrategy", "PipeDAPStrategy", "Schedule",
+           "Op", "OpKind", "register", "valid_schedule_names"]
 __version__ = "0.1.0"
 
 _REGISTRY_MODULE = "lightning.pytorch"
 _STRATEGY_MODULE = "lightning_pipedap.strategy.lightning"
-_LAZY = {"PipeDAPStrategy": _STRATEGY_MODULE,
+_FABRIC_MODULE = "lightning_pipedap.strategy.fabric"
+_LAZY = {"PipeDAPStrategy": _STRATEGY_MODULE, "PipeDAPFabricStrategy": _FABRIC_MODULE,
          "valid_schedule_names": "lightning_pipedap.strategy.config",
          "NonFiniteGradientError": "lightning_pipedap.strategy.numerics",
          "ParameterDivergenceError": "lightning_pipedap.strategy.numerics"}
@@ -44,7 +48,8 @@ def __getattr__(name: str) -> Any:
 
 
 def register() -> None:
-    """Register ``"pipedap"`` and ``"pipedap_spawn"`` in Lightning's ``StrategyRegistry`` (idempotent).
+    """Register ``"pipedap"`` and ``"pipedap_spawn"`` in Lightning's ``StrategyRegistry`` and in Fabric's
+    ``STRATEGY_REGISTRY`` (idempotent).
 
     Imports Lightning. Called automatically when ``lightning.pytorch`` is imported after
     ``lightning_pipedap``, or at once by ``import lightning_pipedap`` if it already was.
@@ -54,6 +59,14 @@ def register() -> None:
     from lightning_pipedap.strategy.lightning import PipeDAPStrategy  # noqa: PLC0415
 
     PipeDAPStrategy.register_strategies(StrategyRegistry)
+    _register_fabric()
+
+
+def _register_fabric() -> None:
+    """Fabric's registry (the Fabric strategy module registers itself when it loads)."""
+    import importlib  # noqa: PLC0415
+
+    importlib.import_module(_FABRIC_MODULE)
 
 
 class _RegisterAfterImport(importlib.abc.MetaPathFinder):
@@ -93,6 +106,8 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
                 finder.remove()
                 if _STRATEGY_MODULE not in sys.modules:  # (that module registers itself when it has loaded)
                     register()
+                else:  # (it is loading now and imported lightning.pytorch: Fabric's registry is left)
+                    _register_fabric()
 
         spec.loader = _Loader()
         return spec

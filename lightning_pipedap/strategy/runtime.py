@@ -443,11 +443,7 @@ class Runtime:
         """Run Lightning's ``training_step`` (``call``): trace it, guard it or just time it."""
         self.nonfinite.verdict = None
         self.check_params()
-        if self.buffers_sync_next:
-            bufs = list(self.module.buffers())
-            if bufs:
-                with torch.no_grad():
-                    C.broadcast_coalesced_(bufs, src=0)
+        self._sync_buffers_if_due()
         deferred = self.deferred
         deferred.before_training_step()
         ctl = self.controller
@@ -478,6 +474,21 @@ class Runtime:
         self._params_checked_at = step
         self.flush()
         check_replicas_agree(self.module, step, every)
+
+    def plain_forward(self, call: Callable[[], Any]) -> Any:
+        """Run a forward that is not a training step (``call``; Fabric: one without autograd), with DDP's
+        buffer rule only: rank 0's buffers are broadcast first if the previous forward synced gradients."""
+        self._sync_buffers_if_due()
+        out = call()
+        self.buffers_sync_next = torch.is_grad_enabled() and self.sync_grads
+        return out
+
+    def _sync_buffers_if_due(self) -> None:
+        if self.buffers_sync_next:
+            bufs = list(self.module.buffers())
+            if bufs:
+                with torch.no_grad():
+                    C.broadcast_coalesced_(bufs, src=0)
 
     def _adopt_misses(self) -> None:
         """Parameters the guard caught read before their trigger are owned by the root from now on (every

@@ -1,0 +1,404 @@
+"""``PipeDAPFabricStrategy``: the Lightning Fabric glue around the same run-time as the Trainer strategy.
+
+``Fabric(strategy="pipedap")`` trains with the engine, planner, schedules and controller of
+:class:`~lightning_pipedap.strategy.lightning.PipeDAPStrategy` (one
+:class:`~lightning_pipedap.strategy.runtime.Runtime` per set-up model); only the hooks differ, because
+Fabric has no training loop of its own. Life of one step in Fabric user code::
+
+    out = model(x)                 first grad-enabled forward after a step: trainable set checked (rebuild if
+                                   (un)frozen), buffers broadcast by DDP's rule, traced / profiled by phase
+    fabric.backward(loss)          engine.begin_iteration(); post-accumulate-grad hooks hand each parameter's
+                                   gradient to the engine, the worker runs the schedule's RS/AG (or AR) as
+                                   buckets complete; at the end of autograd's pass every bucket is waited for
+                                   and ``.grad`` holds the averaged gradients (DDP's point)
+    fabric.clip_gradients(...)     Fabric's own clipping, on the averaged ``.grad``
+    optimizer.step()               the real optimizer step; then the controller advances
+                                   (trace -> profile -> trial -> run, the same transitions as under the Trainer)
+
+Only the *sync* mode exists here: in Fabric the user's code can read parameters, ``.grad`` and the
+optimizer state anywhere between steps, so an update may not be deferred into the next forward.
+"""
+
+from __future__ import annotations
+
+import atexit
+import difflib
+import inspect
+import sys
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Callable, Generator, Literal, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
+from lightning.fabric.strategies import STRATEGY_REGISTRY
+from lightning.fabric.strategies.ddp import DDPStrategy
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning_pipedap.engine.collectives as C
+import lightning_pipedap.strategy.messages as M
+from lightning_pipedap.measure.timeline import OpRecord
+from lightning_pipedap.plan import CostModel
+from lightning_pipedap.strategy.config import PipeDAPConfig
+from lightning_pipedap.strategy.deferred import UPDATE_PLACES
+from lightning_pipedap.strategy.failure import exit_on_lost_peer
+from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
+from lightning_pipedap.strategy.planning import Measured
+from lightning_pipedap.strategy.results import RunResults
+from lightning_pipedap.strategy.resume import ResumeState
+from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
+
+#: ``defer_update`` values the Fabric strategy accepts ("auto" resolves to sync mode in Fabric)
+FABRIC_DEFER_UPDATE = ("auto", False)
+
+
+class PipeDAPFabricStrategy(RunResults, DDPStrategy):
+    """Lightning Fabric strategy: DDP semantics, with gradients reduced by PipeDAP's scheduled RS/AG engine.
+
+    ``Fabric(strategy="pipedap", accelerator=..., devices=N)`` (after ``import lightning_pipedap``), or an
+    instance ``Fabric(strategy=PipeDAPFabricStrategy(schedule="dear"))``. The same engine, planners,
+    schedules and phase controller as the Trainer's :class:`~lightning_pipedap.PipeDAPStrategy`.
+
+    Supported (every parameter, ``.grad`` and optimizer state user code can see equals Fabric's
+    ``"ddp"``; tested to 1e-6 in ``tests/test_fabric.py``):
+
+    - **sync mode only**: each bucket is reduce-scattered and all-gathered (or all-reduced, by the
+      schedule) while backward runs, and ``fabric.backward`` returns with the averaged gradients in
+      ``.grad``; ``optimizer.step()`` is the optimizer's own. ``defer_update`` must be ``False`` or
+      ``"auto"`` (which means sync mode here).
+    - every schedule: the fixed ``"dear"`` / ``"allreduce"`` and the planned ones (trace, profile,
+      trials, re-plan, as under the Trainer; steps are counted by ``optimizer.step()`` calls).
+    - ``fabric.setup(model, optimizer, ...)`` or ``setup_module`` + ``setup_optimizers``; one model per
+      strategy; any optimizer that does not communicate by itself (several are fine).
+    - ``fabric.no_backward_sync(model, enabled=...)``: micro-batches keep gradients local, the last one
+      reduces the accumulated gradients (as DDP's ``no_sync``).
+    - ``fabric.clip_gradients`` (norm and value): Fabric's own, on the averaged gradients.
+    - ``fabric.save`` / ``fabric.load``: plain state dicts without a ``module.`` prefix, interchangeable with
+      ``"ddp"`` and single-device checkpoints.
+    - BatchNorm buffers: broadcast from rank 0 before a forward with DDP's rule.
+
+    Not supported (refused): ``defer_update=True``, ``compression``, a second model on the same
+    strategy, self-communicating optimizers (ZeRO, post-local SGD), and the options of the Trainer
+    strategy that only deferred updates use (``deferrable_optimizers``). ``torch.compile`` of the set-up
+    model and precisions other than ``"32-true"`` are not tested.
+
+    Args:
+        schedule, bucket_cap_mb, warmup_steps, wait_timeout_s, ring_chunk_mb, profile_steps, cost_model,
+            cost_model_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
+            max_replans, plan_trials, trial_steps, model_contention: as for
+            :class:`~lightning_pipedap.PipeDAPStrategy` (documented in
+            :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`).
+        defer_update: ``"auto"`` or ``False`` (both: sync mode).
+        compression: ``None`` (compression is not available under Fabric).
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
+            process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``; ``timeout`` of
+            the default group defaults to ``wait_timeout_s``.
+
+    Raises:
+        ValueError: an option out of range (see ``PipeDAPConfig``), ``defer_update`` not in
+            ``("auto", False)``, ``compression`` not None; at set-up: world size 1, a second model, a
+            model without trainable parameters, models that differ between ranks, sparse embeddings,
+            SyncBatchNorm on CPU, a self-communicating optimizer.
+        TypeError: an unknown keyword argument (DDP-only ones such as ``find_unused_parameters``
+            included), naming the valid ones; ``no_backward_sync`` on a module this strategy did not set up.
+    """
+
+    strategy_name = "pipedap"
+
+    def __init__(
+        self,
+        schedule: str = "optimal",
+        bucket_cap_mb: float = 25.0,
+        defer_update: Union[bool, Literal["auto"]] = "auto",
+        warmup_steps: int = 1,
+        wait_timeout_s: float = 300.0,
+        ring_chunk_mb: float = 2.0,
+        profile_steps: int = 3,
+        cost_model: Optional[Union[str, CostModel]] = None,
+        cost_model_cache: bool = True,
+        replan_margin: float = 0.15,
+        calibrate_cost_model: bool = True,
+        train_thread_nice: int = 0,
+        replan_every: int = 50,
+        max_replans: int = 1,
+        compression: Optional[str] = None,
+        plan_trials: int = 4,
+        trial_steps: int = 3,
+        model_contention: bool = True,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            _refuse_kwargs(sorted(kwargs))
+        if defer_update not in FABRIC_DEFER_UPDATE or type(defer_update) is int:
+            raise ValueError(f"PipeDAPFabricStrategy: defer_update={defer_update!r} is not supported under Fabric "
+                             f"(user code can read parameters anywhere between steps); valid: "
+                             f"{', '.join(map(repr, FABRIC_DEFER_UPDATE))} (both: sync mode)")
+        if compression is not None:
+            raise ValueError(f"PipeDAPFabricStrategy: compression={compression!r} is not supported under Fabric; "
+                             "valid: None (use the Trainer strategy PipeDAPStrategy for compression)")
+        options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
+        self.config = PipeDAPConfig(**options)
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
+                         process_group_backend=process_group_backend,
+                         timeout=timeout or timedelta(seconds=self.config.wait_timeout_s), start_method=start_method)
+        self._backward_sync_control = _PipeDAPBackwardSyncControl(self)
+        self._measured = Measured()
+        #: bucket updates by place (``UPDATE_PLACES``); all stay 0 here: sync mode applies no deferred update
+        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
+        self._rt: Optional[Runtime] = None
+        self._last: Optional[Runtime] = None
+        self._comm: Optional[C.CommGroup] = None
+        self._records: list[OpRecord] = []
+        self._timeline_enabled = False
+        self._optimizers: list[Optimizer] = []
+        self._step_open = False  # a grad-enabled forward ran since the last optimizer step
+        self._at_exit_registered = False
+
+    def __getattr__(self, name: str) -> Any:
+        """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.schedule``, ...)."""
+        if name != "config" and name in PipeDAPConfig.option_names():
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
+        for name, start_method in (("pipedap", "popen"), ("pipedap_spawn", "spawn")):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name, cls, start_method=start_method,
+                    description=("PipeDAP for Fabric: scheduled reduce-scatter/all-gather gradient sync in backward, "
+                                 f"start_method '{start_method}'"))
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def _set_world_ranks(self) -> None:
+        super()._set_world_ranks()
+        if self.cluster_environment is not None and self.num_processes * self.num_nodes < 2:
+            raise ValueError(f"strategy 'pipedap' needs at least 2 processes, got world size "
+                             f"{self.num_processes * self.num_nodes} (devices x num_nodes); use strategy='auto' for "
+                             "a single device")
+
+    @override
+    def setup_module(self, module: Module) -> Module:
+        """Broadcast rank 0's parameters and buffers, build the run-time (buckets, engine), install the hooks.
+
+        Returns:
+            A thin wrapper whose ``forward`` runs ``module``'s through the run-time (what Fabric's
+            ``_FabricModule`` calls, as it calls DDP's wrapper); ``.module`` is ``module``.
+
+        Raises:
+            ValueError: a second model, no trainable parameter, models that differ between ranks, a sparse
+                embedding or a SyncBatchNorm on CPU (named).
+        """
+        if self._rt is not None:
+            raise ValueError(f"PipeDAPFabricStrategy sets up one model; {type(self._rt.module).__name__} is set up "
+                             f"already and {type(module).__name__} was passed. Put both in one nn.Module, or use "
+                             "strategy='ddp'")
+        refuse_unsupported_modules(module, self.root_device)
+        same_on_every_rank(model_signature(module), "parameters and buffers", "every rank must build the same model")
+        with torch.no_grad():
+            C.broadcast_coalesced_(list(module.parameters()) + list(module.buffers()), src=0)
+        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
+        self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
+        self._rt = rt = Runtime(self.config, module, lambda: self._optimizers, self._comm, self.world_size,
+                                self.global_rank, self.root_device, self._measured, ResumeState(), M.info, M.warn,
+                                self.update_counts, self._records, lambda: self._timeline_enabled)
+        rt.start_heartbeat(self._on_lost_peer)
+        rt.hook_params(self._on_grad_ready)
+        rt.hook_modules(torch.compiler.disable(self._on_module_forward))  # (removed by rt.close)
+        rt.install_warmup()
+        rt.trainable_key = rt.trainable_signature()
+        self._step_open = False
+        if not self._at_exit_registered:
+            atexit.register(self._close_at_exit)
+            self._at_exit_registered = True
+        return _PipeDAPModule(module, self)
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Keep the optimizer (its param groups are part of the trainable set checked every step).
+
+        Raises:
+            ValueError: an optimizer that communicates by itself (ZeroRedundancyOptimizer, ...).
+        """
+        from lightning_pipedap.strategy.lightning import _refuse_self_communicating  # noqa: PLC0415
+
+        _refuse_self_communicating([optimizer])
+        self._optimizers.append(optimizer)
+        if self._rt is not None:
+            self._rt.trainable_key = self._rt.trainable_signature()
+        return optimizer
+
+    @override
+    def get_module_state_dict(self, module: Module) -> dict[str, Union[Any, Tensor]]:
+        return super().get_module_state_dict(module.module if isinstance(module, _PipeDAPModule) else module)
+
+    @override
+    def load_module_state_dict(self, module: Module, state_dict: dict[str, Union[Any, Tensor]],
+                               strict: bool = True) -> None:
+        super().load_module_state_dict(module.module if isinstance(module, _PipeDAPModule) else module,
+                                       state_dict=state_dict, strict=strict)
+
+    # ------------------------------------------------------------------ hooks
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if self._rt is not None:
+            self._rt.grad_ready(p)
+
+    def _on_module_forward(self, module: Module, args: Any) -> None:
+        if self._rt is not None:
+            self._rt.module_forward(module)
+
+    def _on_lost_peer(self, message: str) -> None:
+        """Heartbeat watchdog: end the process only inside a step (a wait on a lost peer); between steps the
+        user's code may run alone for long (rank-0 evaluation), and the next collective names the peer."""
+        if self._step_open:
+            exit_on_lost_peer(message)
+
+    def run_forward(self, call: Callable[[], Any]) -> Any:
+        """Run the set-up model's forward (``call``) as a training step when autograd records it, else with
+        DDP's buffer rule only (evaluation under ``torch.no_grad``)."""
+        rt = self._rt
+        if rt is None:
+            return call()
+        if not torch.is_grad_enabled():
+            return rt.plain_forward(call)
+        if not self._step_open:  # the first forward of a step (all ranks: same point)
+            self._step_open = True
+            rt.retrain_if_changed(self._on_grad_ready)
+            rt.t_backward_done = None
+        return rt.training_step(call)
+
+    @contextmanager
+    def blocked_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-batches: gradients stay local (no communication) inside this context."""
+        rt = self._rt
+        if rt is None:
+            yield
+            return
+        prev, rt.sync_grads = rt.sync_grads, False
+        try:
+            yield
+        finally:
+            rt.sync_grads = prev
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:
+        """Fabric's backward, with the gradient reduction finished before it returns (``.grad`` averaged)."""
+        rt = self._rt
+        if rt is not None:
+            rt.before_backward()
+        self.precision.pre_backward(tensor, module)
+        self.precision.backward(tensor, module, *args, **kwargs)
+        if rt is not None:
+            rt.finish_backward()  # (normally done already when autograd's pass ended)
+        self.precision.post_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The optimizer's own step on the averaged gradients; then the phase controller advances."""
+        out = super().optimizer_step(optimizer, **kwargs)
+        rt = self._rt
+        if rt is not None:
+            deferrable = rt.controller.phase.deferrable  # (TRIAL / RUN: a final schedule is installed)
+            rt.after_sync_step()
+            if deferrable:
+                rt.controller.at_step_start()  # trials switch candidates, drift checks, on every rank
+            self._step_open = False
+        return out
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        """Close the engine, remove every hook and the dedicated group (Fabric never calls this itself:
+        it runs at interpreter exit, or call ``fabric.strategy.teardown()`` to release the model early)."""
+        self._close(abort=False)
+        super().teardown()
+
+    def _close(self, abort: bool) -> None:
+        rt, comm = self._rt, self._comm
+        self._rt, self._comm, self._last = None, None, rt or self._last
+        if rt is not None:
+            rt.close(abort=abort)
+        self._optimizers, self._step_open = [], False
+        if comm is not None and not abort:
+            C.destroy_comm_group(comm)
+
+    def _close_at_exit(self) -> None:
+        if self._rt is None:
+            return
+        failed = getattr(sys, "last_value", None) is not None or self._rt.engine is None or self._rt.engine.collecting
+        self._close(abort=failed)
+
+
+class _PipeDAPModule(Module):
+    """What ``setup_module`` returns: ``forward`` goes through the strategy's run-time, ``.module`` is the
+    user's model (Fabric's ``_FabricModule`` keeps that one as its original module)."""
+
+    def __init__(self, module: Module, strategy: PipeDAPFabricStrategy) -> None:
+        super().__init__()
+        self.module = module
+        self._strategy = strategy
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._strategy.run_forward(lambda: self.module(*args, **kwargs))
+
+
+class _PipeDAPBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: no communication in the micro-batches it wraps."""
+
+    def __init__(self, strategy: PipeDAPFabricStrategy) -> None:
+        self._strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: Module, enabled: bool) -> AbstractContextManager:
+        """Raises:
+            TypeError: ``module`` is not the model this strategy set up."""
+        if not enabled:
+            return nullcontext()
+        if not isinstance(module, _PipeDAPModule):
+            raise TypeError(f"fabric.no_backward_sync with strategy 'pipedap' needs the model returned by "
+                            f"fabric.setup(...); got {type(module).__name__}")
+        return self._strategy.blocked_sync()
+
+
+def _refuse_kwargs(bad: list[str]) -> None:
+    """Raises:
+        TypeError: naming each unsupported keyword argument, why, and the valid arguments."""
+    from lightning_pipedap.strategy.lightning import _REJECTED_DDP_KWARGS  # noqa: PLC0415
+
+    valid = [n for n in inspect.signature(PipeDAPFabricStrategy.__init__).parameters if n not in ("self", "kwargs")]
+    trainer_only = {"deferrable_optimizers", "compression_kwargs", "compression_mode", "compression_threads",
+                    "precision_plugin"}
+
+    def why(k: str) -> str:
+        if k in _REJECTED_DDP_KWARGS:
+            return _REJECTED_DDP_KWARGS[k]
+        if k in trainer_only:
+            return "an option of the Trainer strategy PipeDAPStrategy that Fabric's sync mode does not use" + (
+                " (Fabric's name is 'precision')" if k == "precision_plugin" else "")
+        close = difflib.get_close_matches(k, valid, n=1)
+        return f"unknown argument{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+
+    reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
+    raise TypeError(f"PipeDAPFabricStrategy got unsupported keyword arguments {bad} ({reasons}); "
+                    f"valid arguments: {', '.join(valid)}")
+
+
+PipeDAPFabricStrategy.register_strategies(STRATEGY_REGISTRY)
