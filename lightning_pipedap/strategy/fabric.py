@@ -91,7 +91,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
     Args:
         schedule, bucket_cap_mb, warmup_steps, wait_timeout_s, ring_chunk_mb, profile_steps, cost_model,
             cost_model_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
-            max_replans, plan_trials, trial_steps, model_contention: as for
+            max_replans, plan_trials, trial_steps, trial_rounds, trial_window_s, model_contention: as for
             :class:`~lightning_pipedap.PipeDAPStrategy` (documented in
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`).
         defer_update: ``"auto"`` or ``False`` (both: sync mode).
@@ -130,6 +130,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         compression: Optional[str] = None,
         plan_trials: int = 4,
         trial_steps: int = 3,
+        trial_rounds: int = 2,
+        trial_window_s: float = 0.25,
         model_contention: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,

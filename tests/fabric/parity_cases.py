@@ -90,7 +90,7 @@ VARIANTS: dict[str, Callable[[], Any]] = {
     "allreduce": lambda: PipeDAPFabricStrategy(schedule="allreduce", bucket_cap_mb=0.25),
     # planned: trace 1 step, profile 2, measure 2 candidates x 2 steps, then run (10 steps reach RUN)
     "optimal": lambda: PipeDAPFabricStrategy(schedule="optimal", profile_steps=2, plan_trials=2, trial_steps=1,
-                                             model_contention=False),
+                                             trial_rounds=1, trial_window_s=0, model_contention=False),
 }
 
 
