@@ -22,8 +22,6 @@ optimizer state anywhere between steps, so an update may not be deferred into th
 from __future__ import annotations
 
 import atexit
-import difflib
-import inspect
 import sys
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
@@ -50,6 +48,7 @@ from lightning_pipedap.strategy.deferred import UPDATE_PLACES
 from lightning_pipedap.strategy.failure import exit_on_lost_peer
 from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
 from lightning_pipedap.strategy.planning import Measured
+from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
@@ -144,7 +143,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if kwargs:
-            _refuse_kwargs(sorted(kwargs))
+            refuse_kwargs(type(self).__name__, PipeDAPFabricStrategy.__init__, sorted(kwargs), _TRAINER_ONLY)
         if defer_update not in FABRIC_DEFER_UPDATE or type(defer_update) is int:
             raise ValueError(f"PipeDAPFabricStrategy: defer_update={defer_update!r} is not supported under Fabric "
                              f"(user code can read parameters anywhere between steps); valid: "
@@ -181,12 +180,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
-        for name, start_method in (("pipedap", "popen"), ("pipedap_spawn", "spawn")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, start_method=start_method,
-                    description=("PipeDAP for Fabric: scheduled reduce-scatter/all-gather gradient sync in backward, "
-                                 f"start_method '{start_method}'"))
+        register_names(strategy_registry, cls, "PipeDAP for Fabric: scheduled reduce-scatter/all-gather gradient "
+                                               "sync in backward")
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -240,9 +235,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         Raises:
             ValueError: an optimizer that communicates by itself (ZeroRedundancyOptimizer, ...).
         """
-        from lightning_pipedap.strategy.lightning import _refuse_self_communicating  # noqa: PLC0415
 
-        _refuse_self_communicating([optimizer])
+        refuse_self_communicating([optimizer])
         self._optimizers.append(optimizer)
         if self._rt is not None:
             self._rt.trainable_key = self._rt.trainable_signature()
@@ -380,27 +374,9 @@ class _PipeDAPBackwardSyncControl(_BackwardSyncControl):
         return self._strategy.blocked_sync()
 
 
-def _refuse_kwargs(bad: list[str]) -> None:
-    """Raises:
-        TypeError: naming each unsupported keyword argument, why, and the valid arguments."""
-    from lightning_pipedap.strategy.lightning import _REJECTED_DDP_KWARGS  # noqa: PLC0415
-
-    valid = [n for n in inspect.signature(PipeDAPFabricStrategy.__init__).parameters if n not in ("self", "kwargs")]
-    trainer_only = {"deferrable_optimizers", "compression_kwargs", "compression_mode", "compression_threads",
-                    "precision_plugin"}
-
-    def why(k: str) -> str:
-        if k in _REJECTED_DDP_KWARGS:
-            return _REJECTED_DDP_KWARGS[k]
-        if k in trainer_only:
-            return "an option of the Trainer strategy PipeDAPStrategy that Fabric's sync mode does not use" + (
-                " (Fabric's name is 'precision')" if k == "precision_plugin" else "")
-        close = difflib.get_close_matches(k, valid, n=1)
-        return f"unknown argument{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
-
-    reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
-    raise TypeError(f"PipeDAPFabricStrategy got unsupported keyword arguments {bad} ({reasons}); "
-                    f"valid arguments: {', '.join(valid)}")
+_TRAINER_ONLY = {k: "an option of the Trainer strategy PipeDAPStrategy that Fabric's sync mode does not use"
+                 for k in ("deferrable_optimizers", "compression_kwargs", "compression_mode", "compression_threads")}
+_TRAINER_ONLY["precision_plugin"] = _TRAINER_ONLY["compression_mode"] + " (Fabric's name is 'precision')"
 
 
 PipeDAPFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -19,8 +19,6 @@ optimizer step runs as with DDP.
 
 from __future__ import annotations
 
-import difflib
-import inspect
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -50,19 +48,10 @@ from lightning_pipedap.strategy.params import model_signature, same_on_every_ran
 from lightning_pipedap.strategy.planning import Measured
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
 from lightning_pipedap.strategy.results import RunResults
+from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.resume import ResumeState
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
-_REJECTED_DDP_KWARGS = {
-    "ddp_comm_state": "pipedap does its own gradient communication; compression comes with `compression=`",
-    "ddp_comm_hook": "pipedap does its own gradient communication; compression comes with `compression=`",
-    "ddp_comm_wrapper": "pipedap does its own gradient communication",
-    "model_averaging_period": "post-local SGD is a DDP feature; use strategy='ddp'",
-    "find_unused_parameters": "not needed: pipedap detects parameters without gradients by itself",
-    "static_graph": "not needed: pipedap traces the forward order itself",
-    "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
-}
-_SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
 
 
 class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
@@ -151,7 +140,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         **kwargs: Any,
     ) -> None:
         if kwargs:
-            _refuse_kwargs(sorted(kwargs))
+            refuse_kwargs(type(self).__name__, PipeDAPStrategy.__init__, sorted(kwargs))
         options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
         self.config = PipeDAPConfig(**{**options, "compression_kwargs": compression_kwargs or {}})
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -199,12 +188,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
-        for name, start_method in (("pipedap", "popen"), ("pipedap_spawn", "spawn")):
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name, cls, start_method=start_method,
-                    description=("PipeDAP: scheduled decoupled reduce-scatter/all-gather gradient sync (DeAR/PipeDAP), "
-                                 f"start_method '{start_method}'"))
+        register_names(strategy_registry, cls, "PipeDAP: scheduled decoupled reduce-scatter/all-gather gradient "
+                                               "sync (DeAR/PipeDAP)")
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -222,7 +207,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        _refuse_self_communicating(self.optimizers)
+        refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
@@ -512,32 +497,6 @@ def _can_defer(strategy: PipeDAPStrategy, optimizer: Optimizer) -> bool:
         and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + cfg.deferrable_optimizers)
         and getattr(strategy.precision_plugin, "scaler", None) is None
     )
-
-
-def _refuse_kwargs(bad: list[str]) -> None:
-    """Raises:
-        TypeError: naming each unsupported keyword argument, why, and the valid arguments."""
-    valid = [n for n in inspect.signature(PipeDAPStrategy.__init__).parameters if n not in ("self", "kwargs")]
-
-    def why(k: str) -> str:
-        if _REJECTED_DDP_KWARGS.get(k):
-            return _REJECTED_DDP_KWARGS[k]
-        close = difflib.get_close_matches(k, valid, n=1)
-        return f"unknown argument{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
-
-    reasons = "; ".join(f"{k}: {why(k)}" for k in bad)
-    raise TypeError(f"PipeDAPStrategy got unsupported keyword arguments {bad} ({reasons}); "
-                    f"valid arguments: {', '.join(valid)}")
-
-
-
-def _refuse_self_communicating(optimizers: list) -> None:
-    """Raises:
-        ValueError: naming an optimizer that communicates by itself (ZeRO, post-local SGD, ...)."""
-    for opt in optimizers:
-        if type(opt).__name__ in _SELF_COMMUNICATING_OPTIMIZERS:
-            raise ValueError(f"pipedap: optimizer {type(opt).__name__} communicates by itself and cannot run under "
-                             "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
 
 
 PipeDAPStrategy.register_strategies(StrategyRegistry)

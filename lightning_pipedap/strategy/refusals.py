@@ -1,0 +1,68 @@
+"""What both strategy front ends (Lightning's Trainer, Fabric) refuse, and how they register their names.
+
+Plain functions without Lightning imports: the keyword arguments of DDP that do not apply, optimizers
+that communicate by themselves, and the ``"pipedap"`` / ``"pipedap_spawn"`` registry entries.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Callable, Mapping, Optional
+
+#: DDP keyword arguments that do not apply, and why
+REJECTED_DDP_KWARGS = {
+    "ddp_comm_state": "pipedap does its own gradient communication; compression comes with `compression=`",
+    "ddp_comm_hook": "pipedap does its own gradient communication; compression comes with `compression=`",
+    "ddp_comm_wrapper": "pipedap does its own gradient communication",
+    "model_averaging_period": "post-local SGD is a DDP feature; use strategy='ddp'",
+    "find_unused_parameters": "not needed: pipedap detects parameters without gradients by itself",
+    "static_graph": "not needed: pipedap traces the forward order itself",
+    "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
+}
+#: optimizers (by class name) that communicate by themselves
+SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimizer", "DistributedOptimizer")
+
+
+def refuse_kwargs(owner: str, init: Callable[..., Any], bad: list[str],
+                  reasons: Optional[Mapping[str, str]] = None) -> None:
+    """Refuse keyword arguments ``bad`` of ``owner`` (a class name) whose ``__init__`` is ``init``.
+
+    Args:
+        owner: the class name, for the message.
+        init: its ``__init__`` (the valid names are its parameters).
+        bad: the unsupported names.
+        reasons: extra ``name -> why`` beyond :data:`REJECTED_DDP_KWARGS`.
+
+    Raises:
+        TypeError: always, naming each argument, why (or the closest valid name), and the valid arguments.
+    """
+    valid = [n for n in inspect.signature(init).parameters if n not in ("self", "kwargs")]
+    known = {**REJECTED_DDP_KWARGS, **(reasons or {})}
+
+    def why(k: str) -> str:
+        if known.get(k):
+            return known[k]
+        close = difflib.get_close_matches(k, valid, n=1)
+        return f"unknown argument{'; did you mean ' + repr(close[0]) + '?' if close else ''}"
+
+    detail = "; ".join(f"{k}: {why(k)}" for k in bad)
+    raise TypeError(f"{owner} got unsupported keyword arguments {bad} ({detail}); valid arguments: {', '.join(valid)}")
+
+
+def refuse_self_communicating(optimizers: list) -> None:
+    """Raises:
+        ValueError: naming an optimizer that communicates by itself (ZeRO, post-local SGD, ...)."""
+    for opt in optimizers:
+        if type(opt).__name__ in SELF_COMMUNICATING_OPTIMIZERS:
+            raise ValueError(f"pipedap: optimizer {type(opt).__name__} communicates by itself and cannot run under "
+                             "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
+
+
+def register_names(registry: Any, cls: type, description: str) -> None:
+    """Register ``cls`` as ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher) in a
+    Lightning or Fabric strategy registry, each described as ``description`` plus its start method; idempotent."""
+    for name, start_method in (("pipedap", "popen"), ("pipedap_spawn", "spawn")):
+        if name not in registry:
+            registry.register(name, cls, start_method=start_method,
+                              description=f"{description}, start_method '{start_method}'")
