@@ -16,6 +16,8 @@ directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep dire
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import logging
 import math
@@ -127,6 +129,30 @@ def strategy_label(cfg: DictConfig) -> tuple[str, Optional[str]]:
     return target.rsplit(".", 1)[-1], None
 
 
+def effective_key(cfg: DictConfig, output_dir: str) -> str:
+    """A hash of what the job runs: the resolved config without ``paths``, with the job's own directory
+    masked, and without the ``scheduler`` group when the strategy is not pipedap (it does not apply)."""
+    c = OmegaConf.to_container(cfg, resolve=True)
+    assert isinstance(c, dict)
+    for k in ("paths", "hydra", "print_summary"):
+        c.pop(k, None)
+    if strategy_label(cfg)[0] != "pipedap":
+        c.pop("scheduler", None)
+    text = json.dumps(c, sort_keys=True, default=str).replace(output_dir, "<job dir>")
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def earlier_same_job(key: str, output_dir: str, job_num: int) -> Optional[dict[str, Any]]:
+    """The ``results.json`` of an earlier job of the same sweep (a sibling directory of ``output_dir``,
+    lower job number) whose :func:`effective_key` is ``key``; None when there is none."""
+    found = []
+    for path in glob.glob(os.path.join(os.path.dirname(output_dir), "*", RESULTS_FILE)):
+        res = _read_json(path)
+        if res.get("effective_key") == key and res.get("duplicate_of") is None and res.get("job_num", job_num) < job_num:
+            found.append(res)
+    return min(found, key=lambda r: r["job_num"]) if found else None
+
+
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
     out = {}
     for k, v in trainer.callback_metrics.items():
@@ -156,7 +182,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
     tb_dirs = [lg.log_dir for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
     it_s = measure.get("iteration_s")
     res: dict[str, Any] = {
-        "job_num": int(hc.job.num) if hc is not None and hc.job.get("num") is not None else 0,
+        "job_num": _job_num(),
+        "effective_key": effective_key(cfg, output_dir),
+        "duplicate_of": None,
         "overrides": list(hc.overrides.task) if hc is not None else [],
         "strategy": name,
         "schedule": schedule,
@@ -244,6 +272,11 @@ def lookup_metric(res: dict[str, Any], name: Optional[str]) -> Optional[float]:
     return None if v is None else float(v)
 
 
+def _job_num() -> int:
+    hc = HydraConfig.get() if HydraConfig.initialized() else None
+    return int(hc.job.num) if hc is not None and hc.job.get("num") is not None else 0
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Validate ``cfg``, build everything with ``hydra.utils.instantiate``, fit, and (on global rank 0)
     write ``results.json`` and print the summary. Returns the results dict (``{}`` on other ranks).
@@ -254,6 +287,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg)
     multirun = in_multirun()
     output_dir = os.path.abspath(str(cfg.paths.output_dir))
+    if multirun:  # a sweep runs each distinct job once (`strategy=ddp scheduler=dear` is `strategy=ddp`)
+        same = earlier_same_job(effective_key(cfg, output_dir), output_dir, _job_num())
+        if same is not None:
+            hc = HydraConfig.get()
+            res = dict(same, job_num=_job_num(), duplicate_of=same["job_num"], output_dir=output_dir,
+                       overrides=list(hc.overrides.task))
+            os.makedirs(output_dir, exist_ok=True)
+            with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
+                json.dump(res, f, indent=2)
+            logging.getLogger("lightning_pipedap").info(f"job #{res['job_num']} ({' '.join(res['overrides'])}) runs what job #{same['job_num']} ran "
+                     "(the options that differ do not apply to this strategy): not run again; results.json refers "
+                     "to it")
+            return res
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
 
     datamodule = hydra.utils.instantiate(cfg.data)
