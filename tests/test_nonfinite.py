@@ -172,3 +172,29 @@ def test_a_sum_that_overflows_with_finite_values_is_not_a_finding():
     assert first_nonfinite([_bucket([[big, big], [1.0]])], lambda p: "x", step=0) is None
     found = first_nonfinite([_bucket([[big, big]]), _bucket([[1.0, float("inf")]])], lambda p: "y", step=2)
     assert found is not None and (found.name, found.inf) == ("y", 1)
+
+
+def test_warn_under_ddps_reducer_checks_the_parameters_every_50_steps_once():
+    from lightning_pipedap.strategy.numerics import NonFiniteCheck  # noqa: PLC0415
+
+    said: list[str] = []
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    names = {id(a): "net.a", id(b): "net.b"}
+    check = NonFiniteCheck("warn", lambda p: names[id(p)], said.append)
+    check.step_of = lambda: 100
+    for _ in range(50):  # the check at call 50 sees finite parameters
+        check.check_params_under_ddp([a, b])
+    with torch.no_grad():
+        b[1] = float("nan")
+    for _ in range(49):
+        check.check_params_under_ddp([a, b])
+    assert said == []  # calls 51-99 do not look
+    check.check_params_under_ddp([a, b])  # the 100th call checks
+    assert len(said) == 1 and "parameter 'net.b' is not finite under DDP's reducer" in said[0]
+    for _ in range(100):
+        check.check_params_under_ddp([a, b])
+    assert len(said) == 1  # once per fit
+    quiet = NonFiniteCheck("ignore", lambda p: "p", said.append)
+    for _ in range(100):
+        quiet.check_params_under_ddp([b])
+    assert len(said) == 1

@@ -124,7 +124,8 @@ class PipeDAPConfig:
             communication is negligible, pipedap's per-step bookkeeping then costs nothing. Not offered
             with compression, ``nonfinite="raise"``/``"skip"`` or ``check_params_every_n_steps`` (they
             need pipedap's own reduction); under it, non-finite gradients behave exactly as under DDP
-            (``nonfinite="warn"`` gives no warning).
+            and ``nonfinite="warn"`` checks the parameters every 50 steps (a non-finite update leaves
+            them non-finite) instead of each step's reduced gradients.
         model_contention: before the first plan, measure how much communication and compute slow
             each other down when they overlap (:func:`~lightning_pipedap.probe.slowdown.
             measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)

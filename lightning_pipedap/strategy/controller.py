@@ -112,8 +112,7 @@ class Trial:
 
 def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]], floor_s: Optional[float] = None,
                      *, min_tolerance: float = 0.02, max_tolerance: float = 0.10,
-                     prefer: Sequence[str] = ("torch_ddp",), reducer: str = "torch_ddp",
-                     reducer_comm_factor: float = 3.0) -> tuple[int, list[float], list[str]]:
+                     prefer: Sequence[str] = ("torch_ddp",)) -> tuple[int, list[float], list[str]]:
     """Pick the fastest candidate from interleaved trial windows, robust to a noisy machine.
 
     Args:
@@ -126,12 +125,6 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
             between the windows of the two fastest candidates (max/min - 1), clamped to this range.
         prefer: names chosen first among candidates within the noise band of the fastest (then trial
             order): a tie is decided the same way on every rerun.
-        reducer, reducer_comm_factor: no schedule can beat DDP's reducer (candidate ``reducer``) by more
-            than the reducer's own communication time, exposed at most, plus what that communication
-            slows compute down: at most ``reducer_comm_factor * floor_s``. A measured gain beyond that is
-            noise, and the reducer is chosen (on a model whose communication is negligible this is
-            what keeps a noisy trial from choosing a slower schedule).
-
     Returns:
         ``(chosen index, median of each candidate's windows (s), notes)``: notes say which candidates
         were rejected below the floor and which were within noise of the fastest.
@@ -157,14 +150,6 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
         w = windows_s[i]
         return max(w) / min(w) - 1.0 if min(w) > 0 else 0.0
 
-    r = names.index(reducer) if reducer in names else None
-    if r is not None and r in valid and r != best and floor_s is not None and floor_s > 0:
-        gain = medians[r] - medians[best]
-        if gain > reducer_comm_factor * floor_s:
-            notes.append(f"{names[best]} measured {gain * 1e3:.2f} ms faster than {reducer}, more than "
-                         f"{reducer_comm_factor:g} x its whole communication ({floor_s * 1e3:.2f} ms alone): noise; "
-                         f"chose {reducer}")
-            return r, medians, notes
     noise = max(spread(i) for i in ranked[:2])
     tol = min(max_tolerance, max(min_tolerance, noise))
     tied = [i for i in ranked if medians[i] <= medians[best] * (1.0 + tol)]
@@ -276,7 +261,8 @@ class Controller:
     def after_sync_step(self, t_step_end: float) -> None:
         """A sync step ended (TRACE or PROFILE): advance warm-up identically on every rank."""
         self.sync_steps += 1
-        self._phase_steps += 1
+        if not self.phase.deferrable:  # (a sync-mode TRIAL step is counted by at_step_start)
+            self._phase_steps += 1
         if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
             self.effects.adopt_trace()
             if self.planned:
@@ -361,8 +347,8 @@ class Controller:
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
         self.effects.info("pipedap: measured candidates (median step): " + "; ".join(
-            f"{r['name']} {r['measured_s'] * 1e3:.1f} ms (predicted "
-            + (f"{r['predicted_s'] * 1e3:.1f}" if r["predicted_s"] is not None else "-") + " ms)"
+            f"{r['name']} {r['measured_s'] * 1e3:.1f} ms "
+            + (f"(predicted {r['predicted_s'] * 1e3:.1f} ms)" if r["predicted_s"] is not None else "(no prediction)")
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
         for note in notes:
             self.effects.info(f"pipedap: {note}")
@@ -372,6 +358,17 @@ class Controller:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
         self._leave(Phase.RUN)
+
+    def unfinished_trial(self) -> Optional[str]:
+        """A sentence for the end of a fit that stopped during measured plan selection, else None."""
+        tr = self.trial
+        if self.phase is not Phase.TRIAL or tr is None:
+            return None
+        cur = tr.schedules[tr.order[min(tr.window, len(tr.order) - 1)]]
+        return (f"pipedap: the fit ended during measured plan selection ({tr.window} of {len(tr.order)} windows "
+                f"measured, {self.window_steps + 1} steps each): no candidate was chosen, and the one being "
+                f"measured, {cur.name}, ran last; train longer, or set plan_trials=1 (the plan directly) or fewer "
+                "trial_rounds / a smaller trial_window_s")
 
     # ------------------------------------------------------------------ RUN: drift
     def _drift_step(self) -> None:

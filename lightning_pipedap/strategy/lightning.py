@@ -363,6 +363,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             with skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)
             if rt is not None:
+                if rt.handed_over:
+                    rt.nonfinite.check_params_under_ddp(rt.params)
                 rt.after_sync_step()
             return out
         step = DeferredStep(optimizer)

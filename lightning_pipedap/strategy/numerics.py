@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -130,6 +131,25 @@ class NonFiniteCheck:
             self.warn(f"pipedap: {found.describe()}; the update is applied as DDP applies it (nonfinite='warn', "
                       "said once per fit; 'raise' stops training, 'skip' skips such steps)")
         return found
+
+    def check_params_under_ddp(self, params: Sequence[Tensor], every: int = 50) -> None:
+        """``"warn"`` while DDP's reducer runs (the ``torch_ddp`` candidate, whose gradients pipedap does not
+        see): every ``every`` calls (one per optimizer step), one sum per parameter; a non-finite update leaves
+        non-finite parameters, so the first one is named, once per fit (later than the step that caused it)."""
+        if not self.active or self.mode != "warn" or self._warned:
+            return
+        self._ddp_calls = getattr(self, "_ddp_calls", 0) + 1
+        if self._ddp_calls % every or not params:
+            return
+        with torch.no_grad():
+            sums = torch.stack([p.detach().sum() for p in params])
+        if bool(sums.isfinite().all()):
+            return
+        bad = next(p for p, t in zip(params, sums.tolist()) if not math.isfinite(t))
+        self._warned = True
+        self.warn(f"pipedap: step {self.step_of()}: parameter {self.name_of(bad)!r} is not finite under DDP's reducer "
+                  f"(the torch_ddp candidate; checked every {every} steps): a non-finite update was applied, as DDP "
+                  "applies it (nonfinite='warn', said once per fit)")
 
     def error(self, found: Finding) -> NonFiniteGradientError:
         return NonFiniteGradientError(f"pipedap: {found.describe()}; nonfinite='raise' stops training on every "

@@ -562,7 +562,11 @@ class Runtime:
         self._tracing = self._tracing and self.controller.phase is Phase.TRACE
 
     def close(self, abort: bool = False) -> None:
-        """Close the engine (or leave DDP's reducer), remove the hooks and the ``train()`` wrappers."""
+        """Close the engine (or leave DDP's reducer), remove the hooks and the ``train()`` wrappers; say so when
+        the fit ended before measured plan selection chose a candidate."""
+        note = None if abort else self.controller.unfinished_trial()
+        if note:
+            self.info(note)
         if self.handover is not None:
             self.handover.leave()  # (local: unwrapping communicates nothing)
         for h in self._module_hooks:
