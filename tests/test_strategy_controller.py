@@ -214,14 +214,23 @@ def test_short_steps_get_longer_trial_windows():
 
 
 def test_choose_candidate_decides_ties_by_preference_and_rejects_steps_below_the_floor():
-    # within noise: the preferred name wins although it measured 1 % slower
-    best, med, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.101, 0.102]])
-    assert best == 1 and med == [pytest.approx(0.1005), pytest.approx(0.1015)] and "within noise" in notes[0]
+    # DDP's reducer is kept unless another candidate is faster by more than 10 %
+    best, med, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.105, 0.106]])
+    assert best == 1 and med == [pytest.approx(0.1005), pytest.approx(0.1055)]
+    assert "not faster than torch_ddp 105.5 ms by more than 10%" in notes[0]
+    best, _, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.115, 0.116]])
+    assert best == 0 and notes == []
+    # among the others: within the noise band, the preferred (then trial order) wins
+    best, _, notes = choose_candidate(["optimal", "dear"], [[0.100, 0.101], [0.101, 0.102]], prefer=("dear",),
+                                      prefer_margin=0.0)
+    assert best == 1 and "within noise (2%)" in notes[0] and "chose dear (by preference)" in notes[0]
     # outside the band (5 % slower, windows agree to 1 %): the fastest wins
-    best, _, notes = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.101], [0.105, 0.106]])
+    best, _, notes = choose_candidate(["optimal", "dear"], [[0.100, 0.101], [0.105, 0.106]], prefer=("dear",),
+                                      prefer_margin=0.0)
     assert best == 0 and notes == []
     # a noisy fastest candidate widens the band (spread 8 %): a 6 % slower preferred one is a tie
-    best, _, _ = choose_candidate(["optimal", "torch_ddp"], [[0.100, 0.108], [0.110, 0.110]])
+    best, _, _ = choose_candidate(["optimal", "dear"], [[0.100, 0.108], [0.110, 0.110]], prefer=("dear",),
+                                  prefer_margin=0.0)
     assert best == 1
     # below 0.9 x the communication floor: mismeasured, not chosen
     best, _, notes = choose_candidate(["dear", "wfbp"], [[0.50, 0.51], [0.60, 0.60]], floor_s=0.562)

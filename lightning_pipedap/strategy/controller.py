@@ -112,7 +112,8 @@ class Trial:
 
 def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]], floor_s: Optional[float] = None,
                      *, min_tolerance: float = 0.02, max_tolerance: float = 0.10,
-                     prefer: Sequence[str] = ("torch_ddp",)) -> tuple[int, list[float], list[str]]:
+                     prefer: Sequence[str] = ("torch_ddp",),
+                     prefer_margin: float = 0.10) -> tuple[int, list[float], list[str]]:
     """Pick the fastest candidate from interleaved trial windows, robust to a noisy machine.
 
     Args:
@@ -125,6 +126,10 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
             between the windows of the two fastest candidates (max/min - 1), clamped to this range.
         prefer: names chosen first among candidates within the noise band of the fastest (then trial
             order): a tie is decided the same way on every rerun.
+        prefer_margin: a preferred candidate (DDP's reducer: DDP's results and speed by construction) is
+            also kept against any candidate not faster by more than this fraction, whatever the noise:
+            a wrong switch away from it can cost more than the margin, as trial windows on a shared
+            machine can mislead by more than their spread.
     Returns:
         ``(chosen index, median of each candidate's windows (s), notes)``: notes say which candidates
         were rejected below the floor and which were within noise of the fastest.
@@ -152,6 +157,12 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
 
     noise = max(spread(i) for i in ranked[:2])
     tol = min(max_tolerance, max(min_tolerance, noise))
+    held = [i for i in ranked if names[i] in prefer and medians[i] <= medians[best] * (1.0 + prefer_margin)]
+    if held and held[0] != best:  # the preferred (DDP's reducer) is kept unless beaten by more than the margin
+        chosen = min(held, key=lambda i: (list(prefer).index(names[i]), i))
+        notes.append(f"{names[best]} {medians[best] * 1e3:.1f} ms is not faster than {names[chosen]} "
+                     f"{medians[chosen] * 1e3:.1f} ms by more than {prefer_margin:.0%}: chose {names[chosen]}")
+        return chosen, medians, notes
     tied = [i for i in ranked if medians[i] <= medians[best] * (1.0 + tol)]
     if len(tied) > 1:
         rank_of = {n: k for k, n in enumerate(prefer)}
