@@ -106,8 +106,8 @@ class PipeDAPConfig:
             ``trial_rounds`` interleaved rounds, and keep the one with the lowest median measured
             iteration time on rank 0 (:func:`~lightning_pipedap.strategy.controller.choose_candidate`:
             ``torch_ddp`` is kept unless another candidate is faster by more than 10%, and
-            candidates within noise of the fastest are decided by trial order, so that reruns pick the same). 1 = install the planner's schedule directly. The α-β model does
-            not see the CPU that communication takes from compute, so the model's favourite can be
+            candidates within noise of the fastest are decided by trial order, so that reruns pick
+            the same). 1 = install the planner's schedule directly. The α-β model does not see the CPU that communication takes from compute, so the model's favourite can be
             slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
         trial_steps: measured steps per candidate and round (>= 1), at least.
         trial_window_s: shortest measured window per candidate and round (s, >= 0): short steps are
