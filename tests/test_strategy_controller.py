@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lightning_pipedap.strategy.controller import Controller, Phase, choose_candidate
+from lightning_pipedap.strategy.controller import Controller, Phase, choose_candidate, lower_quartile
 
 
 @dataclass
@@ -310,3 +310,11 @@ def test_restart_returns_to_trace_and_resume_goes_straight_to_run():
     ctl2 = _ctl(FakeEffects())
     ctl2.resumed(0.7, 1.2, 0.3)
     assert ctl2.phase is Phase.RUN and (ctl2.predicted_iteration_s, ctl2.no_overlap_time_s) == (0.7, 1.2)
+
+
+def test_trial_windows_are_summarised_by_their_lower_quartile():
+    # a burst of load over half the window moves the median, not the lower quartile
+    assert lower_quartile([3.0, 3.1, 3.2, 9.0, 9.5, 10.0, 3.0, 9.9]) == 3.0
+    assert lower_quartile([5.0]) == 5.0 and lower_quartile([4.0, 1.0, 3.0, 2.0, 5.0]) == 2.0
+    with pytest.raises(ValueError, match="no values"):
+        lower_quartile([])

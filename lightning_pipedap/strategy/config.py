@@ -103,8 +103,8 @@ class PipeDAPConfig:
             ``bucket_cap_mb`` fusion, then the other planners; see
             :func:`~lightning_pipedap.plan.candidates.trial_candidates`), plus ``torch_ddp`` when
             enabled, for ``trial_steps`` measured steps each (plus one settling step), in
-            ``trial_rounds`` interleaved rounds, and keep the one with the lowest median measured
-            iteration time on rank 0 (:func:`~lightning_pipedap.strategy.controller.choose_candidate`:
+            ``trial_rounds`` interleaved rounds, and keep the one with the lowest measured step time on
+            rank 0 (each window's lower quartile, median over the rounds) (:func:`~lightning_pipedap.strategy.controller.choose_candidate`:
             ``torch_ddp`` is kept unless another candidate is faster by more than 10%, and
             candidates within noise of the fastest are decided by trial order, so that reruns pick
             the same). 1 = install the planner's schedule directly. The α-β model does not see the CPU that communication takes from compute, so the model's favourite can be
