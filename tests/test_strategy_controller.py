@@ -318,3 +318,22 @@ def test_trial_windows_are_summarised_by_their_lower_quartile():
     assert lower_quartile([5.0]) == 5.0 and lower_quartile([4.0, 1.0, 3.0, 2.0, 5.0]) == 2.0
     with pytest.raises(ValueError, match="no values"):
         lower_quartile([])
+
+
+def test_after_a_trial_drift_is_checked_against_the_trial_measurement():
+    clock = Clock()
+    # the chosen b measured 0.1 s in its trial although predicted 0.9 s
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,))
+    ctl = _trial(fx, clock, {"a": [0.30], "b": [0.10]}, rounds=1)
+    ctl.replan_every, ctl.max_replans = 4, 1
+    assert ctl.trial_reference_s == pytest.approx(0.1) and ctl.predicted_iteration_s == 0.9
+    for _ in range(5):  # as fast as in the trial: no re-plan
+        clock.t += 0.105
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0
+    ctl._reset_drift()
+    for _ in range(5):  # 2x the trial, still far below the 0.9 s prediction: a re-plan
+        clock.t += 0.2
+        ctl.at_step_start()
+    assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
+    assert any(isinstance(c, tuple) and c[0] == "info" and "vs 100.0 ms in its trial" in c[1] for c in fx.calls)

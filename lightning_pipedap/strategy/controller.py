@@ -204,7 +204,8 @@ class Controller:
             every rank, so that short steps are measured over enough of them for a stable median.
         trial_rounds: interleaved rounds over the candidates in TRIAL (>= 1).
         replan_every, replan_margin, max_replans: drift check in RUN (every ``replan_every``
-            steps of the final schedule; re-plan when the median iteration time is slower than the prediction
+            steps of the final schedule; re-plan when the lower-quartile step time of the last window is
+            slower than the chosen candidate's trial measurement, or without trials than the prediction,
             by more than ``replan_margin``, at most ``max_replans`` times; faster never re-plans).
         clock: time source in seconds (``time.perf_counter``).
 
@@ -246,6 +247,8 @@ class Controller:
         self._starts: deque[float] = deque(maxlen=replan_every + 1)
         self._busy: deque[float] = deque(maxlen=replan_every)
         self._run_steps = 0
+        #: the chosen candidate's measured trial step time (s), the drift reference after a trial
+        self.trial_reference_s: Optional[float] = None
         self.startup: dict[str, float] = {}
         self._t_phase = clock()
         self._phase_steps = 0
@@ -333,6 +336,7 @@ class Controller:
             self._leave(Phase.RUN)
 
     def _enter(self, schedule: Any, no_overlap_s: float) -> None:
+        self.trial_reference_s = None
         self._planned_busy_s = self.effects.install_run(schedule)
         self.predicted_iteration_s = schedule.predicted_iteration_s
         self.no_overlap_time_s = no_overlap_s
@@ -383,6 +387,7 @@ class Controller:
         else:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
+        self.trial_reference_s = measured[best]  # drift is checked against what the trial measured
         self._leave(Phase.RUN)
 
     def unfinished_trial(self) -> Optional[str]:
@@ -404,26 +409,32 @@ class Controller:
             self._busy.append(busy)
         self._run_steps += 1
         n = self._run_steps
-        check = (self.predicted_iteration_s is not None and n > self.replan_every and not (n - 1) % self.replan_every
+        ref = self.trial_reference_s or self.predicted_iteration_s
+        check = (ref is not None and n > self.replan_every and not (n - 1) % self.replan_every
                  and self.replans_done < self.max_replans)
         if not check and (n < 6 or (n - 1) % 5):
             return
         starts = list(self._starts)
-        measured = statistics.median(b - a for a, b in zip(starts[:-1], starts[1:]))
-        self.measured_iteration_s = measured  # median of the last window, refreshed every 5 steps
+        gaps = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        self.measured_iteration_s = statistics.median(gaps)  # median of the last window, refreshed every 5 steps
         if not check:
             return
+        assert ref is not None
+        # the run's own speed (lower quartile: load bursts only add time) against what was measured in the
+        # trial (the same statistic) or, without trials, the plan's prediction
+        measured = lower_quartile(gaps)
         ratio = statistics.median(self._busy) / self._planned_busy_s if self._busy and self._planned_busy_s else 1.0
         # only a slower run re-plans: a faster one than predicted is not a reason to change the schedule
-        drift, ratio = self.effects.agree((measured / self.predicted_iteration_s - 1.0, ratio))
+        drift, ratio = self.effects.agree((measured / ref - 1.0, ratio))
         if drift <= self.replan_margin:
             return
         if ratio > 1.05 and self.effects.rescale_cost_model(ratio):
             # communication is slower during training than in the idle micro-benchmark (compute, gloo
             # threads and the ring's additions share the cores): calibrate α-β before re-planning
             self.effects.info(f"pipedap: communication busy {ratio:.2f}x the α-β prediction; scaling α and β")
-        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms vs predicted "
-                          f"{self.predicted_iteration_s * 1e3:.1f} ms ({drift:.0%} slower, more than the margin "
+        what = "in its trial" if self.trial_reference_s else "predicted"
+        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms (lower quartile) vs {ref * 1e3:.1f} ms "
+                          f"{what} ({drift:.0%} slower, more than the margin "
                           f"{self.replan_margin:.0%}): re-planning")
         self.replans_done += 1
         self.effects.flush()
