@@ -337,3 +337,23 @@ def test_after_a_trial_drift_is_checked_against_the_trial_measurement():
         ctl.at_step_start()
     assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
     assert any(isinstance(c, tuple) and c[0] == "info" and "vs 100.0 ms in its trial" in c[1] for c in fx.calls)
+
+
+def test_no_drift_replan_under_a_candidate_without_a_plan():
+    @dataclass
+    class Reducer:
+        name: str = "torch_ddp"
+        predicted_iteration_s: float = 0.5
+        replannable: bool = False
+
+        def describe(self) -> str:
+            return "<reducer>"
+
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Reducer()], profiled=(1,))
+    ctl = _trial(fx, clock, {"a": [0.30], "torch_ddp": [0.10]}, rounds=1)
+    ctl.replan_every, ctl.max_replans = 4, 1
+    for _ in range(20):
+        clock.t += 0.5  # 5x slower than in the trial
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0

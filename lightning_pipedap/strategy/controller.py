@@ -249,6 +249,7 @@ class Controller:
         self._run_steps = 0
         #: the chosen candidate's measured trial step time (s), the drift reference after a trial
         self.trial_reference_s: Optional[float] = None
+        self._replannable = True  # False for a candidate without a plan (DDP's reducer): no drift re-plan
         self.startup: dict[str, float] = {}
         self._t_phase = clock()
         self._phase_steps = 0
@@ -337,6 +338,7 @@ class Controller:
 
     def _enter(self, schedule: Any, no_overlap_s: float) -> None:
         self.trial_reference_s = None
+        self._replannable = getattr(schedule, "replannable", True)
         self._planned_busy_s = self.effects.install_run(schedule)
         self.predicted_iteration_s = schedule.predicted_iteration_s
         self.no_overlap_time_s = no_overlap_s
@@ -410,7 +412,7 @@ class Controller:
         self._run_steps += 1
         n = self._run_steps
         ref = self.trial_reference_s or self.predicted_iteration_s
-        check = (ref is not None and n > self.replan_every and not (n - 1) % self.replan_every
+        check = (ref is not None and self._replannable and n > self.replan_every and not (n - 1) % self.replan_every
                  and self.replans_done < self.max_replans)
         if not check and (n < 6 or (n - 1) % 5):
             return

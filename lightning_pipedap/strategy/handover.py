@@ -40,6 +40,8 @@ class TorchDDPCandidate:
     predicted_iteration_s: Optional[float] = None
     name: str = NAME
     num_compressed: int = 0
+    #: no drift re-plan under it: it has no plan, and a machine that is slower now slows every candidate alike
+    replannable: bool = False
 
     def describe(self) -> str:
         """``"torch_ddp (DistributedDataParallel reducer, 25 MiB buckets)"``."""
