@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
     results: dict[str, list[float]] = {v: [] for v in variants}
-    installed: dict[str, set[str]] = {v: set() for v in variants}
+    installed: dict[str, list[str]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for v in variants:
@@ -138,13 +138,13 @@ def main(argv: list[str] | None = None) -> None:
                 with open(out) as f:
                     job = json.load(f)
                 results[v].append(job["median_s"])
-                installed[v].add(job["installed"])
+                installed[v].append(job["installed"].split(" (")[0])
     print(f"model {args.model}, 2 CPU processes, median iteration (ms) per round, ratio to ddp of the same round")
     for v, times in results.items():
         ratios = [t / d for t, d in zip(times, results["ddp"])] if "ddp" in results else []
         print(f"  {v:18s} " + "  ".join(f"{t * 1e3:7.3f}" for t in times)
               + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else "")
-              + f"   ran: {', '.join(sorted(installed[v]))}")
+              + f"   ran: {' '.join(installed[v])}")
 
 
 if __name__ == "__main__":
