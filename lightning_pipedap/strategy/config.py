@@ -84,10 +84,12 @@ class PipeDAPConfig:
             :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
             process group (a few seconds; cached per backend, world size and hosts).
         cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
-        replan_margin: re-profile and re-plan when the measured median iteration time is slower than
-            the prediction by more than this fraction (a faster run never re-plans) (checked every ``replan_every`` steps, at most
-            ``max_replans`` times). When the engine's measured communication busy time exceeds the
-            α-β prediction for the schedule by > 5%, α and β are scaled by that ratio first.
+        replan_margin: re-profile and re-plan when the measured step time (lower quartile of the last
+            ``replan_every`` steps) is slower than the chosen candidate measured in its trial (or, without
+            trials, than the prediction) by more than this fraction; a faster run never re-plans, nor does
+            one under ``torch_ddp``; at most ``max_replans`` times. When the engine's measured communication
+            busy time exceeds the α-β prediction for the schedule by > 5%, α and β are scaled by that ratio
+            first.
         calibrate_cost_model: before the first plan, compare the engine's measured communication busy
             time during the profiling steps (communication running beside compute, as in training)
             with the α-β prediction for the same operations, and when it is > 5% slower scale α and β
@@ -104,11 +106,13 @@ class PipeDAPConfig:
             :func:`~lightning_pipedap.plan.candidates.trial_candidates`), plus ``torch_ddp`` when
             enabled, for ``trial_steps`` measured steps each (plus one settling step), in
             ``trial_rounds`` interleaved rounds, and keep the one with the lowest measured step time on
-            rank 0 (each window's lower quartile, median over the rounds) (:func:`~lightning_pipedap.strategy.controller.choose_candidate`:
-            ``torch_ddp`` is kept unless another candidate is faster by more than 10%, and
-            candidates within noise of the fastest are decided by trial order, so that reruns pick
-            the same). 1 = install the planner's schedule directly. The α-β model does not see the CPU that communication takes from compute, so the model's favourite can be
-            slower than a coarser plan (see docs/PLANNERS.md). Results: :attr:`trial_results`.
+            rank 0 (each window's lower quartile, median over the rounds;
+            :func:`~lightning_pipedap.strategy.controller.choose_candidate`): ``torch_ddp`` is kept
+            unless another candidate is faster by more than 10%, and candidates within noise of the
+            fastest are decided by trial order, so that reruns pick the same. 1 = install the planner's
+            schedule directly. The α-β model does not see the CPU that communication takes from
+            compute, so the model's favourite can be slower than a coarser plan (see
+            docs/PLANNERS.md). Results: :attr:`trial_results`.
         trial_steps: measured steps per candidate and round (>= 1), at least.
         trial_window_s: shortest measured window per candidate and round (s, >= 0): short steps are
             measured over ``ceil(trial_window_s / step)`` steps (at most 50), the step time being the

@@ -225,7 +225,8 @@ class Controller:
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
-                 trial_steps: int = 3, trial_rounds: int = 1, trial_window_s: float = 0.0, replan_every: int = 50, replan_margin: float = 0.15, max_replans: int = 1,
+                 trial_steps: int = 3, trial_rounds: int = 1, trial_window_s: float = 0.0, replan_every: int = 50,
+                 replan_margin: float = 0.15, max_replans: int = 1,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.effects = effects
         self.planned = planned
@@ -264,14 +265,16 @@ class Controller:
             self._spent[f"{key}_steps"] = self._spent.get(f"{key}_steps", 0) + self._phase_steps
             self._t_phase, self._phase_steps = now, 0
             if new is Phase.RUN:
-                out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0) for k in ("trace", "profile", "trial") for u in ("s", "steps")}
+                out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0)
+                       for k in ("trace", "profile", "trial") for u in ("s", "steps")}
                 out["total_s"] = out["trace_s"] + out["profile_s"] + out["trial_s"]
                 out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
                 self.startup = out
                 self.effects.info(
                     f"pipedap: steady state after {out['total_steps']} steps, {out['total_s']:.2f} s since set-up "
                     f"(trace {out['trace_steps']} steps {out['trace_s']:.2f} s, profile {out['profile_steps']} steps "
-                    f"{out['profile_s']:.2f} s incl. the α-β fit, trials {out['trial_steps']} steps {out['trial_s']:.2f} s)")
+                    f"{out['profile_s']:.2f} s incl. the α-β fit, trials {out['trial_steps']} steps "
+                    f"{out['trial_s']:.2f} s)")
         self.phase = new
 
     # ------------------------------------------------------------------ transitions
@@ -378,7 +381,8 @@ class Controller:
              **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
-        self.effects.info("pipedap: measured candidates (lower-quartile step of each window, median over rounds): " + "; ".join(
+        self.effects.info("pipedap: measured candidates (lower-quartile step of each window, median over rounds): "
+                          + "; ".join(
             f"{r['name']} {r['measured_s'] * 1e3:.1f} ms "
             + (f"(predicted {r['predicted_s'] * 1e3:.1f} ms)" if r["predicted_s"] is not None else "(no prediction)")
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
@@ -435,8 +439,8 @@ class Controller:
             # threads and the ring's additions share the cores): calibrate α-β before re-planning
             self.effects.info(f"pipedap: communication busy {ratio:.2f}x the α-β prediction; scaling α and β")
         what = "in its trial" if self.trial_reference_s else "predicted"
-        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms (lower quartile) vs {ref * 1e3:.1f} ms "
-                          f"{what} ({drift:.0%} slower, more than the margin "
+        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms (lower quartile) vs "
+                          f"{ref * 1e3:.1f} ms {what} ({drift:.0%} slower, more than the margin "
                           f"{self.replan_margin:.0%}): re-planning")
         self.replans_done += 1
         self.effects.flush()

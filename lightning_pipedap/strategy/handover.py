@@ -70,7 +70,6 @@ class TorchDDPHandover:
         self.module, self.device, self._set_model = module, device, set_model
         self._unhook, self._rehook = unhook, rehook
         self.wrapper: Optional[torch.nn.Module] = None
-        self.candidate: Optional[TorchDDPCandidate] = None
 
     @property
     def active(self) -> bool:
@@ -83,19 +82,15 @@ class TorchDDPHandover:
             return
         self._unhook()
         self.wrapper = C.torch_ddp(self.module, self.device, candidate.bucket_cap_mb, candidate.find_unused_parameters)
-        self.candidate = candidate
         self._set_model(self.wrapper)
 
-    def leave(self) -> None:
-        """Unwrap: DDP's autograd hooks go with the wrapper, pipedap's come back."""
+    def leave(self, rehook: bool = True) -> None:
+        """Unwrap: DDP's autograd hooks go with the wrapper; pipedap's come back unless ``rehook`` is False
+        (teardown removes them anyway)."""
         if self.wrapper is None:
             return
         self._set_model(self.module)
-        self.wrapper, self.candidate = None, None
+        self.wrapper = None
         gc.collect()  # the reducer removes its autograd hooks when the wrapper is freed
-        self._rehook()
-
-    def no_sync(self) -> Any:
-        """DDP's ``no_sync()`` context (gradient accumulation micro-batches)."""
-        assert self.wrapper is not None
-        return self.wrapper.no_sync()
+        if rehook:
+            self._rehook()

@@ -53,7 +53,6 @@ from lightning_pipedap.strategy.resume import ResumeState
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
 
-
 class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 

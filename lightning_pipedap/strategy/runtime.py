@@ -568,10 +568,8 @@ class Runtime:
         if note:
             self.info(note)
         if self.handover is not None:
-            self.handover.leave()  # (local: unwrapping communicates nothing)
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
+            self.handover.leave(rehook=False)  # (local: unwrapping communicates nothing)
+        self._unhook()
         if self.engine is not None:
             self.engine.close(abort=abort)
         if self.heartbeat is not None:
