@@ -32,11 +32,12 @@ from lightning_pipedap.strategy import resume as R
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Controller, Phase
 from lightning_pipedap.strategy.deferred import DeferredUpdates
-from lightning_pipedap.strategy.handover import TorchDDPCandidate, TorchDDPHandover
+from lightning_pipedap.strategy.effects import RunEffects
+from lightning_pipedap.strategy.handover import TorchDDPHandover
 from lightning_pipedap.strategy.numerics import NonFiniteCheck, check_replicas_agree
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
-from lightning_pipedap.strategy.planning import Measured, Planning, predicted_busy_s
-from lightning_pipedap.strategy.tracing import consumer_mode, owner_modules, plan_owners
+from lightning_pipedap.strategy.planning import Measured, Planning
+from lightning_pipedap.strategy.tracing import consumer_mode
 
 
 def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
@@ -108,7 +109,7 @@ class Runtime:
         self.owners: list[Optional[torch.nn.Module]] = []
         self.installed_schedule: Optional[str] = None
         self.final_schedule: Optional[Schedule] = None
-        self.controller = Controller(self, planned=config.planned, warmup_steps=config.warmup_steps,
+        self.controller = Controller(RunEffects(self), planned=config.planned, warmup_steps=config.warmup_steps,
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
                                      trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
@@ -126,7 +127,7 @@ class Runtime:
         self.recorder: Optional[Any] = None
         self.t_backward_done: Optional[float] = None
         self.t_step_end: Optional[float] = None
-        self._trace: Optional[ConsumerTrace] = None
+        self.trace: Optional[ConsumerTrace] = None
         self._tracing = False
         self._index_of: dict[int, int] = {}
         self._engine_params: list[Tensor] = []
@@ -251,7 +252,7 @@ class Runtime:
         ``final``: the schedule training runs with (compression, if configured, starts here; warm-up and
         profiling steps communicate uncompressed).
         """
-        self._close_engine()
+        self.close_engine()
         params = [self.params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params  # (engine order: what the consumer trace watches)
@@ -270,7 +271,7 @@ class Runtime:
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
         self.info(f"pipedap: {what} {schedule.describe()[:300]}")
 
-    def _close_engine(self) -> None:
+    def close_engine(self) -> None:
         """Finish and close the current engine, or leave DDP's reducer."""
         if self.handover is not None:
             self.handover.leave()
@@ -298,81 +299,9 @@ class Runtime:
 
         return factory
 
-    # ------------------------------------------------------------------ Effects of the controller
-    def adopt_trace(self) -> None:
-        """Rank 0's trace (order of first consumption, owners by module name) on every rank."""
-        first = self._trace.first if self._trace is not None else {}
-        self._trace = None
-        plan = None
-        if self.rank == 0:
-            plan = plan_owners(first, len(self.params), {id(m): n for n, m in self.module.named_modules()})
-        self.order, owner_names = C.broadcast_object(plan, src=0)
-        self.owners = owner_modules(owner_names, self.module)
-
-    def install_fixed(self) -> None:
-        cfg = self.config
-        self.install(self.order, self.builtin(self.order, cfg.schedule, bool(cfg.compression)), self.owners, final=True)
-
-    def start_profiling(self) -> None:
-        """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group."""
-        self.install(self.order, self.builtin(self.order, "allreduce"), self.owners)
-        self.planning.start([self.params[i] for i in self.order], self.owners)
-
-    def take_profile_step(self, t_step_end: float) -> Optional[int]:
-        rec, self.recorder = self.recorder, None
-        if rec is None:
-            return None
-        return self.planning.keep_step(rec, self.engine.last_round_busy_s, self.t_backward_done, t_step_end)
-
-    def plan(self) -> tuple[list[Schedule], list[float]]:
-        names = {id(m): n or "<root>" for n, m in self.module.named_modules()}
-        layer_names = [names.get(id(self.owners[layer[0]]), "<unused>") for layer in self.planning.layers]
-        schedules, no_overlap = self.planning.plan(type(self.module).__name__, layer_names,
-                                                   [self.params[i] for i in self.order], self.engine)
-        self.controller.predictions = self.planning.predictions
-        cfg = self.config
-        checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
-        if self.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
-                and not checks:
-            # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
-            same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
-            unused = self.saw_unused or any(o is None for o in self.owners)
-            schedules = [*schedules, TorchDDPCandidate(
-                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s)]
-            no_overlap = [*no_overlap, no_overlap[same] if same is not None else max(no_overlap)]
-        return schedules, no_overlap
-
-    def install_run(self, schedule: Any) -> Optional[float]:
-        if isinstance(schedule, TorchDDPCandidate):
-            self._close_engine()
-            assert self.handover is not None
-            self.handover.enter(schedule)  # (a collective on the default group, at the same step on every rank)
-            self.installed_schedule, self.final_schedule = schedule.describe(), schedule
-            self.info(f"pipedap: schedule {schedule.describe()}")
-            return None
-        self.install(self.order, schedule, self.owners, final=True)
-        cm = self.planning.cost_model
-        return None if cm is None else predicted_busy_s(cm, self.engine)
-
     def flush(self) -> None:
         if self.deferred is not None:
             self.deferred.apply_all("flush")
-
-    def agree(self, value: Any) -> Any:
-        return C.broadcast_object(value if self.rank == 0 else None, src=0)
-
-    def last_busy_s(self) -> Optional[float]:
-        return self.engine.last_round_busy_s if self.engine is not None else None
-
-    def comm_floor_s(self) -> Optional[float]:
-        """The α-β all-reduce time of every gradient byte, measured alone (s; rank 0's model)."""
-        cm = self.planning.raw_cost_model or self.planning.cost_model
-        if cm is None or self.config.compression:
-            return None
-        return cm.all_reduce(sum(p.numel() * p.element_size() for p in self.params))
-
-    def rescale_cost_model(self, ratio: float) -> bool:
-        return self.planning.rescale(ratio)
 
     def say(self, key: str, message: str) -> None:
         """Log ``message`` on rank 0 once per fit."""
@@ -450,7 +379,7 @@ class Runtime:
         if ctl.phase is Phase.TRACE and ctl.sync_steps == 0 and not self._tracing:
             self._tracing = True
             with consumer_mode(self._stack, self._engine_params, [], None, track=True) as trace:
-                self._trace = trace
+                self.trace = trace
                 return self._timed_step(call)
         if not deferred.guard_needed:
             return self._timed_step(call)

@@ -1,0 +1,119 @@
+"""What the controller's transitions do to one fit (:class:`RunEffects`, the
+:class:`~lightning_pipedap.strategy.controller.Effects` of a :class:`~lightning_pipedap.strategy.runtime.Runtime`).
+
+Each method is one effect named by the controller: adopt the traced order and owners, install the fixed,
+profiling or planned schedule (or hand the model to DDP's reducer), plan the trial candidates, and the
+measurements the trials and the drift check read. The state they change lives on the runtime.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Optional
+
+import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.schedule import Schedule
+from lightning_pipedap.strategy.handover import TorchDDPCandidate
+from lightning_pipedap.strategy.planning import predicted_busy_s
+from lightning_pipedap.strategy.tracing import owner_modules, plan_owners
+
+if TYPE_CHECKING:
+    from lightning_pipedap.strategy.runtime import Runtime
+
+
+class RunEffects:
+    """The controller's effects on ``rt`` (every method runs on every rank at the same step; those that
+    communicate say so).
+
+    Args:
+        rt: the fit's run-time.
+    """
+
+    def __init__(self, rt: "Runtime") -> None:
+        self.rt = rt
+
+    def info(self, message: str) -> None:
+        """Log on rank 0."""
+        self.rt.info(message)
+
+    def flush(self) -> None:
+        """Apply every pending update."""
+        self.rt.flush()
+
+    def adopt_trace(self) -> None:
+        """Rank 0's trace (order of first consumption, owners by module name) on every rank."""
+        rt = self.rt
+        first = rt.trace.first if rt.trace is not None else {}
+        rt.trace = None
+        plan = None
+        if rt.rank == 0:
+            plan = plan_owners(first, len(rt.params), {id(m): n for n, m in rt.module.named_modules()})
+        rt.order, owner_names = C.broadcast_object(plan, src=0)
+        rt.owners = owner_modules(owner_names, rt.module)
+
+    def install_fixed(self) -> None:
+        rt = self.rt
+        cfg = rt.config
+        rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression)), rt.owners, final=True)
+
+    def start_profiling(self) -> None:
+        """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group."""
+        rt = self.rt
+        rt.install(rt.order, rt.builtin(rt.order, "allreduce"), rt.owners)
+        rt.planning.start([rt.params[i] for i in rt.order], rt.owners)
+
+    def take_profile_step(self, t_step_end: float) -> Optional[int]:
+        rt = self.rt
+        rec, rt.recorder = rt.recorder, None
+        if rec is None:
+            return None
+        return rt.planning.keep_step(rec, rt.engine.last_round_busy_s, rt.t_backward_done, t_step_end)
+
+    def plan(self) -> tuple[list[Schedule], list[float]]:
+        rt = self.rt
+        names = {id(m): n or "<root>" for n, m in rt.module.named_modules()}
+        layer_names = [names.get(id(rt.owners[layer[0]]), "<unused>") for layer in rt.planning.layers]
+        schedules, no_overlap = rt.planning.plan(type(rt.module).__name__, layer_names,
+                                                   [rt.params[i] for i in rt.order], rt.engine)
+        rt.controller.predictions = rt.planning.predictions
+        cfg = rt.config
+        checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
+        if rt.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
+                and not checks:
+            # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
+            same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
+            unused = rt.saw_unused or any(o is None for o in rt.owners)
+            schedules = [*schedules, TorchDDPCandidate(
+                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s)]
+            no_overlap = [*no_overlap, no_overlap[same] if same is not None else max(no_overlap)]
+        return schedules, no_overlap
+
+    def install_run(self, schedule: Any) -> Optional[float]:
+        rt = self.rt
+        if isinstance(schedule, TorchDDPCandidate):
+            rt.close_engine()
+            assert rt.handover is not None
+            rt.handover.enter(schedule)  # (a collective on the default group, at the same step on every rank)
+            rt.installed_schedule, rt.final_schedule = schedule.describe(), schedule
+            rt.info(f"pipedap: schedule {schedule.describe()}")
+            return None
+        rt.install(rt.order, schedule, rt.owners, final=True)
+        cm = rt.planning.cost_model
+        return None if cm is None else predicted_busy_s(cm, rt.engine)
+
+    def agree(self, value: Any) -> Any:
+        return C.broadcast_object(value if self.rt.rank == 0 else None, src=0)
+
+    def last_busy_s(self) -> Optional[float]:
+        rt = self.rt
+        return rt.engine.last_round_busy_s if rt.engine is not None else None
+
+    def comm_floor_s(self) -> Optional[float]:
+        """The α-β all-reduce time of every gradient byte, measured alone (s; rank 0's model)."""
+        rt = self.rt
+        cm = rt.planning.raw_cost_model or rt.planning.cost_model
+        if cm is None or rt.config.compression:
+            return None
+        return cm.all_reduce(sum(p.numel() * p.element_size() for p in rt.params))
+
+    def rescale_cost_model(self, ratio: float) -> bool:
+        return self.rt.planning.rescale(ratio)
