@@ -8,7 +8,7 @@ after ``--warmup`` steps) per variant and its ratio to DDP in the same round::
     python benchmarks/step_overhead.py --model digits_cnn --variants ddp,pipedap
     python benchmarks/step_overhead.py --model tiny_mlp --variants pipedap --profile prof.txt
 
-``--profile FILE`` runs rank 0 under cProfile and writes the functions with the most cumulative time
+``--profile FILE`` runs rank 0's steps after the warm-up under cProfile and writes the functions with the most cumulative time
 spent in lightning_pipedap per step (the overhead breakdown).
 """
 
@@ -51,9 +51,12 @@ def _job(args: argparse.Namespace) -> None:
 
         def __init__(self) -> None:
             self.starts: list[float] = []
+            self.prof = None  # cProfile of rank 0's steps after the warm-up (``--profile``)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.starts.append(time.perf_counter())
+            if self.prof is not None and len(self.starts) == args.warmup + 1:
+                self.prof.enable()
 
     class Timed(pl.LightningModule):
         def __init__(self) -> None:
@@ -80,13 +83,12 @@ def _job(args: argparse.Namespace) -> None:
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                          use_distributed_sampler=False)
     loader = DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
-    prof = None
     if args.profile and trainer.global_rank == 0:
         import cProfile
 
-        prof = cProfile.Profile()
-        prof.enable()
+        clock.prof = cProfile.Profile()
     trainer.fit(model, loader)
+    prof = clock.prof
     if trainer.global_rank != 0:
         return
     gaps = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:])][args.warmup:]
@@ -101,8 +103,10 @@ def _job(args: argparse.Namespace) -> None:
         s = io.StringIO()
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("cumulative").print_stats("lightning_pipedap", 40)
+        st.sort_stats("tottime").print_stats(30)
+        st.print_callers("distributed_c10d.py.*broadcast|threading.py.*\\(wait\\)")
         with open(args.profile, "w") as f:
-            f.write(f"{args.steps} steps\n" + s.getvalue())
+            f.write(f"{args.steps - args.warmup} profiled steps (after {args.warmup})\n" + s.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
