@@ -8,8 +8,9 @@ after ``--warmup`` steps) per variant and its ratio to DDP in the same round::
     python benchmarks/step_overhead.py --model digits_cnn --variants ddp,pipedap
     python benchmarks/step_overhead.py --model tiny_mlp --variants pipedap --profile prof.txt
 
-``--profile FILE`` runs rank 0's steps after the warm-up under cProfile and writes the functions with the most cumulative time
-spent in lightning_pipedap per step (the overhead breakdown).
+``--profile FILE`` runs rank 0's steps after ``--warmup`` under cProfile and writes the functions of
+lightning_pipedap with the most cumulative time, the most internal time overall, and who calls the
+waits (the steady-state overhead breakdown).
 """
 
 from __future__ import annotations

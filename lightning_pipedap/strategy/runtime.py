@@ -1,4 +1,4 @@
-"""The strategy's run-time for one fit: parameters, the engine, hooks' reactions, and the controller's effects.
+"""The strategy's run-time for one fit: parameters, the engine, hooks' reactions and one step's flow.
 
 :class:`Runtime` is created when the strategy sets the model up and lives until teardown. It owns
 
@@ -6,9 +6,9 @@
   (:meth:`grad_ready`, :meth:`module_forward`);
 - the installed :class:`~lightning_pipedap.engine.engine.CommEngine` and its
   :class:`~lightning_pipedap.strategy.deferred.DeferredUpdates`;
-- the :class:`~lightning_pipedap.strategy.controller.Controller` (phases) and, as its
-  :class:`~lightning_pipedap.strategy.controller.Effects`, what each transition does: adopt the
-  trace, install schedules, profile and plan (:class:`~lightning_pipedap.strategy.planning.Planning`);
+- the :class:`~lightning_pipedap.strategy.controller.Controller` (phases), whose transitions act on
+  this run-time through :class:`~lightning_pipedap.strategy.effects.RunEffects` (adopt the trace,
+  install schedules, profile and plan with :class:`~lightning_pipedap.strategy.planning.Planning`);
 - the compression state across engines and the checkpoint's plan (``resume``).
 
 It imports no Lightning: the strategy passes in the module, the optimizers and loggers.
