@@ -121,6 +121,7 @@ class DeferredUpdates:
             for i in b.param_indices:
                 self.bucket_of[i] = b.index
         self.applying = False
+        self.deferring = False  # inside a deferred optimizer step (its backward does not wait for the reduction)
         self._misses: dict[int, str] = {}  # bucket -> what was read early (this step)
         self._unwritten: set[int] = set()  # applied buckets whose averaged gradients are not in .grad yet
         self.missed: list[int] = []  # engine parameter indices read before their trigger (all steps)
@@ -149,6 +150,24 @@ class DeferredUpdates:
         self.pending = Pending(snapshot_hparams(optimizer), clip, set(range(self.engine.num_buckets)), step=step)
 
     # ------------------------------------------------------------------ where buckets land
+    def run_step(self, optimizer: Optimizer, call: Callable[[DeferredStep], Any], step_of: Callable[[], int]) -> Any:
+        """One deferred optimizer step: ``call(stand_in)`` runs the closure (forward, backward, clipping) with a
+        :class:`DeferredStep` in place of ``optimizer``; if the step's gradients are being reduced, its update
+        is recorded as pending (at optimizer step ``step_of()``), to land bucket by bucket later."""
+        stand_in = DeferredStep(optimizer)
+        engine = self.engine
+        rounds_before = engine.iteration
+        self.deferring = True
+        try:
+            out = call(stand_in)
+        finally:
+            self.deferring = False
+        if engine.collecting:  # backward did not run (e.g. training_step returned None)
+            engine.finish_backward()
+        if engine.iteration != rounds_before:  # this step's gradients are being reduced
+            self.record(optimizer, stand_in.clip, step_of())
+        return out
+
     def before_training_step(self) -> None:
         """The clip coefficient (same point on every rank) and the root buckets."""
         self._applied_in_forward, self._forward_params = False, set()

@@ -41,13 +41,11 @@ from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
-from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES
 from lightning_pipedap.strategy.failure import exit_on_lost_peer
 from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
-from lightning_pipedap.strategy.planning import Measured
 from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
@@ -152,29 +150,15 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             raise ValueError(f"PipeDAPFabricStrategy: compression={compression!r} is not supported under Fabric; "
                              "valid: None (use the Trainer strategy PipeDAPStrategy for compression)")
         options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
-        self.config = PipeDAPConfig(**options)
+        self._init_run_state(PipeDAPConfig(**options))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend,
                          timeout=timeout or timedelta(seconds=self.config.wait_timeout_s), start_method=start_method)
         self._backward_sync_control = _PipeDAPBackwardSyncControl(self)
-        self._measured = Measured()
-        #: bucket updates by place (``UPDATE_PLACES``); all stay 0 here: sync mode applies no deferred update
-        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
-        self._rt: Optional[Runtime] = None
-        self._last: Optional[Runtime] = None
-        self._comm: Optional[C.CommGroup] = None
-        self._records: list[OpRecord] = []
-        self._timeline_enabled = False
         self._optimizers: list[Optimizer] = []
         self._step_open = False  # a grad-enabled forward ran since the last optimizer step
         self._at_exit_registered = False
-
-    def __getattr__(self, name: str) -> Any:
-        """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.schedule``, ...)."""
-        if name != "config" and name in PipeDAPConfig.option_names():
-            return getattr(self.config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     @override
@@ -218,8 +202,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
                                 self.global_rank, self.root_device, self._measured, ResumeState(), M.info, M.warn,
                                 self.update_counts, self._records, lambda: self._timeline_enabled)
         rt.start_heartbeat(self._on_lost_peer)
-        rt.hook_params(self._on_grad_ready)
-        rt.hook_modules(torch.compiler.disable(self._on_module_forward))  # (removed by rt.close)
+        rt.install_hooks(self._on_grad_ready, torch.compiler.disable(self._on_module_forward))  # (rt.close removes)
         rt.install_warmup()
         rt.trainable_key = rt.trainable_signature()
         self._step_open = False
@@ -277,7 +260,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             return rt.plain_forward(call)
         if not self._step_open:  # the first forward of a step (all ranks: same point)
             self._step_open = True
-            rt.retrain_if_changed(self._on_grad_ready)
+            rt.retrain_if_changed()
             rt.t_backward_done = None
         return rt.training_step(call)
 

@@ -37,19 +37,17 @@ import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.engine.threads import lower_current_thread_priority
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
-from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
-from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredStep, intercept_clipping
+from lightning_pipedap.strategy.deferred import UPDATE_PLACES, intercept_clipping
 from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
-from lightning_pipedap.strategy.planning import Measured
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
-from lightning_pipedap.strategy.resume import ResumeState
+from lightning_pipedap.strategy.resume import ResumeState, add_to_checkpoint, install_plan
 from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
 
@@ -141,35 +139,18 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if kwargs:
             refuse_kwargs(type(self).__name__, PipeDAPStrategy.__init__, sorted(kwargs))
         options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
-        self.config = PipeDAPConfig(**{**options, "compression_kwargs": compression_kwargs or {}})
+        self._init_run_state(PipeDAPConfig(**{**options, "compression_kwargs": compression_kwargs or {}}))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout or timedelta(seconds=self.config.wait_timeout_s), start_method=start_method)
-        self._measured = Measured()
-        #: how many bucket updates of the last ``fit`` were applied where: "forward" (at their first consumer
-        #: in the next forward, the goal), "leftover" (start of backward: the module was not called), "flush"
-        #: (validation, checkpoint, engine change, end), "observe" (before a hook that can read them), "guard"
-        #: (a read before the trigger, caught in a guard step)
-        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
-        self._rt: Optional[Runtime] = None
-        self._last: Optional[Runtime] = None  # the last fit's run-time, for its results after teardown
         self._resume = ResumeState()
-        self._comm: Optional[C.CommGroup] = None
-        self._records: list[OpRecord] = []
-        self._timeline_enabled = False
         self._aborted = False
         self._orig_clip: Optional[Callable] = None
         self._restore_priority: Optional[Callable[[], bool]] = None
         self._flush_callback: Optional[ObservationFlush] = None
 
     # ------------------------------------------------------------------ options and results
-    def __getattr__(self, name: str) -> Any:
-        """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.compression``, ...)."""
-        if name != "config" and name in PipeDAPConfig.option_names():
-            return getattr(self.config, name)
-        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-
     @property
     def schedule_name(self) -> str:
         """The configured schedule (``config.schedule``)."""
@@ -244,11 +225,10 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                                 M.warn, self.update_counts, self._records, lambda: self._timeline_enabled)
         rt.step_of = lambda: self.lightning_module.global_step
         rt.start_heartbeat(exit_on_lost_peer)
-        rt.hook_params(self._on_grad_ready)
-        # prepend: our pre-hook runs before hooks registered earlier (legacy weight_norm recomputes `weight`
-        # from `weight_g`/`weight_v` in a pre-hook, which must see the updated values); not inside compiled
-        # regions, whose hooks dynamo would trace (their parameters are updated before training_step)
-        rt.hook_modules(torch.compiler.disable(self._on_module_forward))  # eager under torch.compile
+        # forward pre-hooks are prepended (legacy weight_norm recomputes `weight` in a pre-hook, which must see
+        # the updated values) and not put inside compiled regions, whose hooks dynamo would trace (their
+        # parameters are updated before training_step)
+        rt.install_hooks(self._on_grad_ready, torch.compiler.disable(self._on_module_forward))
         for m in eager_modules(model):
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
                 rt.wrap_train(m, self.flush)  # a module that reads its weights in train()/eval() (LoRA merge)
@@ -256,7 +236,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         rt.install_warmup()
         if self.config.train_thread_nice and self.root_device.type == "cpu" and self._restore_priority is None:
             self._restore_priority = lower_current_thread_priority(self.config.train_thread_nice)
-        rt.resume_plan()  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
+        install_plan(rt)  # a checkpoint's final schedule, when it fits this run: no re-trace, no re-profile
 
     @override
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
@@ -352,7 +332,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                        model: Optional[Union[Any, torch.nn.Module]] = None, **kwargs: Any) -> Any:
         rt = self._rt
         if rt is not None:
-            rt.retrain_if_changed(self._on_grad_ready)
+            rt.retrain_if_changed()
             if rt.controller.phase.deferrable and (len(self.optimizers) < 2 or optimizer is self.optimizers[0]):
                 rt.controller.at_step_start()  # a final schedule runs: time the step (once), switch candidates
         if rt is None or not _can_defer(self, optimizer):
@@ -366,20 +346,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                     rt.nonfinite.check_params_under_ddp(rt.params)
                 rt.after_sync_step()
             return out
-        step = DeferredStep(optimizer)
-        engine = rt.engine
-        rounds_before = engine.iteration
-        rt.deferring = True
-        try:
-            out = self.precision_plugin.optimizer_step(step, model=model or self.lightning_module, closure=closure,
-                                                       **kwargs)
-        finally:
-            rt.deferring = False
-        if engine.collecting:  # backward did not run (e.g. training_step returned None)
-            engine.finish_backward()
-        if engine.iteration != rounds_before:  # this step's gradients are being reduced
-            rt.deferred.record(optimizer, step.clip, self.lightning_module.global_step)
-        return out
+        lm = self.lightning_module
+        return rt.deferred.run_step(optimizer, lambda stand_in: self.precision_plugin.optimizer_step(
+            stand_in, model=model or lm, closure=closure, **kwargs), lambda: lm.global_step)
 
     # ------------------------------------------------------------------ flush points
     def flush(self) -> None:
@@ -417,16 +386,10 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     # ------------------------------------------------------------------ checkpoints: plan and compression state
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Add the final schedule and every rank's compression state, then let rank 0 write.
-
-        Lightning calls this on every rank (``Trainer.save_checkpoint``), so the compression state of all
-        ranks is gathered here to rank 0 with one ``all_gather_object``: a user who calls
-        ``strategy.save_checkpoint`` on rank 0 only, while compressing, blocks until the process group's
-        timeout. Keys: ``strategy.resume.PLAN_KEY`` (schedule, parameter order, owners; identical on all
-        ranks) and ``compress.state.CHECKPOINT_KEY`` (``{"version", "compressor", "kwargs", "world_size",
-        "per_rank"}``; per rank, per parameter name: error-feedback residual slice, PowerSGD ``q``, step
-        counter). The compression state costs one fp32 copy of the model per rank for methods with error
-        feedback.
+        """Add the final schedule and every rank's compression state (:func:`.resume.add_to_checkpoint`: one
+        ``all_gather_object``, so every rank must call it, as ``Trainer.save_checkpoint`` does), then let rank 0
+        write. After a failure with an update still pending, nothing is written (the parameters would not match
+        the step count).
         """
         if self._aborted:
             pending = self._rt is not None and self._rt.deferred is not None and self._rt.deferred.pending is not None
@@ -435,7 +398,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                                "still being communicated, so the parameters would not match the step count")
                 return
         elif self._rt is not None:
-            self._rt.add_resume_state(checkpoint)
+            add_to_checkpoint(self._rt, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override

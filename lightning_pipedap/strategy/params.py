@@ -1,15 +1,14 @@
-"""The trainable parameters of one fit: which they are, their names, and the hooks on them.
+"""The trainable parameters of one fit: which they are and their names.
 
 The trainable set is what the user made trainable (``requires_grad``, seen through
 ``LightningModule.toggle_optimizer``, which switches other optimizers' parameters off for one step),
 checked identical (name, shape, dtype) on every rank. Names key the compression state and the
-checkpointed plan; the post-accumulate-grad hooks feed the engine; modules that override ``train``
-get a wrapper that applies pending updates first.
+checkpointed plan. The hooks on them are :mod:`lightning_pipedap.strategy.hooks`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -21,7 +20,7 @@ ParamInfo = dict[int, tuple[str, tuple[int, ...]]]
 
 
 class TrainableSet:
-    """Trainable parameters of ``module`` and the hooks this package put on them.
+    """Trainable parameters of ``module``: which, their names and layouts.
 
     Args:
         module: the LightningModule.
@@ -30,9 +29,6 @@ class TrainableSet:
 
     def __init__(self, module: torch.nn.Module, rank: int) -> None:
         self.module, self.rank = module, rank
-        self._hooked: set[int] = set()
-        self._handles: list[Any] = []
-        self._wrapped: list[torch.nn.Module] = []
 
     def requires_grad(self, p: Tensor) -> bool:
         """``p.requires_grad`` as the user set it (not as ``toggle_optimizer`` switched it for one step)."""
@@ -58,32 +54,6 @@ class TrainableSet:
         groups = tuple(tuple(id(p) for p in g["params"]) for opt in optimizers for g in opt.param_groups)
         return hash((trainable, groups))
 
-    def hook(self, params: list[Tensor], on_grad: Callable[[Tensor], None]) -> None:
-        """Post-accumulate-grad hooks on every parameter of ``params`` not hooked yet."""
-        for p in params:
-            if id(p) in self._hooked:
-                continue
-            self._hooked.add(id(p))
-            toggled_off = not p.requires_grad  # (switched off by toggle_optimizer right now)
-            if toggled_off:
-                p.requires_grad_(True)
-            try:
-                self._handles.append(p.register_post_accumulate_grad_hook(on_grad))
-            finally:
-                if toggled_off:
-                    p.requires_grad_(False)
-
-    def wrap_train(self, module: torch.nn.Module, before: Callable[[torch.nn.Module], None]) -> None:
-        """Call ``before(module)`` ahead of ``module.train(mode)`` (it may read weights: LoRA-style merges)."""
-        original = module.train
-
-        def train(mode: bool = True) -> torch.nn.Module:
-            before(module)
-            return original(mode)
-
-        module.train = train  # instance attribute: found before the class's method
-        self._wrapped.append(module)
-
     def names(self) -> dict[int, str]:
         """``id(parameter) -> name`` in the module."""
         return {id(p): n for n, p in self.module.named_parameters()}
@@ -107,20 +77,6 @@ class TrainableSet:
         names = self.names()
         return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
                 for b in buckets]
-
-    def unhook(self) -> None:
-        """Remove the gradient hooks (``train()`` wrappers stay); :meth:`hook` installs them again."""
-        for h in self._handles:
-            h.remove()
-        self._handles, self._hooked = [], set()
-
-    def close(self) -> None:
-        """Remove the hooks and the ``train()`` wrappers."""
-        for h in self._handles:
-            h.remove()
-        for m in self._wrapped:
-            m.__dict__.pop("train", None)
-        self._handles, self._wrapped, self._hooked = [], [], set()
 
 
 def model_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:

@@ -2,8 +2,8 @@
 
 :class:`RunResults` is a mixin of :class:`~lightning_pipedap.strategy.lightning.PipeDAPStrategy`:
 each attribute reads the current fit's :class:`~lightning_pipedap.strategy.runtime.Runtime` (or,
-after teardown, the last fit's), so results stay readable after ``trainer.fit`` returns. Needs
-``self._rt``, ``self._last``, ``self._measured``, ``self._records`` and ``self._timeline_enabled``.
+after teardown, the last fit's), so results stay readable after ``trainer.fit`` returns. The strategy's
+constructor calls :meth:`RunResults._init_run_state` once it has its options.
 """
 
 from __future__ import annotations
@@ -13,7 +13,10 @@ from typing import Any, Optional
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
 from lightning_pipedap.measure.timeline import OpRecord, as_op_records
+from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Phase
+from lightning_pipedap.strategy.deferred import UPDATE_PLACES
+from lightning_pipedap.strategy.planning import Measured
 
 
 class _FromRun:
@@ -33,6 +36,28 @@ class _FromRun:
 
 class RunResults:
     """Results of the current or last fit: plan selection, predictions, measured times, the timeline."""
+
+    def _init_run_state(self, config: PipeDAPConfig) -> None:
+        """The options and the state kept across fits (the current and last run-time, the engine's group,
+        timeline records, update counters)."""
+        self.config = config
+        self._measured = Measured()
+        #: how many bucket updates of the last ``fit`` were applied where: "forward" (at their first consumer
+        #: in the next forward, the goal), "leftover" (start of backward: the module was not called), "flush"
+        #: (validation, checkpoint, engine change, end), "observe" (before a hook that can read them), "guard"
+        #: (a read before the trigger, caught in a guard step); all stay 0 in sync mode
+        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
+        self._rt: Optional[Any] = None
+        self._last: Optional[Any] = None  # the last fit's run-time, for its results after teardown
+        self._comm: Optional[Any] = None
+        self._records: list[OpRecord] = []
+        self._timeline_enabled = False
+
+    def __getattr__(self, name: str) -> Any:
+        """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.compression``, ...)."""
+        if name != "config" and name in PipeDAPConfig.option_names():
+            return getattr(self.config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     trial_results = _FromRun("trial_results", [], "Measured plan selection of the last plan: one dict per "
                              "candidate (name, describe, steps_s, predicted_s, measured_s, chosen, predictions).")

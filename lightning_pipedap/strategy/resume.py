@@ -168,10 +168,14 @@ class CompressionCarry:
 
 
 def install_plan(rt: Any) -> None:
-    """``rt``: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime`. Install the loaded checkpoint's final schedule directly when it fits this run (same world size,
+    """Install the loaded checkpoint's final schedule directly when it fits this run (same world size,
     parameters, schedule and fusion cap): no trace or profiling steps, so a resumed run with compression
     compresses from its first step, as the uninterrupted run did. Otherwise log which keys differ and
-    leave the run to trace and plan again (the compression state then goes to the next engine)."""
+    leave the run to trace and plan again (the compression state then goes to the next engine).
+
+    Args:
+        rt: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime` (its ``resume.plan`` is consumed).
+    """
     plan, rt.resume.plan = rt.resume.plan, None
     if plan is None:
         return
@@ -195,10 +199,21 @@ def install_plan(rt: Any) -> None:
 
 
 def add_to_checkpoint(rt: Any, checkpoint: dict[str, Any]) -> None:
-    """``rt``: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime`. Put :data:`PLAN_KEY` (only once a final plan runs: a checkpoint taken mid-trial makes the resume plan
-    again) and the compression state of every rank (one ``all_gather_object``: every rank must call it)
-    into ``checkpoint``. Pending updates are applied first; called from inside a step (a user's
-    ``save_checkpoint`` in ``training_step``) it adds nothing, as the state is in flux."""
+    """Put the final plan and every rank's compression state into ``checkpoint``; every rank must call it.
+
+    Keys: :data:`PLAN_KEY` (schedule, parameter order, owners; identical on all ranks; only once a final
+    plan runs: a checkpoint taken mid-trial makes the resume plan again) and
+    ``compress.state.CHECKPOINT_KEY`` (``{"version", "compressor", "kwargs", "world_size", "per_rank"}``;
+    per rank, per parameter name: error-feedback residual slice, PowerSGD ``q``, step counter), gathered
+    to every rank with one ``all_gather_object`` (a user who saves on rank 0 only, while compressing,
+    blocks until the process group's timeout). The compression state costs one fp32 copy of the model
+    per rank for methods with error feedback. Pending updates are applied first; called from inside a
+    step (a user's ``save_checkpoint`` in ``training_step``) it adds nothing, as the state is in flux.
+
+    Args:
+        rt: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime`.
+        checkpoint: Lightning's checkpoint dict (changed in place).
+    """
     rt.flush()
     if rt.engine is None:  # DDP's reducer runs (the torch_ddp candidate): no engine state; a resume plans again
         return

@@ -26,7 +26,7 @@ import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.measure.timeline import OpRecord
-from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack, eager_modules
+from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack
 from lightning_pipedap.schedule import Schedule, builtin_schedule
 from lightning_pipedap.strategy import resume as R
 from lightning_pipedap.strategy.config import PipeDAPConfig
@@ -34,6 +34,7 @@ from lightning_pipedap.strategy.controller import Controller, Phase
 from lightning_pipedap.strategy.deferred import DeferredUpdates
 from lightning_pipedap.strategy.effects import RunEffects
 from lightning_pipedap.strategy.handover import TorchDDPHandover
+from lightning_pipedap.strategy.hooks import ModelHooks
 from lightning_pipedap.strategy.numerics import NonFiniteCheck, check_replicas_agree
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.planning import Measured, Planning
@@ -121,7 +122,6 @@ class Runtime:
             self.carry.state = resume.compression
         # per-step flags and measurements
         self.sync_grads = True  # False inside accumulation micro-batches (block_backward_sync)
-        self.deferring = False  # inside a deferred optimizer_step
         self.in_train_forward = False
         self.buffers_sync_next = True
         self.recorder: Optional[Any] = None
@@ -140,9 +140,7 @@ class Runtime:
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
         self.saw_unused = False  # a sync step so far left a trainable parameter without a gradient
-        self._on_grad: Optional[Callable[[Tensor], None]] = None
-        self._on_forward: Optional[Callable[..., Any]] = None
-        self._module_hooks: list[Any] = []
+        self.hooks = ModelHooks(module)
         #: DDP's reducer for the rest of the fit, when the ``torch_ddp`` candidate runs
         #: (``set_model`` is given by the strategy: :meth:`enable_handover`)
         self.handover: Optional[TorchDDPHandover] = None
@@ -167,32 +165,14 @@ class Runtime:
                 f"{self.engine.iteration if self.engine is not None else 0}")
 
     # ------------------------------------------------------------------ parameters
-    def hook_params(self, on_grad: Callable[[Tensor], None]) -> None:
-        """Post-accumulate-grad hooks on every trainable parameter not hooked yet (again after unfreezing)."""
-        self._on_grad = on_grad
-        self.tset.hook(self.params, on_grad)
-
-    def hook_modules(self, on_forward: Callable[..., Any]) -> None:
-        """Forward pre-hooks on the eager modules (prepended: they run before hooks registered earlier)."""
-        self._on_forward = on_forward
-        for m in eager_modules(self.module):
-            self._module_hooks.append(m.register_forward_pre_hook(on_forward, prepend=True))
-
-    def _unhook(self) -> None:
-        self.tset.unhook()
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
-
-    def _rehook(self) -> None:
-        if self._on_grad is not None:
-            self.hook_params(self._on_grad)
-        if self._on_forward is not None:
-            self.hook_modules(self._on_forward)
+    def install_hooks(self, on_grad: Callable[[Tensor], None], on_forward: Callable[..., Any]) -> None:
+        """Gradient hooks on the trainable parameters and forward pre-hooks on the eager modules
+        (:class:`~lightning_pipedap.strategy.hooks.ModelHooks`)."""
+        self.hooks.install(self.params, on_grad, on_forward)
 
     def enable_handover(self, set_model: Callable[[torch.nn.Module], None]) -> None:
         """Allow the ``torch_ddp`` candidate: ``set_model(m)`` makes ``m`` what the strategy runs."""
-        self.handover = TorchDDPHandover(self.module, self.device, set_model, self._unhook, self._rehook)
+        self.handover = TorchDDPHandover(self.module, self.device, set_model, self.hooks.remove, self.hooks.reinstall)
 
     @property
     def handed_over(self) -> bool:
@@ -202,7 +182,7 @@ class Runtime:
     def trainable_signature(self) -> int:
         return self.tset.key(self.optimizers())
 
-    def retrain_if_changed(self, on_grad: Callable[[Tensor], None]) -> None:
+    def retrain_if_changed(self) -> None:
         """At a step's start: if parameters were (un)frozen or a param group added, rebuild buckets and plan.
 
         Every rank checks the same thing at the same step; the new trainable set is compared across
@@ -216,7 +196,7 @@ class Runtime:
         self.flush()
         before = len(self.params)
         self.params = self.tset.collect()
-        self.hook_params(on_grad)
+        self.hooks.add_params(self.params)
         self.recorder, self._tracing = None, False
         self.controller.restart()
         self.install_warmup()
@@ -232,7 +212,7 @@ class Runtime:
                          "pending updates are applied before it")
                 flush()
 
-        self.tset.wrap_train(module, before)
+        self.hooks.wrap_train(module, before)
 
     def engine_param_info(self, engine: Optional[CommEngine] = None) -> ParamInfo:
         """Engine parameter index -> ``(name, shape)``."""
@@ -308,15 +288,6 @@ class Runtime:
         if key not in self._said:
             self._said.add(key)
             self.info(message)
-
-    # ------------------------------------------------------------------ resume
-    def resume_plan(self) -> None:
-        """Install a loaded checkpoint's final schedule when it fits this run (:func:`.resume.install_plan`)."""
-        R.install_plan(self)
-
-    def add_resume_state(self, checkpoint: dict[str, Any]) -> None:
-        """Plan and compression state into ``checkpoint`` (:func:`.resume.add_to_checkpoint`; every rank)."""
-        R.add_to_checkpoint(self, checkpoint)
 
     # ------------------------------------------------------------------ hooks' reactions
     def grad_ready(self, p: Tensor) -> None:
@@ -468,7 +439,7 @@ class Runtime:
             self.sync_device()
             self.recorder.backward_end()
         engine.finish_backward()
-        if self.deferring:
+        if self.deferred.deferring:
             return
         t0 = time.perf_counter()
         engine.wait_idle()
@@ -498,11 +469,10 @@ class Runtime:
             self.info(note)
         if self.handover is not None:
             self.handover.leave(rehook=False)  # (local: unwrapping communicates nothing)
-        self._unhook()
+        self.hooks.close()
         if self.engine is not None:
             self.engine.close(abort=abort)
         if self.heartbeat is not None:
             self.heartbeat.stop("failed" if abort else "left")
         if self.pipe is not None:
             self.pipe.close()
-        self.tset.close()
