@@ -357,3 +357,60 @@ def test_no_drift_replan_under_a_candidate_without_a_plan():
         clock.t += 0.5  # 5x slower than in the trial
         ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.replans_done == 0
+
+
+def _drive_windows(ctl, clock, per_window_s, trial_steps=2):
+    """Run one trial window per entry of ``per_window_s``: the installed candidate's step interval."""
+    for step_s in per_window_s:
+        for k in range(trial_steps + 1):
+            clock.t += step_s if k else 5.0
+            ctl.at_step_start()
+
+
+def _installs(fx):
+    return [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "install_run"]
+
+
+def test_a_winner_over_ddps_reducer_is_confirmed_in_more_rounds_and_a_burst_does_not_switch():
+    # first pass (one round): torch_ddp's window hit a load burst (0.30 s), b measured 0.20 s: b would win by 33 %
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    _drive_windows(ctl, clock, [0.20, 0.30])
+    assert ctl.phase is Phase.TRIAL and ctl.trial.confirming  # not decided yet
+    assert ctl.trial.order == [0, 1, 1, 0, 1, 0]  # torch_ddp is installed: it goes first, one switch less
+    assert any(isinstance(c, tuple) and c[0] == "info" and "confirming in 2 more interleaved rounds" in c[1]
+               for c in fx.calls)
+    # confirmation: both run at 0.20 s -> medians b 0.20, torch_ddp 0.20 (0.30, 0.20, 0.20): DDP's reducer kept
+    _drive_windows(ctl, clock, [0.20, 0.20, 0.20, 0.20])
+    assert ctl.phase is Phase.RUN
+    assert [len(r["windows_s"]) for r in ctl.trial_results] == [3, 3]
+    assert [r["chosen"] for r in ctl.trial_results] == [False, True]
+    # b, ddp | (ddp), b, ddp, b, then torch_ddp again: the chosen one
+    assert _installs(fx) == ["b", "torch_ddp", "b", "torch_ddp", "b", "torch_ddp"]
+
+
+def test_a_confirmed_winner_over_ddps_reducer_is_kept():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    _drive_windows(ctl, clock, [0.20, 0.30, 0.30, 0.20, 0.30, 0.20])  # (order: b, ddp | ddp, b, ddp, b)
+    assert ctl.phase is Phase.RUN
+    assert [r["measured_s"] for r in ctl.trial_results] == [pytest.approx(0.2), pytest.approx(0.3)]
+    assert [r["chosen"] for r in ctl.trial_results] == [True, False]
+    assert _installs(fx) == ["b", "torch_ddp", "b", "torch_ddp", "b"]  # the last window ran b: kept as it is
+    assert ctl.trial_reference_s == pytest.approx(0.2)
+
+
+def test_no_confirmation_when_ddps_reducer_wins_or_is_not_a_candidate():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _trial(fx, clock, {"b": [0.30], "torch_ddp": [0.20]}, rounds=1)
+    assert ctl.phase is Phase.RUN and [r["chosen"] for r in ctl.trial_results] == [False, True]
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("c", 1.0)], profiled=(1,))
+    ctl = _trial(fx, clock, {"b": [0.20], "c": [0.30]}, rounds=1)
+    assert ctl.phase is Phase.RUN and [r["chosen"] for r in ctl.trial_results] == [True, False]

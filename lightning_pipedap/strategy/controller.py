@@ -32,6 +32,10 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 
 #: most measured steps of one trial window (short steps are measured over ``trial_window_s``)
 MAX_WINDOW_STEPS = 50
+#: candidates kept unless another is faster by more than ``choose_candidate``'s ``prefer_margin``
+PREFERRED = ("torch_ddp",)
+#: extra interleaved rounds of the winner against a preferred candidate it displaces (confirmation)
+CONFIRM_ROUNDS = 2
 
 
 class Phase(enum.Enum):
@@ -100,6 +104,7 @@ class Trial:
         window: the window being measured (index into ``order``).
         starts: clock at each step start of the current window (s).
         gaps_s: per candidate, every step interval of each of its windows, the settling one first (s).
+        confirming: the windows after ``order``'s first pass confirm a winner against a preferred candidate.
     """
 
     schedules: list[Any]
@@ -108,6 +113,7 @@ class Trial:
     window: int = 0
     starts: list[float] = field(default_factory=list)
     gaps_s: list[list[list[float]]] = field(default_factory=list)
+    confirming: bool = False
 
 
 def lower_quartile(values: Sequence[float]) -> float:
@@ -126,7 +132,7 @@ def lower_quartile(values: Sequence[float]) -> float:
 
 def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]], floor_s: Optional[float] = None,
                      *, min_tolerance: float = 0.02, max_tolerance: float = 0.10,
-                     prefer: Sequence[str] = ("torch_ddp",),
+                     prefer: Sequence[str] = PREFERRED,
                      prefer_margin: float = 0.10) -> tuple[int, list[float], list[str]]:
     """Pick the fastest candidate from interleaved trial windows, robust to a noisy machine.
 
@@ -365,15 +371,15 @@ class Controller:
         self.effects.flush()  # the previous step's updates, before the engine changes
         tr.window += 1
         if tr.window < len(tr.order):
-            nxt = tr.order[tr.window]
-            if nxt != tr.order[tr.window - 1]:
-                self._enter(tr.schedules[nxt], tr.no_overlap_s[nxt])
-            tr.starts = [self.clock()]
+            self._next_window(tr)
             return
         windows = [[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s]
         windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
         names = [s.name for s in tr.schedules]
         best, measured, notes = choose_candidate(names, windows, floor)
+        if self._confirm(tr, names, best, measured):
+            self._next_window(tr)
+            return
         self.trial = None
         self.trial_results = [
             {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
@@ -395,6 +401,28 @@ class Controller:
             self._reset_drift()
         self.trial_reference_s = measured[best]  # drift is checked against what the trial measured
         self._leave(Phase.RUN)
+
+    def _confirm(self, tr: Trial, names: list[str], best: int, measured: list[float]) -> bool:
+        """When the first pass displaces a preferred candidate (DDP's reducer), measure the two again in
+        :data:`CONFIRM_ROUNDS` more interleaved rounds before deciding on all their windows: a load burst on
+        a shared machine can favour one candidate's windows for a whole pass, and a wrong switch away from
+        DDP's reducer costs more than it could gain. Returns whether confirmation windows were added."""
+        pref = [i for i, n in enumerate(names) if n in PREFERRED]
+        if tr.confirming or not pref or best in pref:
+            return False
+        tr.confirming = True
+        pair = [pref[0], best] if tr.order[-1] == pref[0] else [best, pref[0]]  # (the installed one first)
+        tr.order += pair * CONFIRM_ROUNDS
+        self.effects.info(f"pipedap: {names[best]} measured {measured[best] * 1e3:.1f} ms against "
+                          f"{names[pref[0]]} {measured[pref[0]] * 1e3:.1f} ms; confirming in {CONFIRM_ROUNDS} more "
+                          "interleaved rounds of the two")
+        return True
+
+    def _next_window(self, tr: Trial) -> None:
+        nxt = tr.order[tr.window]
+        if nxt != tr.order[tr.window - 1]:
+            self._enter(tr.schedules[nxt], tr.no_overlap_s[nxt])
+        tr.starts = [self.clock()]
 
     def unfinished_trial(self) -> Optional[str]:
         """A sentence for the end of a fit that stopped during measured plan selection, else None."""
