@@ -24,8 +24,10 @@ import sys
 import tempfile
 import time
 
-VARIANTS = ("ddp", "pipedap", "pipedap-own", "pipedap-allreduce", "pipedap-dear")
-#: ``pipedap-own``: the default without the ``torch_ddp`` candidate (pipedap's own engine paths only)
+VARIANTS = ("ddp", "pipedap", "pipedap-ddp", "pipedap-own", "pipedap-allreduce", "pipedap-dear")
+#: ``pipedap-own``: the default without the ``torch_ddp`` candidate (pipedap's own engine paths only);
+#: ``pipedap-ddp``: the default with the trial's choice forced to ``torch_ddp`` (what pipedap's glue costs
+#: around DDP's own reducer)
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -75,8 +77,18 @@ def _job(args: argparse.Namespace) -> None:
     else:
         from lightning_pipedap import PipeDAPStrategy
 
-        schedule = {"pipedap": "optimal", "pipedap-own": "optimal", "pipedap-allreduce": "allreduce",
-                    "pipedap-dear": "dear"}[args.variant]
+        schedule = {"pipedap": "optimal", "pipedap-ddp": "optimal", "pipedap-own": "optimal",
+                    "pipedap-allreduce": "allreduce", "pipedap-dear": "dear"}[args.variant]
+        if args.variant == "pipedap-ddp":
+            import lightning_pipedap.strategy.controller as ctl
+
+            real = ctl.choose_candidate
+
+            def forced(names, windows, floor=None, **kw):
+                _, medians, notes = real(names, windows, floor, **kw)
+                return list(names).index("torch_ddp"), medians, notes
+
+            ctl.choose_candidate = forced
         strategy = PipeDAPStrategy(schedule=schedule, torch_ddp_candidate=args.variant != "pipedap-own")
     model, clock = Timed(), Clock()
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
@@ -105,7 +117,7 @@ def _job(args: argparse.Namespace) -> None:
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("cumulative").print_stats("lightning_pipedap", 40)
         st.sort_stats("tottime").print_stats(30)
-        st.print_callers("distributed_c10d.py.*broadcast|threading.py.*\\(wait\\)")
+        st.print_callers("distributed_c10d.py.*broadcast|threading.py.*\\(wait\\)|module.py.*__setattr__")
         with open(args.profile, "w") as f:
             f.write(f"{args.steps - args.warmup} profiled steps (after {args.warmup})\n" + s.getvalue())
 

@@ -8,7 +8,7 @@ checkpointed plan. The hooks on them are :mod:`lightning_pipedap.strategy.hooks`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -29,6 +29,7 @@ class TrainableSet:
 
     def __init__(self, module: torch.nn.Module, rank: int) -> None:
         self.module, self.rank = module, rank
+        self._all: Optional[list[Tensor]] = None  # every parameter of the module, listed by the first key()
 
     def requires_grad(self, p: Tensor) -> bool:
         """``p.requires_grad`` as the user set it (not as ``toggle_optimizer`` switched it for one step)."""
@@ -49,9 +50,19 @@ class TrainableSet:
         return [p for _, p in named]
 
     def key(self, optimizers: list) -> int:
-        """Hash of which parameters are trainable and of every optimizer's param groups (checked every step)."""
-        trainable = tuple(id(p) for p in self.module.parameters() if self.requires_grad(p))
-        groups = tuple(tuple(id(p) for p in g["params"]) for opt in optimizers for g in opt.param_groups)
+        """Hash of which parameters are trainable and of every optimizer's param groups (checked every step).
+
+        The module's parameters are listed once, at the first call: as with DDP's reducer, a parameter
+        added to the model during the fit is not seen unless an optimizer gets it (``add_param_group``).
+        """
+        if self._all is None:
+            self._all = list(self.module.parameters())
+        toggled = getattr(self.module, "_param_requires_grad_state", None)
+        if toggled:
+            trainable = tuple(bool(toggled.get(p, p.requires_grad)) for p in self._all)
+        else:
+            trainable = tuple(p.requires_grad for p in self._all)
+        groups = tuple(tuple(map(id, g["params"])) for opt in optimizers for g in opt.param_groups)
         return hash((trainable, groups))
 
     def names(self) -> dict[int, str]:
