@@ -8,6 +8,9 @@ after ``--warmup`` steps) per variant and its ratio to DDP in the same round::
     python benchmarks/step_overhead.py --model digits_cnn --variants ddp,pipedap
     python benchmarks/step_overhead.py --model tiny_mlp --variants pipedap --profile prof.txt
 
+Rank 0's process CPU time per step (every thread) is printed too: it is what pipedap's glue costs,
+and a load on the machine that only delays the processes changes it less than the wall-clock time.
+
 ``--profile FILE`` runs rank 0's steps after ``--warmup`` under cProfile and writes the functions of
 lightning_pipedap with the most cumulative time, the most internal time overall, and who calls the
 waits (the steady-state overhead breakdown).
@@ -54,10 +57,12 @@ def _job(args: argparse.Namespace) -> None:
 
         def __init__(self) -> None:
             self.starts: list[float] = []
+            self.cpu: list[float] = []  # process CPU time (all threads) at each step start
             self.prof = None  # cProfile of rank 0's steps after the warm-up (``--profile``)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.starts.append(time.perf_counter())
+            self.cpu.append(time.process_time())
             if self.prof is not None and len(self.starts) == args.warmup + 1:
                 self.prof.enable()
 
@@ -105,9 +110,11 @@ def _job(args: argparse.Namespace) -> None:
     if trainer.global_rank != 0:
         return
     gaps = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:])][args.warmup:]
+    cpu = clock.cpu[args.warmup:]
     with open(args.out, "w") as f:
         ran = getattr(strategy, "installed_schedule", None) or "ddp"
-        json.dump({"median_s": statistics.median(gaps), "steps": len(gaps), "installed": ran.split(":")[0]}, f)
+        json.dump({"median_s": statistics.median(gaps), "cpu_per_step_s": (cpu[-1] - cpu[0]) / (len(cpu) - 1),
+                   "steps": len(gaps), "installed": ran.split(":")[0]}, f)
     if prof is not None:
         import io
         import pstats
@@ -142,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if bad:
         raise SystemExit(f"unknown variants {bad}; valid: {', '.join(VARIANTS)}")
     results: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     installed: dict[str, list[str]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
@@ -155,6 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                 with open(out) as f:
                     job = json.load(f)
                 results[v].append(job["median_s"])
+                cpu[v].append(job["cpu_per_step_s"])
                 installed[v].append(job["installed"].split(" (")[0])
     print(f"model {args.model}, 2 CPU processes, median iteration (ms) per round, ratio to ddp of the same round")
     for v, times in results.items():
@@ -162,6 +171,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {v:18s} " + "  ".join(f"{t * 1e3:7.3f}" for t in times)
               + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else "")
               + f"   ran: {' '.join(installed[v])}")
+    print("rank 0's process CPU time per step (ms, every thread: training, communication, gloo), ratio to ddp")
+    for v, times in cpu.items():
+        ratios = [t / d for t, d in zip(times, cpu["ddp"])] if "ddp" in cpu else []
+        print(f"  {v:18s} " + "  ".join(f"{t * 1e3:7.3f}" for t in times)
+              + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else ""))
 
 
 if __name__ == "__main__":

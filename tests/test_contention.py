@@ -358,3 +358,16 @@ def test_measure_contention_on_two_gloo_ranks():
         for key in ("compute_alone_s", "comm_alone_s", "compute_loaded_s", "comm_loaded_s"):
             assert len(raw[key]) == 2 and all(x > 0 for x in raw[key])
     assert m["matmuls"] >= 1 and m["case"] in ("comm_first", "compute_first")
+
+
+def test_the_contention_log_line_shows_measured_times_and_names_capped_values():
+    from lightning_pipedap.strategy.planning import describe_contention
+
+    line = describe_contention(fit_contention(0.1, 0.05, 0.12, 0.07))
+    assert line == ("pipedap: contention while communication and compute overlap: communication +40%, compute +40% "
+                    "(alone: communication 50.0 ms, compute 100.0 ms; together: 70.0 ms and 120.0 ms)")
+    # noise (loaded faster than alone) -> 0, said as such; no progress -> the cap, said as such, never as "100.00"
+    assert "communication not measurably slowed" in describe_contention(fit_contention(0.1, 0.05, 0.09, 0.049))
+    capped = describe_contention(fit_contention(0.1, 0.05, 0.2, 0.25))
+    assert "communication stalled while the other ran (the model uses its cap, 100)" in capped
+    assert "compute +100%" in capped

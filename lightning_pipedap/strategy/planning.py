@@ -95,8 +95,7 @@ class Planning:
 
             c = measure_contention(self.comm, self.device, nbytes=8 << 20, repeats=5, timeout_s=cfg.wait_timeout_s)
             self.measured.contention = c
-            self.info(f"pipedap: contention: communication {c.comm_slowdown:.2f} and compute "
-                      f"{c.compute_slowdown:.2f} extra slowdown while they overlap")
+            self.info(describe_contention(c))
         cm = self.cost_model
         poor = [k for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)) if ab.r2 is not None and ab.r2 < 0.5]
         if poor:
@@ -241,3 +240,23 @@ class Planning:
             return False
         self.cost_model = self.cost_model.scaled(alpha_factor=ratio, beta_factor=ratio)
         return True
+
+
+def describe_contention(c: Any) -> str:
+    """The log line of a measured :class:`~lightning_pipedap.plan.contention.Contention`: the slowdowns and the
+    measured times (ms) they come from; a slowdown at a bound of its range (noise, or no progress at all)
+    is named as such instead of being shown as a measurement."""
+    m = getattr(c, "meta", None) or {}
+    clamped = set(m.get("clamped", ()))
+    parts = []
+    for name, what in (("comm_slowdown", "communication"), ("compute_slowdown", "compute")):
+        v = getattr(c, name)
+        if name in clamped:
+            parts.append(f"{what} {'not measurably slowed' if v == 0 else f'stalled while the other ran (the model uses its cap, {v:g})'}")
+        else:
+            parts.append(f"{what} +{v:.0%}")
+    times = ""
+    if all(k in m for k in ("alone_comm_s", "loaded_comm_s", "alone_compute_s", "loaded_compute_s")):
+        times = (f" (alone: communication {m['alone_comm_s'] * 1e3:.1f} ms, compute {m['alone_compute_s'] * 1e3:.1f} ms;"
+                 f" together: {m['loaded_comm_s'] * 1e3:.1f} ms and {m['loaded_compute_s'] * 1e3:.1f} ms)")
+    return "pipedap: contention while communication and compute overlap: " + ", ".join(parts) + times
