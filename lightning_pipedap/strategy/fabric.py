@@ -40,16 +40,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
-import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.strategy.config import PipeDAPConfig
-from lightning_pipedap.strategy.deferred import UPDATE_PLACES
 from lightning_pipedap.strategy.failure import exit_on_lost_peer
-from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
 from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
-from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
 #: ``defer_update`` values the Fabric strategy accepts ("auto" resolves to sync mode in Fabric)
 FABRIC_DEFER_UPDATE = ("auto", False)
@@ -192,17 +188,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             raise ValueError(f"PipeDAPFabricStrategy sets up one model; {type(self._rt.module).__name__} is set up "
                              f"already and {type(module).__name__} was passed. Put both in one nn.Module, or use "
                              "strategy='ddp'")
-        refuse_unsupported_modules(module, self.root_device)
-        same_on_every_rank(model_signature(module), "parameters and buffers", "every rank must build the same model")
-        with torch.no_grad():
-            C.broadcast_coalesced_(list(module.parameters()) + list(module.buffers()), src=0)
-        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
-        self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
-        self._rt = rt = Runtime(self.config, module, lambda: self._optimizers, self._comm, self.world_size,
-                                self.global_rank, self.root_device, self._measured, ResumeState(), M.info, M.warn,
-                                self.update_counts, self._records, lambda: self._timeline_enabled)
-        rt.start_heartbeat(self._on_lost_peer)
-        rt.install_hooks(self._on_grad_ready, torch.compiler.disable(self._on_module_forward))  # (rt.close removes)
+        rt = self._start_runtime(module, lambda: self._optimizers, ResumeState(), self._on_lost_peer)
         rt.install_warmup()
         rt.trainable_key = rt.trainable_signature()
         self._step_open = False

@@ -40,15 +40,13 @@ from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
-from lightning_pipedap.strategy.deferred import UPDATE_PLACES, intercept_clipping
+from lightning_pipedap.strategy.deferred import intercept_clipping
 from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
-from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.resume import ResumeState, add_to_checkpoint, install_plan
-from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
 
 class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
@@ -212,23 +210,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         """
         model = self.model
         assert isinstance(model, torch.nn.Module)
-        refuse_unsupported_modules(model, self.root_device)
-        same_on_every_rank(model_signature(model), "parameters and buffers", "every rank must build the same model")
-        same_on_every_rank(self.config.signature(), "strategy options",
-                           "every rank must be given the same PipeDAPStrategy options")
-        with torch.no_grad():
-            C.broadcast_coalesced_(list(model.parameters()) + list(model.buffers()), src=0)
-        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
-        self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
-        self._rt = rt = Runtime(self.config, model, lambda: self.optimizers, self._comm, self.world_size,
-                                self.global_rank, self.root_device, self._measured, self._resume, M.info,
-                                M.warn, self.update_counts, self._records, lambda: self._timeline_enabled)
+        rt = self._start_runtime(model, lambda: self.optimizers, self._resume, exit_on_lost_peer)
         rt.step_of = lambda: self.lightning_module.global_step
-        rt.start_heartbeat(exit_on_lost_peer)
-        # forward pre-hooks are prepended (legacy weight_norm recomputes `weight` in a pre-hook, which must see
-        # the updated values) and not put inside compiled regions, whose hooks dynamo would trace (their
-        # parameters are updated before training_step)
-        rt.install_hooks(self._on_grad_ready, torch.compiler.disable(self._on_module_forward))
         for m in eager_modules(model):
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
                 rt.wrap_train(m, self.flush)  # a module that reads its weights in train()/eval() (LoRA merge)

@@ -8,15 +8,22 @@ constructor calls :meth:`RunResults._init_run_state` once it has its options.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
+
+import torch
 
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 
+import lightning_pipedap.engine.collectives as C
+import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Phase
 from lightning_pipedap.strategy.deferred import UPDATE_PLACES
+from lightning_pipedap.strategy.params import model_signature, same_on_every_rank
 from lightning_pipedap.strategy.planning import Measured
+from lightning_pipedap.strategy.resume import ResumeState
+from lightning_pipedap.strategy.runtime import Runtime, refuse_unsupported_modules
 
 
 class _FromRun:
@@ -47,11 +54,40 @@ class RunResults:
         #: (validation, checkpoint, engine change, end), "observe" (before a hook that can read them), "guard"
         #: (a read before the trigger, caught in a guard step); all stay 0 in sync mode
         self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
-        self._rt: Optional[Any] = None
-        self._last: Optional[Any] = None  # the last fit's run-time, for its results after teardown
-        self._comm: Optional[Any] = None
+        self._rt: Optional[Runtime] = None
+        self._last: Optional[Runtime] = None  # the last fit's run-time, for its results after teardown
+        self._comm: Optional[C.CommGroup] = None
         self._records: list[OpRecord] = []
         self._timeline_enabled = False
+
+    def _start_runtime(self, module: torch.nn.Module, optimizers: Callable[[], list], resume: ResumeState,
+                       on_lost_peer: Callable[[str], None]) -> Runtime:
+        """Set-up shared by the Trainer and Fabric strategies: check that every rank has the same model and
+        options, broadcast rank 0's parameters and buffers, create the engine's group and the fit's
+        :class:`~lightning_pipedap.strategy.runtime.Runtime` with its hooks (the strategy's ``_on_grad_ready``
+        and ``_on_module_forward``).
+
+        Raises:
+            ValueError: parameters, buffers or options that differ between ranks (the first difference is
+                named), no trainable parameter, a sparse embedding or a SyncBatchNorm on CPU.
+        """
+        refuse_unsupported_modules(module, self.root_device)
+        same_on_every_rank(model_signature(module), "parameters and buffers", "every rank must build the same model")
+        same_on_every_rank(self.config.signature(), "strategy options",
+                           f"every rank must be given the same {type(self).__name__} options")
+        with torch.no_grad():
+            C.broadcast_coalesced_(list(module.parameters()) + list(module.buffers()), src=0)
+        self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
+        self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
+        self._rt = rt = Runtime(self.config, module, optimizers, self._comm, self.world_size, self.global_rank,
+                                self.root_device, self._measured, resume, M.info, M.warn, self.update_counts,
+                                self._records, lambda: self._timeline_enabled)
+        rt.start_heartbeat(on_lost_peer)
+        # forward pre-hooks are prepended (legacy weight_norm recomputes `weight` in a pre-hook, which must see
+        # the updated values) and not put inside compiled regions, whose hooks dynamo would trace (their
+        # parameters are updated before training_step)
+        rt.install_hooks(self._on_grad_ready, torch.compiler.disable(self._on_module_forward))
+        return rt
 
     def __getattr__(self, name: str) -> Any:
         """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.compression``, ...)."""

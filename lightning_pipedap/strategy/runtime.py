@@ -246,6 +246,8 @@ class Runtime:
         self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
                                         self.timeline, self.counts, self.nonfinite)
         self.deferred.set_owners(owners, self.module)
+        if owners is not None:  # (a first consumer without parameters of its own reads another module's)
+            self.hooks.add_modules([o for o in dict.fromkeys(owners) if o is not None])
         if final:
             self.installed_schedule, self.final_schedule = schedule.describe(), schedule
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
@@ -361,13 +363,9 @@ class Runtime:
                 self._adopt_misses()
 
     def check_params(self) -> None:
-        """``check_params_every_n_steps=N``: at the first ``training_step`` of every N-th optimizer step, apply
-        pending updates and compare every parameter's hash across ranks (every rank reaches this point at the
-        same step; one ``all_gather_object``).
-
-        Raises:
-            ParameterDivergenceError: on every rank, naming the first diverging parameter and the ranks.
-        """
+        """``check_params_every_n_steps=N``: at the first ``training_step`` of every N-th optimizer step (the same
+        point on every rank), apply pending updates and :func:`.numerics.check_replicas_agree` (which raises
+        ``ParameterDivergenceError`` on every rank when a parameter differs)."""
         every, step = self.config.check_params_every_n_steps, self.step_of()
         if not every or step <= 0 or step % every or step == self._params_checked_at:
             return
