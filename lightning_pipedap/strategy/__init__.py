@@ -1,8 +1,8 @@
 """The Lightning strategy: options (``config``), the run-time state machine (``controller``), one fit's
-run-time (``runtime``: engine, ``deferred`` updates, ``tracing``, ``planning``, ``resume``), the hooks
-that can observe a deferred update (``observers``), checks on the numbers (``numerics``: non-finite
-gradients, diverged replicas), and the Lightning glue (``lightning``; Fabric's: ``fabric``, imported on
-its own by ``lightning_pipedap.register``)."""
+run-time (``runtime``: engine, ``deferred`` updates, ``tracing``, ``planning``, ``resume``, the ``hooks``
+it puts on the model), the user hooks that can observe a deferred update (``observers``), checks on the
+numbers (``numerics``: non-finite gradients, diverged replicas), and the Lightning glue (``lightning``;
+Fabric's: ``fabric``, imported on its own by ``lightning_pipedap.register``)."""
 
 from lightning_pipedap.strategy.config import PipeDAPConfig, valid_schedule_names
 from lightning_pipedap.strategy.lightning import PipeDAPStrategy
