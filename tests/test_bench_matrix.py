@@ -261,11 +261,11 @@ def test_strategy_names_are_taken_apart():
     assert M.parse_strategy("ddp_tuned").family == "ddp_tuned"
     assert M.extra_warmup_steps("pipedap-optimal+powersgd:inline") == 2
     assert M.extra_warmup_steps("pipedap-optimal+fp16") == 0 and M.extra_warmup_steps("ddp+powersgdhook") == 0
-    # measured plan selection: only the default planner without compression; 2 rounds x (4 candidates +
-    # torch_ddp) x (3 + 1) steps
+    # measured plan selection: only the default planner without compression; (2 rounds x (4 candidates +
+    # torch_ddp) + 2 confirmation rounds x 2 candidates) x (3 + 1) steps
     assert (M.plan_trials("pipedap-optimal"), M.plan_trials("pipedap-wfbp"), M.plan_trials("pipedap-optimal+fp16"),
             M.plan_trials("ddp")) == (4, 1, 1, 1)
-    assert M.extra_warmup_steps("pipedap-optimal") == 40 and M.extra_warmup_steps("pipedap-pipedap") == 0
+    assert M.extra_warmup_steps("pipedap-optimal") == 56 and M.extra_warmup_steps("pipedap-pipedap") == 0
     assert (M.uncompressed_name("pipedap-dear+fp16:inline"), M.uncompressed_name("ddp+fp16hook"),
             M.uncompressed_name("pipedap-dear"), M.uncompressed_name("ddp")) == ("pipedap-dear", "ddp", None, None)
 

@@ -34,8 +34,6 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 MAX_WINDOW_STEPS = 50
 #: candidates kept unless another is faster by more than ``choose_candidate``'s ``prefer_margin``
 PREFERRED = ("torch_ddp",)
-#: extra interleaved rounds of the winner against a preferred candidate it displaces (confirmation)
-CONFIRM_ROUNDS = 2
 
 
 class Phase(enum.Enum):
@@ -104,7 +102,9 @@ class Trial:
         window: the window being measured (index into ``order``).
         starts: clock at each step start of the current window (s).
         gaps_s: per candidate, every step interval of each of its windows, the settling one first (s).
-        confirming: the windows after ``order``'s first pass confirm a winner against a preferred candidate.
+        confirm: ``(winner, preferred, first_pass_windows)`` while the windows after ``order``'s first pass
+            measure the first pass's winner against the preferred candidate it displaced (indices; the
+            number of windows each had before), else None.
     """
 
     schedules: list[Any]
@@ -113,7 +113,7 @@ class Trial:
     window: int = 0
     starts: list[float] = field(default_factory=list)
     gaps_s: list[list[list[float]]] = field(default_factory=list)
-    confirming: bool = False
+    confirm: Optional[tuple[int, int, int]] = None
 
 
 def lower_quartile(values: Sequence[float]) -> float:
@@ -376,10 +376,13 @@ class Controller:
         windows = [[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s]
         windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
         names = [s.name for s in tr.schedules]
-        best, measured, notes = choose_candidate(names, windows, floor)
-        if self._confirm(tr, names, best, measured):
-            self._next_window(tr)
-            return
+        if tr.confirm is None:
+            best, measured, notes = choose_candidate(names, windows, floor)
+            if self._confirm(tr, names, best, measured):
+                self._next_window(tr)
+                return
+        else:
+            best, measured, notes = self._confirmed(tr, names, windows, floor)
         self.trial = None
         self.trial_results = [
             {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
@@ -403,20 +406,33 @@ class Controller:
         self._leave(Phase.RUN)
 
     def _confirm(self, tr: Trial, names: list[str], best: int, measured: list[float]) -> bool:
-        """When the first pass displaces a preferred candidate (DDP's reducer), measure the two again in
-        :data:`CONFIRM_ROUNDS` more interleaved rounds before deciding on all their windows: a load burst on
-        a shared machine can favour one candidate's windows for a whole pass, and a wrong switch away from
-        DDP's reducer costs more than it could gain. Returns whether confirmation windows were added."""
+        """When the first pass's winner displaces a preferred candidate (DDP's reducer), measure the two again
+        in ``trial_rounds`` more interleaved rounds; :meth:`_confirmed` then decides between them on those
+        windows alone, so the winner must win twice: a load burst on a shared machine can favour one
+        candidate's windows for a whole pass, and a wrong switch away from DDP's reducer costs more than it
+        could gain. Returns whether confirmation windows were added."""
         pref = [i for i, n in enumerate(names) if n in PREFERRED]
-        if tr.confirming or not pref or best in pref:
+        if not pref or best in pref:
             return False
-        tr.confirming = True
+        tr.confirm = (best, pref[0], self.trial_rounds)
         pair = [pref[0], best] if tr.order[-1] == pref[0] else [best, pref[0]]  # (the installed one first)
-        tr.order += pair * CONFIRM_ROUNDS
+        tr.order += pair * self.trial_rounds
         self.effects.info(f"pipedap: {names[best]} measured {measured[best] * 1e3:.1f} ms against "
-                          f"{names[pref[0]]} {measured[pref[0]] * 1e3:.1f} ms; confirming in {CONFIRM_ROUNDS} more "
-                          "interleaved rounds of the two")
+                          f"{names[pref[0]]} {measured[pref[0]] * 1e3:.1f} ms; confirming in {self.trial_rounds} more "
+                          "interleaved round(s) of the two")
         return True
+
+    def _confirmed(self, tr: Trial, names: list[str], windows: list[list[float]],
+                   floor: Optional[float]) -> tuple[int, list[float], list[str]]:
+        """The choice after confirmation windows: between the first pass's winner and the preferred candidate,
+        from the confirmation windows only; medians over all windows for the results."""
+        assert tr.confirm is not None
+        winner, pref, first = tr.confirm
+        pair = [winner, pref]
+        k, again, notes = choose_candidate([names[i] for i in pair], [windows[i][first:] for i in pair], floor)
+        notes.insert(0, f"confirmation: {names[winner]} {again[0] * 1e3:.1f} ms, {names[pref]} "
+                        f"{again[1] * 1e3:.1f} ms; chose {names[pair[k]]}")
+        return pair[k], [statistics.median(w) for w in windows], notes
 
     def _next_window(self, tr: Trial) -> None:
         nxt = tr.order[tr.window]

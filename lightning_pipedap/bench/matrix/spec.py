@@ -188,14 +188,16 @@ def extra_warmup_steps(name: str, trial_steps: int = TRIAL_STEPS, candidates: in
     in the DDP hook, which counts from step 0 and is past them before the measured steps begin), so that
     every measured step is compressed; with measured plan selection (:func:`plan_trials` > 1), the
     trial steps (``trial_steps + 1`` per candidate and round, the strategy's ``torch_ddp`` candidate
-    included); 0 otherwise.
+    included, and the windows of a confirmation against ``torch_ddp``, counted whether it happens or not:
+    ``rounds`` more rounds of two candidates); 0 otherwise.
 
     Raises:
         ValueError: a bad name (see :func:`parse_strategy`).
     """
     extra = POWERSGD_START if parse_strategy(name).compressor == "powersgd" else 0
     trials = plan_trials(name, candidates)
-    return extra + (rounds * (trials + 1) * (trial_steps + 1) if trials > 1 else 0)
+    windows = rounds * (trials + 1) + rounds * 2
+    return extra + (windows * (trial_steps + 1) if trials > 1 else 0)
 
 
 def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
