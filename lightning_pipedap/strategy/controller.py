@@ -208,7 +208,8 @@ class Controller:
         trial_window_s: shortest measured window (s): a window has ``ceil(trial_window_s / t)`` steps
             (at most :data:`MAX_WINDOW_STEPS`), ``t`` the first candidate's no-overlap time, identical on
             every rank, so that short steps are measured over enough of them for a stable median.
-        trial_rounds: interleaved rounds over the candidates in TRIAL (>= 1).
+        trial_rounds: interleaved rounds over the candidates in TRIAL (>= 1), and the rounds of a winner
+            against DDP's reducer when it displaces it (a confirmation, decided on its windows alone).
         replan_every, replan_margin, max_replans: drift check in RUN (every ``replan_every``
             steps of the final schedule; re-plan when the lower-quartile step time of the last window is
             slower than the chosen candidate's trial measurement, or without trials than the prediction,
