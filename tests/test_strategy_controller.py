@@ -371,13 +371,19 @@ def _installs(fx):
     return [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "install_run"]
 
 
-def test_a_winner_over_ddps_reducer_is_confirmed_in_more_rounds_and_a_burst_does_not_switch():
-    # first pass (two rounds): torch_ddp's windows hit load bursts (0.30 s), b measured 0.20 s: b wins by 33 %
+def _b_against_ddp(rounds):
+    """A controller in TRIAL with candidates b and torch_ddp (``trial_steps=2``, ``rounds`` rounds)."""
     clock = Clock()
     fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
-    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=2)
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=rounds)
     ctl.after_sync_step(0.0)
     ctl.after_sync_step(0.0)
+    return ctl, fx, clock
+
+
+def test_a_winner_over_ddps_reducer_is_confirmed_in_more_rounds_and_a_burst_does_not_switch():
+    # first pass (two rounds): torch_ddp's windows hit load bursts (0.30 s), b measured 0.20 s: b wins by 33 %
+    ctl, fx, clock = _b_against_ddp(rounds=2)
     _drive_windows(ctl, clock, [0.20, 0.30, 0.20, 0.30])
     assert ctl.phase is Phase.TRIAL and ctl.trial.confirm == (0, 1, 2)  # not decided yet
     assert ctl.trial.order == [0, 1, 0, 1, 1, 0, 1, 0]  # torch_ddp is installed: it goes first, one switch less
@@ -397,11 +403,7 @@ def test_a_winner_over_ddps_reducer_is_confirmed_in_more_rounds_and_a_burst_does
 
 
 def test_a_confirmed_winner_over_ddps_reducer_is_kept():
-    clock = Clock()
-    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
-    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
-    ctl.after_sync_step(0.0)
-    ctl.after_sync_step(0.0)
+    ctl, fx, clock = _b_against_ddp(rounds=1)
     _drive_windows(ctl, clock, [0.20, 0.30, 0.30, 0.20])  # (order: b, ddp | ddp, b)
     assert ctl.phase is Phase.RUN
     assert [r["measured_s"] for r in ctl.trial_results] == [pytest.approx(0.2), pytest.approx(0.3)]
