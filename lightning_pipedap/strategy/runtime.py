@@ -257,7 +257,8 @@ class Runtime:
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params  # (engine order: what the consumer trace watches)
         factory = self._compression_factory() if final and self.config.compression else None
-        self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory)
+        self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory,
+                                 wire_dtype=self.config.wire_dtype)
         self.engine.timeline_enabled = self.timeline()
         self.engine.context = self.describe_step
         self.engine.peers = self.heartbeat.describe if self.heartbeat is not None else None
