@@ -340,12 +340,13 @@ BUILTIN_SCHEDULES = ("allreduce", "dear")
 
 def builtin_schedule(
     name: str, sizes_bytes: Sequence[int], cap_bytes: int, keys: Sequence[object] | None = None,
-    compress_all: bool = False,
+    compress_all: bool = False, wire16_all: bool = False,
 ) -> Schedule:
     """Build one of the fixed-order schedules (``"allreduce"`` or ``"dear"``) with greedy fusion.
 
     ``compress_all``: flag every bucket compressed (the fixed schedules compress every bucket
-    when compression is configured); otherwise ``compressed`` is None.
+    when compression is configured); otherwise ``compressed`` is None. ``wire16_all``: flag every
+    bucket that is not compressed for the 16-bit wire format (the fixed schedules use it everywhere).
 
     Raises:
         ValueError: for an unknown ``name`` (the message lists the valid names).
@@ -358,7 +359,8 @@ def builtin_schedule(
     else:
         raise ValueError(f"unknown fixed schedule {name!r}; valid: 'allreduce', 'dear'")
     compressed = (True,) * len(buckets) if compress_all else None
-    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed).validate(len(sizes_bytes))
+    wire16 = (True,) * len(buckets) if wire16_all and not compress_all else None
+    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed, wire16=wire16).validate(len(sizes_bytes))
 
 
 def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Sequence[object] | None = None) -> Schedule:

@@ -239,11 +239,11 @@ class Runtime:
         return self.tset.engine_info(engine or self.engine)
 
     # ------------------------------------------------------------------ engines
-    def builtin(self, order: list[int], name: str, compress_all: bool = False) -> Schedule:
+    def builtin(self, order: list[int], name: str, compress_all: bool = False, wire16_all: bool = False) -> Schedule:
         params = [self.params[i] for i in order]
         return builtin_schedule(name, [p.numel() * p.element_size() for p in params],
                                 int(self.config.bucket_cap_mb * 2**20), [(p.dtype, p.device) for p in params],
-                                compress_all=compress_all)
+                                compress_all=compress_all, wire16_all=wire16_all)
 
     def install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]],
                 final: bool = False) -> None:
