@@ -194,8 +194,9 @@ def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torc
         d.add_(v)
     for w in sends:
         w.wait()
-    if wire is not None:
-        seg[r].copy_(seg[r].to(wire))
+    if wire is not None:  # round the own segment through its (never sent) slot of the wire buffer: no allocation
+        out[r].copy_(seg[r])
+        seg[r].copy_(out[r])
     return seg[r]
 
 
