@@ -147,12 +147,16 @@ class Planning:
             profile = merge_steps(model_name, layer_names, layer_bytes, self._profiled, self._t_updates)
             planner = get_planner(PLANNED[cfg.schedule])
             wire16 = cfg.wire_dtype != "fp32"
-            if wire16 and PLANNED[cfg.schedule] == "optimal":
-                schedule = planner(profile, self.cost_model, self.world_size, wire16=True)  # per bucket
-            else:
-                schedule = planner(profile, self.cost_model, self.world_size)
-                if wire16:
+            schedule = planner(profile, self.cost_model, self.world_size)
+            if wire16:
+                fp32_s = schedule.predicted_iteration_s
+                if PLANNED[cfg.schedule] == "optimal":  # per bucket
+                    schedule = planner(profile, self.cost_model, self.world_size, wire16=True)
+                else:
                     schedule = wire16_everywhere(profile, self.cost_model, schedule)
+                self.info(f"pipedap: {schedule.num_wire16} of {len(schedule.buckets)} buckets {cfg.wire_dtype} on the "
+                          f"wire; predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
+                          f"{fp32_s * 1e3:.1f} ms all fp32 (same profile and α-β model)")
             candidates = [schedule]
             if cfg.compression:
                 shapes = [[tuple(params[i].shape) for i in l] for l in self.layers]
