@@ -139,24 +139,20 @@ class Schedule:
                 f"buckets must partition the {num_params} trainable parameters; "
                 f"missing {missing[:10]}, out of range {extra[:10]}"
             )
-        if self.compressed is not None:
-            if len(self.compressed) != len(self.buckets):
-                raise ValueError(f"compressed has {len(self.compressed)} flags for {len(self.buckets)} buckets; "
-                                 "give one bool per bucket (or None: nothing compressed)")
-            bad = [f for f in self.compressed if not isinstance(f, bool)]
+        for key, flags, none in (("compressed", self.compressed, "nothing compressed"),
+                                 ("wire16", self.wire16, "no bucket in the 16-bit wire format")):
+            if flags is None:
+                continue
+            if len(flags) != len(self.buckets):
+                raise ValueError(f"{key} has {len(flags)} flags for {len(self.buckets)} buckets; "
+                                 f"give one bool per bucket (or None: {none})")
+            bad = [f for f in flags if not isinstance(f, bool)]
             if bad:
-                raise ValueError(f"compressed flags must be bools, got {bad[0]!r}")
-        if self.wire16 is not None:
-            if len(self.wire16) != len(self.buckets):
-                raise ValueError(f"wire16 has {len(self.wire16)} flags for {len(self.buckets)} buckets; "
-                                 "give one bool per bucket (or None: no bucket in the 16-bit wire format)")
-            bad = [f for f in self.wire16 if not isinstance(f, bool)]
-            if bad:
-                raise ValueError(f"wire16 flags must be bools, got {bad[0]!r}")
-            both = [b for b in range(len(self.buckets)) if self.wire16[b] and self.is_compressed(b)]
-            if both:
-                raise ValueError(f"buckets {both[:10]} are flagged both compressed and wire16; a compressed bucket "
-                                 "sends its compressor's payload, so flag it one or the other")
+                raise ValueError(f"{key} flags must be bools, got {bad[0]!r}")
+        both = [b for b in range(len(self.buckets)) if self.is_wire16(b) and self.is_compressed(b)]
+        if both:
+            raise ValueError(f"buckets {both[:10]} are flagged both compressed and wire16; a compressed bucket "
+                             "sends its compressor's payload, so flag it one or the other")
         state: dict[int, str] = {}
         for op in self.ops:
             if not 0 <= op.bucket < len(self.buckets):

@@ -331,6 +331,18 @@ def _known_plans(profile: ModelProfile, cost_model: CostModel, world_size: int, 
 Flags = tuple[bool, ...]
 
 
+def _with_hint(hit: tuple[float, list[int], Evaluator],
+               hint: Sequence[int] | None) -> tuple[float, list[int], Evaluator]:
+    """``hit`` (``(s, codes, evaluator)``), or ``hint`` (an op list of other flags) adapted to the
+    evaluator's flags (:func:`normalize_compressed`) when that predicts a shorter iteration."""
+    if hint is None:
+        return hit
+    ev = hit[2]
+    codes = normalize_compressed(ev, hint)
+    p = ev.period_codes(codes)
+    return (p, codes, ev) if p < hit[0] * (1 - TOL) else hit
+
+
 class _FlagSearch:
     """Per-bucket compression flags for given fusions (stage 6), flag vectors cached."""
 
@@ -352,13 +364,7 @@ class _FlagSearch:
             p, codes = structured_best(ev, self.cut_window, drop_max_buckets=0)
             self.evals += 1
             hit = (p, codes, ev)
-        if hint is not None:
-            ev = hit[2]
-            codes = normalize_compressed(ev, hint)
-            p = ev.period_codes(codes)
-            if p < hit[0] * (1 - TOL):
-                hit = (p, codes, ev)
-        self.cache[key] = hit
+        hit = self.cache[key] = _with_hint(hit, hint)
         return hit
 
     def climb(self, starts: Starts, flags: Flags, codes: Sequence[int] | None,
@@ -446,13 +452,7 @@ class _WireSearch:
             ev = evaluator(self.profile, self.cost_model, buckets, self.channels, self.world_size, self.compression,
                            compressed, half)
             hit = (*structured_best(ev, self.cut_window, drop_max_buckets=0), ev)
-        if hint is not None:
-            ev = hit[2]
-            codes = normalize_compressed(ev, hint)
-            p = ev.period_codes(codes)
-            if p < hit[0] * (1 - TOL):
-                hit = (p, codes, ev)
-        self.cache[key] = hit
+        hit = self.cache[key] = _with_hint(hit, hint)
         return hit
 
     def climb(self, buckets: tuple, compressed: Flags, half: Flags, codes: Sequence[int] | None,
