@@ -59,3 +59,13 @@ def test_schedule_rejects_bad_wire16_flags():
         Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), wire16=(True,)).validate()
     with pytest.raises(ValueError, match="both compressed and wire16"):
         Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), compressed=(True, False), wire16=(True, False)).validate()
+
+
+def test_contended_simulator_and_bounds_see_the_wire16_bytes():
+    from lightning_pipedap.plan.bounds import lower_bounds
+    from lightning_pipedap.plan.contention import Contention, simulate_contended
+
+    half = Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), wire16=(True, False))
+    assert simulate_contended(PROF, CM, half, Contention.none()).iteration_s == pytest.approx(0.024, abs=1e-12)
+    # the schedule's own bound: bucket 0 (layers 0..) communicates 2 ms, bucket 1 1 ms
+    assert lower_bounds(PROF, CM, half).comm_s == pytest.approx(0.003, abs=1e-12)
