@@ -20,7 +20,10 @@ Execution semantics (what the engine guarantees, DeAR ICDCS 2023 §III, PipeDAP 
 * a bucket flagged in ``Schedule.compressed`` (with a compression transport configured) is
   compressed by the helper process as soon as its gradients are complete (inline mode: by the
   worker at its slot), and its ``RS`` or ``AR`` slot communicates the payload and completes the
-  bucket (its ``AG``, if listed, does nothing).
+  bucket (its ``AG``, if listed, does nothing);
+* a bucket flagged in ``Schedule.wire16`` travels in the engine's 16-bit wire format (its ``RS``
+  and ``AG`` cast each piece in the send path and accumulate in fp32; its ``AR`` runs as that
+  ``RS`` followed by that ``AG``), so it puts half the bytes of fp32 gradients on the wire.
 
 Nothing here imports ``torch``; schedules are built and checked in pure Python. A schedule's plain-data
 form (:meth:`Schedule.to_dict`, read back by :meth:`Schedule.from_dict`) is what checkpoints store and
@@ -37,7 +40,7 @@ from typing import Any, Mapping, Sequence
 #: ``format`` tag of :meth:`Schedule.to_dict`
 SCHEDULE_FORMAT = "lightning_pipedap.schedule"
 SCHEDULE_VERSION = 1
-_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s")
+_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s", "wire16")
 
 
 class OpKind(str, enum.Enum):
@@ -78,6 +81,9 @@ class Schedule:
         compressed: ``compressed[b]`` is True when bucket ``b`` goes through gradient compression
             (one flag per bucket), or ``None``: no bucket is compressed. A compressed bucket is
             reduced in the slot of its ``RS``/``AR`` op; planners give it a single ``AR``.
+        wire16: ``wire16[b]`` is True when bucket ``b``'s dense ops use the 16-bit wire format
+            (``wire_dtype`` of the strategy), or ``None``: every bucket travels in its own dtype. A
+            bucket is never both compressed and ``wire16``.
 
     Raises:
         ValueError: from :meth:`validate` when the op list is not executable.
@@ -88,6 +94,16 @@ class Schedule:
     name: str = "custom"
     predicted_iteration_s: float | None = None
     compressed: tuple[bool, ...] | None = None
+    wire16: tuple[bool, ...] | None = None
+
+    def is_wire16(self, b: int) -> bool:
+        """Whether bucket ``b`` travels in the 16-bit wire format (False for every bucket when ``wire16`` is None)."""
+        return self.wire16 is not None and bool(self.wire16[b])
+
+    @property
+    def num_wire16(self) -> int:
+        """Number of buckets in the 16-bit wire format."""
+        return 0 if self.wire16 is None else sum(1 for w in self.wire16 if w)
 
     def is_compressed(self, b: int) -> bool:
         """Whether bucket ``b`` is compressed (False for every bucket when ``compressed`` is None)."""
@@ -123,13 +139,20 @@ class Schedule:
                 f"buckets must partition the {num_params} trainable parameters; "
                 f"missing {missing[:10]}, out of range {extra[:10]}"
             )
-        if self.compressed is not None:
-            if len(self.compressed) != len(self.buckets):
-                raise ValueError(f"compressed has {len(self.compressed)} flags for {len(self.buckets)} buckets; "
-                                 "give one bool per bucket (or None: nothing compressed)")
-            bad = [f for f in self.compressed if not isinstance(f, bool)]
+        for key, flags, none in (("compressed", self.compressed, "nothing compressed"),
+                                 ("wire16", self.wire16, "no bucket in the 16-bit wire format")):
+            if flags is None:
+                continue
+            if len(flags) != len(self.buckets):
+                raise ValueError(f"{key} has {len(flags)} flags for {len(self.buckets)} buckets; "
+                                 f"give one bool per bucket (or None: {none})")
+            bad = [f for f in flags if not isinstance(f, bool)]
             if bad:
-                raise ValueError(f"compressed flags must be bools, got {bad[0]!r}")
+                raise ValueError(f"{key} flags must be bools, got {bad[0]!r}")
+        both = [b for b in range(len(self.buckets)) if self.is_wire16(b) and self.is_compressed(b)]
+        if both:
+            raise ValueError(f"buckets {both[:10]} are flagged both compressed and wire16; a compressed bucket "
+                             "sends its compressor's payload, so flag it one or the other")
         state: dict[int, str] = {}
         for op in self.ops:
             if not 0 <= op.bucket < len(self.buckets):
@@ -153,21 +176,23 @@ class Schedule:
 
         Keys: ``format``, ``version``, ``name``; ``buckets`` (a list of index lists); ``ops`` (a list
         of ``[kind, bucket]`` pairs, kind ``"RS"``, ``"AG"`` or ``"AR"``); ``compressed`` (a list of
-        bools, or ``None``); ``predicted_iteration_s`` (seconds, or ``None``).
+        bools, or ``None``); ``predicted_iteration_s`` (seconds, or ``None``); ``wire16`` (a list of
+        bools, or ``None``; left out by readers older than it, which then send every bucket in fp32).
         """
         return {
             "format": SCHEDULE_FORMAT, "version": SCHEDULE_VERSION, "name": self.name,
             "buckets": [list(b) for b in self.buckets], "ops": [[op.kind.value, op.bucket] for op in self.ops],
             "compressed": None if self.compressed is None else list(self.compressed),
             "predicted_iteration_s": self.predicted_iteration_s,
+            "wire16": None if self.wire16 is None else list(self.wire16),
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Schedule":
         """Inverse of :meth:`to_dict`; the result is validated (:meth:`validate`, without a parameter count).
 
-        ``name`` (default ``"custom"``), ``compressed`` and ``predicted_iteration_s`` (default ``None``)
-        may be left out.
+        ``name`` (default ``"custom"``), ``compressed``, ``predicted_iteration_s`` and ``wire16`` (default
+        ``None``) may be left out.
 
         Raises:
             ValueError: naming the offending key and value: not a dict, another format tag or version,
@@ -192,17 +217,20 @@ class Schedule:
             name=_name_from(data.get("name", "custom")),
             predicted_iteration_s=_prediction_from(data.get("predicted_iteration_s")),
             compressed=_flags_from(data.get("compressed")),
+            wire16=_flags_from(data.get("wire16"), "wire16"),
         ).validate()
 
     def describe(self) -> str:
         """One line: name, bucket count and the op list, e.g. ``dear: 3 buckets: RS2 RS1 RS0 AG0 AG1 AG2``.
 
-        Ops on compressed buckets carry a ``C`` prefix and the count follows the bucket count, e.g.
-        ``optimal: 3 buckets (2 compressed): CAR2 CAR1 AR0``.
+        Ops on compressed buckets carry a ``C`` prefix, ops on 16-bit wire buckets an ``H`` prefix, and
+        the counts follow the bucket count, e.g. ``optimal: 3 buckets (2 compressed): CAR2 CAR1 AR0``.
         """
-        n = self.num_compressed
-        head = f"{self.name}: {len(self.buckets)} buckets" + (f" ({n} compressed)" if n else "")
-        return head + ": " + " ".join(("C" if self.is_compressed(o.bucket) else "") + str(o) for o in self.ops)
+        n, h = self.num_compressed, self.num_wire16
+        counts = [f"{n} compressed"] * bool(n) + [f"{h} wire16"] * bool(h)
+        head = f"{self.name}: {len(self.buckets)} buckets" + (f" ({', '.join(counts)})" if counts else "")
+        return head + ": " + " ".join(("C" if self.is_compressed(o.bucket) else "H" if self.is_wire16(o.bucket) else "")
+                                      + str(o) for o in self.ops)
 
 
 def _is_int(v: Any) -> bool:
@@ -245,14 +273,14 @@ def _prediction_from(value: Any) -> float | None:
     return float(value)
 
 
-def _flags_from(value: Any) -> tuple[bool, ...] | None:
+def _flags_from(value: Any, key: str = "compressed") -> tuple[bool, ...] | None:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)):
-        raise ValueError(f"compressed must be a list of bools (one per bucket) or null, got {value!r}")
+        raise ValueError(f"{key} must be a list of bools (one per bucket) or null, got {value!r}")
     for b, f in enumerate(value):
         if not isinstance(f, bool):
-            raise ValueError(f"compressed[{b}] must be true or false, got {f!r}")
+            raise ValueError(f"{key}[{b}] must be true or false, got {f!r}")
     return tuple(value)
 
 
@@ -308,12 +336,13 @@ BUILTIN_SCHEDULES = ("allreduce", "dear")
 
 def builtin_schedule(
     name: str, sizes_bytes: Sequence[int], cap_bytes: int, keys: Sequence[object] | None = None,
-    compress_all: bool = False,
+    compress_all: bool = False, wire16_all: bool = False,
 ) -> Schedule:
     """Build one of the fixed-order schedules (``"allreduce"`` or ``"dear"``) with greedy fusion.
 
     ``compress_all``: flag every bucket compressed (the fixed schedules compress every bucket
-    when compression is configured); otherwise ``compressed`` is None.
+    when compression is configured); otherwise ``compressed`` is None. ``wire16_all``: flag every
+    bucket that is not compressed for the 16-bit wire format (the fixed schedules use it everywhere).
 
     Raises:
         ValueError: for an unknown ``name`` (the message lists the valid names).
@@ -326,7 +355,8 @@ def builtin_schedule(
     else:
         raise ValueError(f"unknown fixed schedule {name!r}; valid: 'allreduce', 'dear'")
     compressed = (True,) * len(buckets) if compress_all else None
-    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed).validate(len(sizes_bytes))
+    wire16 = (True,) * len(buckets) if wire16_all and not compress_all else None
+    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed, wire16=wire16).validate(len(sizes_bytes))
 
 
 def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Sequence[object] | None = None) -> Schedule:
@@ -343,7 +373,7 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
 
     Returns:
         The expanded, validated schedule (same name and prediction); every part of a compressed
-        bucket is compressed.
+        (16-bit wire) bucket is compressed (16-bit wire).
     """
     parts: list[list[tuple[int, ...]]] = []
     for bucket in schedule.buckets:
@@ -366,8 +396,9 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
         # parts of a bucket: reductions in backward order (last part ready first), gathers in forward order
         for nb in (new_index[op.bucket] if op.kind is OpKind.ALL_GATHER else reversed(new_index[op.bucket]))
     )
-    compressed = None
-    if schedule.compressed is not None:
-        compressed = tuple(bool(schedule.compressed[b]) for b, groups in enumerate(parts) for _ in groups)
+    def per_part(flags: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
+        return None if flags is None else tuple(bool(flags[b]) for b, groups in enumerate(parts) for _ in groups)
+
     n = sum(len(l) for l in layers)
-    return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s, compressed).validate(n)
+    return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s, per_part(schedule.compressed),
+                    per_part(schedule.wire16)).validate(n)

@@ -468,3 +468,21 @@ def test_plan_record_reads_the_strategy_attributes():
     fresh = SimpleNamespace(installed_schedule=None, predicted_iteration_s=None, no_overlap_time_s=None,
                             calibration_ratio=1.0, contention=None, trial_results=[], replans_done=0)
     assert M.plan_record(fresh) == []
+
+
+def test_wire_suffix_selects_wire_dtype_and_its_uncompressed_counterpart():
+    sp = M.parse_strategy("pipedap-optimal@fp16")
+    assert (sp.family, sp.schedule, sp.compressor, sp.wire, sp.nice) == ("pipedap", "optimal", None, "fp16", 0)
+    assert sp.compression.startswith("fp16 wire format")
+    sp = M.parse_strategy("pipedap-dear@bf16@nice5")
+    assert (sp.schedule, sp.wire, sp.nice) == ("dear", "bf16", 5)
+    assert M.parse_strategy("pipedap-optimal").wire == "fp32"
+    assert M.uncompressed_name("pipedap-optimal@fp16") == "pipedap-optimal"
+    assert M.uncompressed_name("pipedap-dear@bf16@nice5") == "pipedap-dear@nice5"
+    assert M.uncompressed_name("pipedap-optimal@nice5") is None
+    assert "pipedap-optimal@fp16" in M.valid_strategies() and "pipedap-optimal@fp16" not in M.all_strategies()
+    with pytest.raises(ValueError, match=r"needs an uncompressed pipedap variant"):
+        M.parse_strategy("pipedap-optimal+fp16@fp16")
+    for bad in ("pipedap-optimal@fp16@fp16", "pipedap-optimal@fp8"):
+        with pytest.raises(ValueError, match=r"valid: @nice<N> with N in 1\.\.19, @fp16, @bf16"):
+            M.parse_strategy(bad)

@@ -22,6 +22,7 @@ PLANNED = Schedule(((0, 1), (2,), (3, 4)), (Op(RS, 2), Op(AR, 1), Op(RS, 0), Op(
     builtin_schedule("allreduce", [4, 4, 4], 4, compress_all=True),  # flags, no prediction
     PLANNED,  # flags and a prediction with all 17 digits
     Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), predicted_iteration_s=0.5),  # a prediction, no flags
+    Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), wire16=(True, False)),  # 16-bit wire flags
 ])
 def test_round_trip_through_json(schedule):
     d = schedule.to_dict()
@@ -30,13 +31,14 @@ def test_round_trip_through_json(schedule):
     assert back == schedule
     assert back.predicted_iteration_s == schedule.predicted_iteration_s
     assert back.compressed == schedule.compressed
+    assert back.wire16 == schedule.wire16
 
 
 def test_to_dict_is_plain_data():
     assert PLANNED.to_dict() == {
         "format": SCHEDULE_FORMAT, "version": 1, "name": "optimal", "buckets": [[0, 1], [2], [3, 4]],
         "ops": [["RS", 2], ["AR", 1], ["RS", 0], ["AG", 0], ["AG", 2]], "compressed": [False, True, False],
-        "predicted_iteration_s": 0.012345678901234567}
+        "predicted_iteration_s": 0.012345678901234567, "wire16": None}
 
 
 def test_optional_keys_take_their_defaults():

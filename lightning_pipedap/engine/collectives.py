@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -37,6 +37,9 @@ __all__ = [
     "broadcast_object",
     "native_reduce_scatter_",
     "native_all_gather_",
+    "reduce_scatter_wire_",
+    "all_gather_wire_",
+    "WIRE_DTYPES",
     "Heartbeat",
 ]
 
@@ -58,11 +61,27 @@ class CommGroup:
     world_size: int
     backend: str
     chunk_bytes: int = 2 << 20
+    # scratch tensors of the ring, by (role, dtype, device): reused across calls (see :meth:`scratch`)
+    _scratch: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def uses_ring(self) -> bool:
         """True when RS/AG run as the point-to-point ring (gloo), False for native collectives."""
         return self.backend == "gloo"
+
+    def scratch(self, role: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A 1-D scratch tensor of ``numel`` elements for the ring, kept and reused across calls.
+
+        Fresh receive buffers cost page faults on first touch (about a fifth of the ring's CPU time
+        per byte on a 1 Gbit/s link, BENCHMARKS.md); one buffer per ``role`` grows to the largest
+        size asked for and is reused. Only the thread that runs this group's collectives may use it
+        (the engine's communication worker), and no two live uses may share a ``role``.
+        """
+        key = (role, dtype, device)
+        buf = self._scratch.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
+        return buf[:numel]
 
 
 def is_initialized() -> bool:
@@ -103,11 +122,29 @@ def _pieces(numel: int, piece: int) -> list[slice]:
     return [slice(i, min(i + piece, numel)) for i in range(0, numel, piece)] or [slice(0, 0)]
 
 
-def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+#: 16-bit wire formats of the ring, by name (``wire_dtype`` of :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`)
+WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _wire(buf: torch.Tensor, wire: Optional[torch.dtype]) -> Optional[torch.dtype]:
+    """The wire dtype to use for ``buf``: ``wire`` when it is narrower than ``buf``'s dtype, else None (as is)."""
+    if wire is None or not buf.is_floating_point() or torch.finfo(wire).bits >= torch.finfo(buf.dtype).bits:
+        return None
+    return wire
+
+
+def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dtype] = None) -> torch.Tensor:
     """In-place ring reduce-scatter (sum) of a flat buffer.
 
     Args:
         buf: 1-D tensor of ``N·S`` elements (N = world size); segment ``r`` is ``buf[r·S:(r+1)·S]``.
+        comm: the group.
+        wire: optional 16-bit dtype (``torch.float16`` / ``torch.bfloat16``) of the bytes on the wire;
+            ignored unless narrower than ``buf``'s dtype. Each piece is cast into a wire-dtype send
+            buffer just before it is sent, received pieces are added into ``buf`` in ``buf``'s dtype
+            (fp32 accumulation), and at the end this rank's reduced segment is rounded to the wire
+            dtype in place, so it equals what :func:`ring_all_gather_` with the same ``wire`` delivers
+            to every rank (a gradient norm computed from the shards is that of the applied gradients).
 
     Returns:
         ``buf[rank·S:(rank+1)·S]``, which holds the element-wise sum over ranks of this segment.
@@ -115,62 +152,102 @@ def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
 
     Step ``s`` (0..N-2) sends segment ``(r-s-1) mod N`` to rank ``r+1`` and adds segment
     ``(r-s-2) mod N`` received from rank ``r-1``; a piece is forwarded as soon as it has been added,
-    so transfers of consecutive steps overlap.
+    so transfers of consecutive steps overlap. Receive (and wire send) buffers are the group's
+    scratch tensors (:meth:`CommGroup.scratch`), reused across calls.
+
+    Rounding with ``wire`` (unit round-off ``u``: 2^-11 fp16, 2^-8 bf16): every partial sum is
+    rounded once when it is sent and the result once at the end, so each element of the result is
+    within ``(N-1)·u·Σ_k |x_k| + u·|Σ_k x_k|`` (to first order) of the exact sum (N-1 hops plus the
+    final rounding); with N = 2: ``u·(|x_other| + |sum|)``. fp16 values beyond 65504 become ±inf.
     """
     n, r = comm.world_size, comm.rank
     seg = buf.view(n, -1)
+    wire = _wire(buf, wire)
     if n == 1:
+        if wire is not None:
+            seg[0].copy_(seg[0].to(wire))
         return seg[0]
     right, left = (r + 1) % n, (r - 1) % n
-    pieces = _pieces(seg.shape[1], max(1, comm.chunk_bytes // buf.element_size()))
-    tmp = (torch.empty_like(seg[0]), torch.empty_like(seg[0]))
+    S = seg.shape[1]
+    pieces = _pieces(S, max(1, comm.chunk_bytes // buf.element_size()))
+    rdtype = wire or buf.dtype
+    tmp = comm.scratch("rs_recv", 2 * S, rdtype, buf.device).view(2, S)
+    out = comm.scratch("rs_send", n * S, wire, buf.device).view(n, S) if wire is not None else seg
+    group, isend, irecv = comm.group, dist.isend, dist.irecv
     sends: list = []
-    prev = None  # (recv works, recv buffer, segment index) of the previous step
+    prev = None  # (recv works, recv views, views of the segment they are added into) of the previous step
     for s in range(n - 1):
         send_idx, recv_idx = (r - s - 1) % n, (r - s - 2) % n
-        rbuf = tmp[s % 2]
-        rworks = [dist.irecv(rbuf[p], src=left, group=comm.group) for p in pieces]
+        rbuf, dst, src = tmp[s % 2], seg[send_idx], out[send_idx]
+        rviews = [rbuf[p] for p in pieces]
+        rworks = [irecv(v, src=left, group=group) for v in rviews]
         for i, p in enumerate(pieces):
             if prev is not None:
                 prev[0][i].wait()
-                seg[prev[2]][p].add_(prev[1][p])
-            sends.append(dist.isend(seg[send_idx][p], dst=right, group=comm.group))
-        prev = (rworks, rbuf, recv_idx)
-    for i, p in enumerate(pieces):
-        prev[0][i].wait()
-        seg[prev[2]][p].add_(prev[1][p])
+                prev[2][i].add_(prev[1][i])
+            if wire is not None:
+                src[p].copy_(dst[p])  # cast on the fly: this piece's partial sum, rounded once
+            sends.append(isend(src[p], dst=right, group=group))
+        prev = (rworks, rviews, [seg[recv_idx][p] for p in pieces])
+    for w, v, d in zip(*prev):
+        w.wait()
+        d.add_(v)
     for w in sends:
         w.wait()
+    if wire is not None:  # round the own segment through its (never sent) slot of the wire buffer: no allocation
+        out[r].copy_(seg[r])
+        seg[r].copy_(out[r])
     return seg[r]
 
 
-def ring_all_gather_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
+def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dtype] = None) -> torch.Tensor:
     """In-place ring all-gather of a flat buffer whose own segment ``r`` is filled.
 
     Args:
         buf: 1-D tensor of ``N·S`` elements; on entry segment ``rank`` holds this rank's data.
+        comm: the group.
+        wire: optional 16-bit dtype of the bytes on the wire (ignored unless narrower than ``buf``'s):
+            the own segment is cast once into a wire-dtype staging buffer and rounded in place to
+            what is sent, received pieces land in the staging buffer (forwarded from there as is) and
+            are widened into ``buf``; every rank ends with byte-identical ``buf``.
 
     Returns:
         ``buf``, with every segment ``k`` equal to rank ``k``'s segment.
     """
     n, r = comm.world_size, comm.rank
     seg = buf.view(n, -1)
+    wire = _wire(buf, wire)
     if n == 1:
+        if wire is not None:
+            seg[0].copy_(seg[0].to(wire))
         return buf
     right, left = (r + 1) % n, (r - 1) % n
-    pieces = _pieces(seg.shape[1], max(1, comm.chunk_bytes // buf.element_size()))
+    S = seg.shape[1]
+    pieces = _pieces(S, max(1, comm.chunk_bytes // buf.element_size()))
+    stage = seg
+    if wire is not None:
+        stage = comm.scratch("ag_stage", n * S, wire, buf.device).view(n, S)
+        stage[r].copy_(seg[r])
+        seg[r].copy_(stage[r])  # the owner keeps what the others receive
+    group, isend, irecv = comm.group, dist.isend, dist.irecv
     sends: list = []
-    prev = None
+    prev = None  # (recv works, staging views, views of buf they widen into) of the previous step
     for s in range(n - 1):
         send_idx, recv_idx = (r - s) % n, (r - s - 1) % n
-        rworks = [dist.irecv(seg[recv_idx][p], src=left, group=comm.group) for p in pieces]
+        rviews = [stage[recv_idx][p] for p in pieces]
+        rworks = [irecv(v, src=left, group=group) for v in rviews]
+        src = stage[send_idx]
         for i, p in enumerate(pieces):
             if prev is not None:
-                prev[i].wait()
-            sends.append(dist.isend(seg[send_idx][p], dst=right, group=comm.group))
-        prev = rworks
-    for w in prev:
+                prev[0][i].wait()
+                if wire is not None:
+                    prev[2][i].copy_(prev[1][i])
+            sends.append(isend(src[p], dst=right, group=group))
+        prev = (rworks, rviews, [seg[recv_idx][p] for p in pieces])
+    for w, v, d in zip(*prev):
         w.wait()
+        if wire is not None:
+            d.copy_(v)
     for w in sends:
         w.wait()
     return buf
@@ -203,6 +280,34 @@ def reduce_scatter_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
 def all_gather_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     """All-gather of every rank's segment of ``buf`` into the whole of ``buf``."""
     return ring_all_gather_(buf, comm) if comm.uses_ring else native_all_gather_(buf, comm)
+
+
+def reduce_scatter_wire_(buf: torch.Tensor, comm: CommGroup, wire: torch.dtype) -> torch.Tensor:
+    """:func:`reduce_scatter_` with a 16-bit wire format (see :func:`ring_reduce_scatter_`).
+
+    On the native backends (NCCL) the whole buffer is cast to ``wire`` and reduce-scattered in it (the
+    backend's own accumulation, not fp32), and the reduced segment is widened back into ``buf``.
+    """
+    if comm.uses_ring:
+        return ring_reduce_scatter_(buf, comm, wire)
+    if _wire(buf, wire) is None:
+        return native_reduce_scatter_(buf, comm)
+    low = buf.to(wire)
+    out = native_reduce_scatter_(low, comm)
+    seg = buf.view(comm.world_size, -1)[comm.rank]
+    seg.copy_(out)
+    return seg
+
+
+def all_gather_wire_(buf: torch.Tensor, comm: CommGroup, wire: torch.dtype) -> torch.Tensor:
+    """:func:`all_gather_` with a 16-bit wire format (see :func:`ring_all_gather_`)."""
+    if comm.uses_ring:
+        return ring_all_gather_(buf, comm, wire)
+    if _wire(buf, wire) is None:
+        return native_all_gather_(buf, comm)
+    low = buf.to(wire)
+    native_all_gather_(low, comm)
+    return buf.copy_(low)
 
 
 def all_reduce_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:

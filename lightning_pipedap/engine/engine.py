@@ -57,14 +57,22 @@ class CommEngine:
             helper process (``pipeline.mode == "process"``) the bucket is submitted as soon as its
             gradients are complete; inline it is compressed by this worker at the op's slot, on the
             communication channel, so it never stalls the backward pass.
+        wire_dtype: ``"fp32"`` (default), ``"fp16"`` or ``"bf16"``: the wire format of the buckets
+            flagged in ``schedule.wire16`` (their RS/AG cast each piece in the send path and sum in
+            fp32; :class:`~lightning_pipedap.engine.transport.DenseTransport`); the other buckets
+            travel in their own dtype.
 
     Raises:
-        ValueError: if the schedule does not partition ``params`` or is not executable.
+        ValueError: if the schedule does not partition ``params`` or is not executable, or flags
+            ``wire16`` buckets while ``wire_dtype`` is ``"fp32"`` (the message names the choices).
     """
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
-                 transport_factory=None) -> None:
+                 transport_factory=None, wire_dtype: str = "fp32") -> None:
         schedule.validate(len(params))
+        if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
+            raise ValueError(f"schedule {schedule.name!r} sends {schedule.num_wire16} bucket(s) in the 16-bit wire "
+                             f"format but wire_dtype={wire_dtype!r}; valid: {', '.join(map(repr, C.WIRE_DTYPES))}")
         self.comm = comm
         self.schedule = schedule
         self.wait_timeout_s = float(wait_timeout_s)
@@ -78,8 +86,10 @@ class CommEngine:
         #: the compressed transport (None when no bucket is compressed)
         self.transport = transport_factory(self.buckets) if wants else None
         dense = DenseTransport(comm)
+        half = DenseTransport(comm, C.WIRE_DTYPES[wire_dtype]) if schedule.num_wire16 else dense
         self._transports: list[Transport] = [
-            self.transport if self.transport is not None and schedule.is_compressed(b) else dense
+            self.transport if self.transport is not None and schedule.is_compressed(b)
+            else half if schedule.is_wire16(b) else dense
             for b in range(len(self.buckets))]
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)

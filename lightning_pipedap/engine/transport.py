@@ -3,7 +3,8 @@
 The worker thread walks the schedule's op list and hands each op to the transport of its bucket:
 
 - :class:`DenseTransport`: the op as it is: reduce-scatter, all-gather or all-reduce of the flat
-  bucket buffer (``engine.collectives``).
+  bucket buffer (``engine.collectives``); with a 16-bit wire dtype (buckets flagged ``wire16`` in
+  the schedule) the RS and AG cast in the send path and an AR runs as that RS then that AG.
 - :class:`~lightning_pipedap.engine.compressed.CompressedTransport`: the bucket's whole compressed
   reduction at its reduce-scatter or all-reduce op; its all-gather op then has nothing to do.
 
@@ -15,6 +16,8 @@ whole bucket is; ``None``: nothing was done (the all-gather of a compressed buck
 from __future__ import annotations
 
 from typing import Optional, Protocol
+
+import torch
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
@@ -39,22 +42,31 @@ class DenseTransport:
 
     Args:
         comm: the engine's dedicated :class:`~lightning_pipedap.engine.collectives.CommGroup`.
+        wire: None (the buffer's own dtype on the wire) or a 16-bit dtype (``torch.float16``,
+            ``torch.bfloat16``): see :func:`~lightning_pipedap.engine.collectives.ring_reduce_scatter_`.
     """
 
-    def __init__(self, comm: C.CommGroup) -> None:
+    def __init__(self, comm: C.CommGroup, wire: Optional[torch.dtype] = None) -> None:
         self.comm = comm
+        self.wire = wire
 
     def ready(self, bucket: FlatBucket) -> None:
         """Nothing to do: the worker reads the buffer when it reaches the op."""
 
     def run(self, kind: OpKind, bucket: FlatBucket) -> OpKind:
         """Reduce-scatter, all-gather or all-reduce ``bucket.buffer`` in place (``[N·S]`` elements)."""
-        if kind is OpKind.REDUCE_SCATTER:
-            C.reduce_scatter_(bucket.buffer, self.comm)
+        buf, comm, wire = bucket.buffer, self.comm, self.wire
+        if wire is not None:
+            if kind is not OpKind.ALL_GATHER:
+                C.reduce_scatter_wire_(buf, comm, wire)
+            if kind is not OpKind.REDUCE_SCATTER:
+                C.all_gather_wire_(buf, comm, wire)
+        elif kind is OpKind.REDUCE_SCATTER:
+            C.reduce_scatter_(buf, comm)
         elif kind is OpKind.ALL_GATHER:
-            C.all_gather_(bucket.buffer, self.comm)
+            C.all_gather_(buf, comm)
         else:
-            C.all_reduce_(bucket.buffer, self.comm)
+            C.all_reduce_(buf, comm)
         return kind
 
     def close(self) -> None:

@@ -66,7 +66,8 @@ def lower_bounds(profile: ModelProfile, cost_model: CostModel, schedule: Schedul
         schedule: when given, the bounds use this schedule's buckets, ops and compressed flags (a
             bound for *this* schedule); when ``None``, the least communication any schedule could
             have (a bound for *every* schedule, the reference for a planner's gap), including
-            schedules that compress any buckets when ``compression`` is given.
+            schedules that compress any buckets when ``compression`` is given; schedules with
+            16-bit wire buckets are not covered by it (they move fewer bytes).
         channels: 1 or 2; with 2 the communication in a window is divided between the channels
             (busiest channel for a given schedule, half of the least total otherwise).
         compression: the compression cost (required when the schedule flags compressed buckets).
@@ -99,7 +100,7 @@ def lower_bounds(profile: ModelProfile, cost_model: CostModel, schedule: Schedul
     else:
         schedule.validate(L)
         ev = Evaluator(profile, cost_model, schedule.buckets, channels, compressed=schedule.compressed,
-                       compression=compression, world_size=world_size)
+                       compression=compression, world_size=world_size, wire16=schedule.wire16)
         per_bucket = [[0.0, 0.0] for _ in range(ev.B)]
         for op in schedule.ops:
             c = op_code(op)

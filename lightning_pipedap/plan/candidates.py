@@ -16,7 +16,9 @@ Candidate order (first ``k`` distinct schedules):
 3. ``wfbp`` with the same fusion (the DDP-like baseline, one all-reduce per bucket in backward);
 4. the other planners with model-chosen fusion, in order of predicted iteration time.
 
-Two schedules are the same candidate when their buckets, op lists and compression flags agree.
+Two schedules are the same candidate when their buckets, op lists, compression and 16-bit wire flags
+agree. With ``wire16`` the configured planner's schedule keeps its own per-bucket choice and every
+other candidate sends every uncompressed bucket 16-bit (:func:`wire16_everywhere`).
 """
 
 from __future__ import annotations
@@ -28,21 +30,32 @@ from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Schedule
 
-__all__ = ["trial_candidates"]
+__all__ = ["trial_candidates", "wire16_everywhere"]
 
 #: planners tried with their own (model-chosen) fusion after the fixed-fusion candidates
 _AUTO_FUSION_PLANNERS: tuple[str, ...] = ("pipedap", "optimal", "dear", "wfbp")
 
 
 def _key(s: Schedule) -> tuple:
-    return (s.buckets, tuple((o.kind, o.bucket) for o in s.ops), s.compressed)
+    return (s.buckets, tuple((o.kind, o.bucket) for o in s.ops), s.compressed, s.wire16)
+
+
+def wire16_everywhere(profile: ModelProfile, cost_model: CostModel, schedule: Schedule,
+                      compression: CompressionCost | None = None) -> Schedule:
+    """``schedule`` with every uncompressed bucket in the 16-bit wire format, re-predicted by the simulator
+    (the fixed-idea planners' way of using the wire format, as they compress every bucket)."""
+    flags = tuple(not schedule.is_compressed(b) for b in range(len(schedule.buckets)))
+    out = dataclasses.replace(schedule, wire16=flags if any(flags) else None)
+    return dataclasses.replace(out, predicted_iteration_s=simulate(profile, cost_model, out,
+                                                                   compression=compression).iteration_s)
 
 
 def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: int, planned: Schedule, *,
                      cap_bytes: int, k: int, compression: CompressionCost | None = None,
-                     exclude: Sequence[str] = ("no_overlap",)) -> list[Schedule]:
+                     exclude: Sequence[str] = ("no_overlap",), wire16: bool = False) -> list[Schedule]:
     """The first ``k`` distinct candidate schedules, ``planned`` first (see the module docstring).
 
     Args:
@@ -55,6 +68,8 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
         k: number of candidates wanted (>= 1); fewer are returned when fewer are distinct.
         compression: compression cost passed to every planner (``None``: dense).
         exclude: planner names never used as candidates.
+        wire16: the 16-bit wire format is allowed: ``optimal`` chooses it per bucket, the other
+            planners' schedules get it on every bucket (:func:`wire16_everywhere`).
 
     Returns:
         Schedules over the profile's layers, each with ``predicted_iteration_s`` set; fixed-fusion
@@ -71,6 +86,8 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
     seen = {_key(planned)}
 
     def add(s: Schedule) -> None:
+        if wire16 and s.name.split("@")[0] != "optimal":
+            s = wire16_everywhere(profile, cost_model, s, compression)
         if len(out) < k and _key(s) not in seen:
             seen.add(_key(s))
             out.append(s)
@@ -85,7 +102,8 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
     for name in _AUTO_FUSION_PLANNERS:
         if len(out) >= k or name in exclude or name == planned.name:  # the planned one is already candidate 0
             continue
-        auto.append(get_planner(name)(profile, cost_model, world_size, compression=compression))
+        kw = {"wire16": True} if wire16 and name == "optimal" else {}
+        auto.append(get_planner(name)(profile, cost_model, world_size, compression=compression, **kw))
     for s in sorted(auto, key=lambda s: s.predicted_iteration_s if s.predicted_iteration_s is not None else float("inf")):
         add(s)
     return out

@@ -322,7 +322,7 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
         raise TypeError(f"contention must be a Contention, got {type(contention).__name__}")
     schedule.validate(profile.num_layers)
     ev = Evaluator(profile, cost_model, schedule.buckets, channels, compressed=schedule.compressed,
-                   compression=compression, world_size=world_size)
+                   compression=compression, world_size=world_size, wire16=schedule.wire16)
     s_m, s_c, delta = contention.comm_slowdown, contention.compute_slowdown, contention.op_overhead_s
     rate_m_loaded = 1.0 / (1.0 + s_m)
     B, L = ev.B, profile.num_layers

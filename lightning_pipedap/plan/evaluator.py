@@ -21,8 +21,14 @@ from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.profile import ModelProfile
 from lightning_pipedap.schedule import Op, OpKind
 
-__all__ = ["Evaluator", "Interval", "K_AG", "K_AR", "K_RS", "K_SKIP", "OpTiming", "check_channels", "check_flags",
-           "code_op", "op_code"]
+__all__ = ["Evaluator", "Interval", "K_AG", "K_AR", "K_RS", "K_SKIP", "OpTiming", "WIRE16_RATIO", "check_channels",
+           "check_flags", "code_op", "op_code"]
+
+#: bytes on the wire per gradient byte of a bucket in the 16-bit wire format: 2-byte elements for the
+#: 4-byte fp32 gradients the profile's ``nbytes`` count (the ring casts in its send path, so a 16-bit
+#: bucket's RS and AG each move half the bytes: ``T(n) = alpha + beta * n / 2``; the cast's CPU time,
+#: ~0.1 ms/MiB against ~8 ms/MiB of transfer at 1 Gbit/s, is not modelled)
+WIRE16_RATIO = 0.5
 
 _KIND_OF_CODE: tuple[OpKind, ...] = tuple(OpKind)
 _CODE_OF_KIND = {k: i for i, k in enumerate(_KIND_OF_CODE)}
@@ -97,6 +103,9 @@ class Evaluator:
         compression: the compression cost; required when a flag is set.
         world_size: number of ranks, needed by ``collective="AG"`` compression; default
             ``cost_model.meta["world_size"]``.
+        wire16: optional per-bucket flags: the bucket's RS and AG move ``WIRE16_RATIO`` of its bytes
+            (``T_RS(n/2)``, ``T_AG(n/2)``) and its AR is that RS then that AG (the engine runs it so);
+            None: no bucket. A bucket may not be both compressed and wire16.
 
     Attributes:
         ready: ``ready[b]``, seconds after the backward start at which bucket ``b``'s first channel
@@ -107,6 +116,7 @@ class Evaluator:
         nbytes: bytes per bucket.
         payload: payload bytes per bucket (compressed buckets), else ``None``.
         compressed: the flags, one bool per bucket.
+        wire16: the 16-bit wire flags, one bool per bucket.
         helper: ``(bucket, start, end)`` of each helper-lane compression, backward-start frame,
             in helper order.
         t_backward: Σ t_b (the next forward can start then).
@@ -123,7 +133,8 @@ class Evaluator:
 
     def __init__(self, profile: ModelProfile, cost_model: CostModel, buckets: Sequence[Sequence[int]],
                  channels: int = 1, *, compressed: Sequence[bool] | None = None,
-                 compression: CompressionCost | None = None, world_size: int | None = None) -> None:
+                 compression: CompressionCost | None = None, world_size: int | None = None,
+                 wire16: Sequence[bool] | None = None) -> None:
         self.channels = check_channels(channels)
         L = profile.num_layers
         buckets = tuple(tuple(int(i) for i in bk) for bk in buckets)
@@ -144,6 +155,11 @@ class Evaluator:
         self.B = len(buckets)
         flags = check_flags(compressed, self.B, compression, L)
         self.compressed, self.compression = flags, compression
+        half = check_flags(wire16, self.B, None, L, "wire16")
+        both = [b for b in range(self.B) if half[b] and flags[b]]
+        if both:
+            raise ValueError(f"buckets {both[:10]} are flagged both compressed and wire16; flag one or the other")
+        self.wire16 = half
         if world_size is None:
             world_size = cost_model.meta.get("world_size")
         self.world_size = world_size
@@ -170,6 +186,11 @@ class Evaluator:
                 c = compression.channel_s(cost_model, n, buckets[b], world_size)
                 cost += [c, 0.0, c]
                 kind += [K_AR, K_SKIP, K_AR]
+            elif half[b]:
+                w = WIRE16_RATIO * n
+                rs, ag = cost_model.reduce_scatter(w), cost_model.all_gather(w)
+                cost += [rs, ag, rs + ag]
+                kind += [K_RS, K_AG, K_AR]
             else:
                 cost += [cost_model.reduce_scatter(n), cost_model.all_gather(n), cost_model.all_reduce(n)]
                 kind += [K_RS, K_AG, K_AR]
@@ -310,8 +331,9 @@ class Evaluator:
 
 
 def check_flags(compressed: Sequence[bool] | None, num_buckets: int, compression: CompressionCost | None,
-                 num_layers: int) -> tuple[bool, ...]:
-    """Validate per-bucket compression flags; return them as a tuple (all False for None)."""
+                num_layers: int, what: str = "compressed") -> tuple[bool, ...]:
+    """Validate per-bucket flags (``what``: ``"compressed"`` or ``"wire16"``); return them as a tuple (all False
+    for None). Compressed flags need a ``compression``; wire16 flags need nothing."""
     if compression is not None:
         if not isinstance(compression, CompressionCost):
             raise TypeError(f"compression must be a CompressionCost, got {type(compression).__name__}")
@@ -320,10 +342,10 @@ def check_flags(compressed: Sequence[bool] | None, num_buckets: int, compression
         return (False,) * num_buckets
     flags = tuple(compressed)
     if len(flags) != num_buckets:
-        raise ValueError(f"compressed has {len(flags)} flags for {num_buckets} buckets; give one bool per bucket")
+        raise ValueError(f"{what} has {len(flags)} flags for {num_buckets} buckets; give one bool per bucket")
     if any(not isinstance(f, bool) for f in flags):
-        raise ValueError(f"compressed flags must be bools, got {[f for f in flags if not isinstance(f, bool)][0]!r}")
-    if any(flags) and compression is None:
+        raise ValueError(f"{what} flags must be bools, got {[f for f in flags if not isinstance(f, bool)][0]!r}")
+    if what == "compressed" and any(flags) and compression is None:
         raise ValueError(f"buckets {[b for b, f in enumerate(flags) if f][:10]} are flagged compressed but no "
                          "compression cost was given; pass compression=CompressionCost(...)")
     return flags

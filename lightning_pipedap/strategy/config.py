@@ -24,6 +24,9 @@ PER_RANK_OPTIONS = ("cost_model", "cost_model_cache", "train_thread_nice", "comp
 DeferUpdate = Union[bool, Literal["auto"]]
 CompressionMode = Literal["process", "inline"]
 NonFinite = Literal["warn", "raise", "skip", "ignore"]
+WireDtype = Literal["fp32", "fp16", "bf16"]
+#: valid values of ``wire_dtype``
+WIRE_DTYPE_CHOICES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 #: valid values of ``nonfinite``
 NONFINITE_CHOICES: tuple[str, ...] = ("warn", "raise", "skip", "ignore")
 
@@ -146,6 +149,16 @@ class PipeDAPConfig:
             its gradients are complete (PipeCompress, ICC 2022); ``"inline"``: in the communication
             worker, at the bucket's slot in the op list.
         compression_threads: torch threads of the helper process (>= 1).
+        wire_dtype: element format of fp32 gradients on the wire of the engine's dense reduce-scatter
+            and all-gather: ``"fp32"`` (default, as is); ``"fp16"`` or ``"bf16"``: each ring piece is
+            cast in the send path (no helper process, no extra copy of the bucket) and summed in fp32,
+            halving the bytes; the reduced shard is rounded to the wire format by its owner, so every
+            rank applies byte-identical gradients and a norm computed from the shards is that of the
+            applied gradients. ``optimal`` sends a bucket 16-bit only where the α-β model predicts a
+            shorter iteration (β·bytes/2; fp32 where communication is hidden anyway); the fixed
+            planners send every bucket 16-bit. fp16 overflows beyond 65504 to inf (``nonfinite``
+            sees it); bf16 keeps fp32's range with 8 bits of mantissa. Not with ``compression`` (the
+            ``"fp16"`` compressor is the helper-process form of the same idea).
         nonfinite: what a step whose *averaged* gradients hold NaN or inf does. The decision is taken
             from the reduced buckets, which are identical on every rank (a NaN on one rank is in the
             reduced sum of all), so every rank decides alike with no extra collective. ``"warn"``
@@ -192,6 +205,7 @@ class PipeDAPConfig:
     compression_kwargs: dict[str, Any] = field(default_factory=dict)
     compression_mode: CompressionMode = "process"
     compression_threads: int = 1
+    wire_dtype: WireDtype = "fp32"
     plan_trials: int = 4
     trial_steps: int = 3
     trial_rounds: int = 2
@@ -223,6 +237,12 @@ class PipeDAPConfig:
         if not isinstance(self.nonfinite, str) or self.nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE_CHOICES))}, "
                              f"got {self.nonfinite!r}")
+        if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_CHOICES:
+            raise ValueError(f"wire_dtype must be one of {', '.join(map(repr, WIRE_DTYPE_CHOICES))}, "
+                             f"got {self.wire_dtype!r}")
+        if self.wire_dtype != "fp32" and self.compression is not None:
+            raise ValueError(f"wire_dtype={self.wire_dtype!r} and compression={self.compression!r} exclude each other: "
+                             "choose the 16-bit wire format (cast in the ring, per bucket) or a compressor")
         if self.check_params_every_n_steps is not None:
             _integer("check_params_every_n_steps", self.check_params_every_n_steps, 1, note=" or None (off)")
         if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:

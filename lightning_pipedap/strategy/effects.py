@@ -53,7 +53,8 @@ class RunEffects:
     def install_fixed(self) -> None:
         rt = self.rt
         cfg = rt.config
-        rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression)), rt.owners, final=True)
+        rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression), cfg.wire_dtype != "fp32"),
+                   rt.owners, final=True)
 
     def start_profiling(self) -> None:
         """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group."""
@@ -78,7 +79,7 @@ class RunEffects:
         cfg = rt.config
         checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
         if rt.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
-                and not checks:
+                and cfg.wire_dtype == "fp32" and not checks:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
             unused = rt.saw_unused or any(o is None for o in rt.owners)

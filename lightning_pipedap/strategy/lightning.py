@@ -62,7 +62,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         schedule, bucket_cap_mb, defer_update, warmup_steps, wait_timeout_s, ring_chunk_mb,
             deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
-            compression_kwargs, compression_mode, compression_threads, plan_trials, trial_steps,
+            compression_kwargs, compression_mode, compression_threads, wire_dtype, plan_trials, trial_steps,
             trial_rounds, trial_window_s, torch_ddp_candidate, model_contention, nonfinite,
             check_params_every_n_steps: the options, validated into :attr:`config`, a
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
@@ -116,6 +116,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         compression_kwargs: Optional[dict[str, Any]] = None,
         compression_mode: str = "process",
         compression_threads: int = 1,
+        wire_dtype: str = "fp32",
         plan_trials: int = 4,
         trial_steps: int = 3,
         trial_rounds: int = 2,

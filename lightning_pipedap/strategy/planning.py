@@ -18,7 +18,7 @@ import torch
 
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
-from lightning_pipedap.plan.candidates import trial_candidates
+from lightning_pipedap.plan.candidates import trial_candidates, wire16_everywhere
 from lightning_pipedap.probe.alpha_beta import measure_cost_model
 from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
@@ -145,14 +145,25 @@ class Planning:
             layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self.layers]
             profile = merge_steps(model_name, layer_names, layer_bytes, self._profiled, self._t_updates)
             planner = get_planner(PLANNED[cfg.schedule])
+            wire16 = cfg.wire_dtype != "fp32"
             schedule = planner(profile, self.cost_model, self.world_size)
+            if wire16:
+                fp32_s = schedule.predicted_iteration_s
+                if PLANNED[cfg.schedule] == "optimal":  # per bucket
+                    schedule = planner(profile, self.cost_model, self.world_size, wire16=True)
+                else:
+                    schedule = wire16_everywhere(profile, self.cost_model, schedule)
+                self.info(f"pipedap: {schedule.num_wire16} of {len(schedule.buckets)} buckets {cfg.wire_dtype} on the "
+                          f"wire; predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
+                          f"{fp32_s * 1e3:.1f} ms all fp32 (same profile and α-β model)")
             candidates = [schedule]
             if cfg.compression:
                 shapes = [[tuple(params[i].shape) for i in l] for l in self.layers]
                 candidates = [self._plan_compression(planner, profile, schedule, shapes)]
             elif cfg.plan_trials > 1:
                 candidates = trial_candidates(profile, self.cost_model, self.world_size, schedule,
-                                              cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=cfg.plan_trials)
+                                              cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=cfg.plan_trials,
+                                              wire16=wire16)
             candidates = [self._predict(profile, c) for c in candidates]
             no_overlap = [profile.t_compute + profile.t_update + sum(
                 self.cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in c.buckets) for c in candidates]

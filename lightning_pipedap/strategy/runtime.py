@@ -219,11 +219,11 @@ class Runtime:
         return self.tset.engine_info(engine or self.engine)
 
     # ------------------------------------------------------------------ engines
-    def builtin(self, order: list[int], name: str, compress_all: bool = False) -> Schedule:
+    def builtin(self, order: list[int], name: str, compress_all: bool = False, wire16_all: bool = False) -> Schedule:
         params = [self.params[i] for i in order]
         return builtin_schedule(name, [p.numel() * p.element_size() for p in params],
                                 int(self.config.bucket_cap_mb * 2**20), [(p.dtype, p.device) for p in params],
-                                compress_all=compress_all)
+                                compress_all=compress_all, wire16_all=wire16_all)
 
     def install(self, order: list[int], schedule: Schedule, owners: Optional[list[Optional[torch.nn.Module]]],
                 final: bool = False) -> None:
@@ -237,7 +237,8 @@ class Runtime:
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params  # (engine order: what the consumer trace watches)
         factory = self._compression_factory() if final and self.config.compression else None
-        self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory)
+        self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory,
+                                 wire_dtype=self.config.wire_dtype)
         self.engine.timeline_enabled = self.timeline()
         self.engine.context = self.describe_step
         self.engine.peers = self.heartbeat.describe if self.heartbeat is not None else None

@@ -36,6 +36,9 @@ through Lightning (``Trainer.fit``) with the same lean LightningModule (loss onl
   helper process (``compression_mode="process"``, pipelined with backward) or, with ``:inline``, in the
   trainer (``compression_mode="inline"``). ``--strategies all`` runs ``pipedap-optimal+<c>`` (pipelined)
   for every ``c`` in ``--compressors`` (default ``fp16,powersgd,topk``); inline variants run when named.
+* ``pipedap-<schedule>@fp16`` / ``@bf16``: ``wire_dtype="fp16"`` / ``"bf16"``: the 16-bit wire format of
+  the engine's ring (gradients cast in the send path, summed in fp32; ``optimal`` chooses it per bucket),
+  run when named (the counterpart of ``ddp+fp16hook`` without DDP's extra fp16 copy and fp16 sums).
 
 Per variant: median *iteration time* (start-to-start of training batches, ``on_train_batch_start``, after
 ``--warmup`` steps, over ``--steps`` steps), energy per iteration (an *estimate*: ``--watts`` x CPU-seconds

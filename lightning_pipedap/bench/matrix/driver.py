@@ -19,7 +19,7 @@ from lightning_pipedap.bench.matrix.results import CellResult, combine
 from lightning_pipedap.bench.matrix.spec import (COMPRESS_SEP, COMPRESSOR_KWARGS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS,
                                                  MODELS, NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS, PRESETS,
                                                  QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS, TRIAL_ROUNDS,
-                                                 TRIAL_STEPS, compressor_names, valid_strategies)
+                                                 TRIAL_STEPS, WIRE_SUFFIXES, compressor_names, valid_strategies)
 
 #: the module every rank runs (``python -m <this> --worker <spec JSON>``)
 WORKER_MODULE = "lightning_pipedap.bench.matrix"
@@ -85,8 +85,9 @@ def print_list(compressors: Sequence[str]) -> None:
     print("links:", ", ".join(LINKS))
     print("strategies:", ", ".join(valid_strategies(compressors)))
     print(f"  (also any {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>[{INLINE_SUFFIX}]; "
-          f"'all' = the above without {INLINE_SUFFIX}; any pipedap form may end in {NICE_SUFFIX}<N>, "
-          f"N in 1..19: train_thread_nice=N)")
+          f"'all' = the above without {INLINE_SUFFIX} and {'/'.join(WIRE_SUFFIXES)}; any pipedap form may end in "
+          f"{NICE_SUFFIX}<N>, N in 1..19: train_thread_nice=N; an uncompressed one in {' or '.join(WIRE_SUFFIXES)}: "
+          f"wire_dtype)")
     print("compressors:", ", ".join(compressor_names()),
           f"(kwargs: {'; '.join(f'{k} {v}' for k, v in COMPRESSOR_KWARGS.items())})")
 

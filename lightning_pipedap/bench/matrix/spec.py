@@ -40,6 +40,8 @@ COMPRESS_SEP = "+"
 INLINE_SUFFIX = ":inline"
 #: ``pipedap-...@nice<N>``: ``PipeDAPStrategy(train_thread_nice=N)`` (communication threads first)
 NICE_SUFFIX = "@nice"
+#: ``pipedap-...@fp16`` / ``@bf16``: ``PipeDAPStrategy(wire_dtype=...)`` (16-bit wire format of the ring)
+WIRE_SUFFIXES = ("@fp16", "@bf16")
 #: compressors that ``--strategies all`` pairs with the default schedule (``--compressors`` default)
 DEFAULT_COMPRESSORS = ("fp16", "powersgd", "topk")
 #: keyword arguments of ``PipeDAPStrategy(compression_kwargs=...)`` per compressor (others: defaults)
@@ -95,6 +97,7 @@ class StrategySpec:
         compressor: pipedap compressor name, or ``None`` (uncompressed / not pipedap).
         mode: ``"process"`` (helper process, pipelined) or ``"inline"`` for compressed pipedap, else ``None``.
         nice: pipedap's ``train_thread_nice`` (``@nice<N>`` suffix), 0 = off.
+        wire: pipedap's ``wire_dtype`` (``@fp16`` / ``@bf16`` suffix; ``"fp32"`` without).
     """
 
     name: str
@@ -103,12 +106,15 @@ class StrategySpec:
     compressor: Optional[str] = None
     mode: Optional[str] = None
     nice: int = 0
+    wire: str = "fp32"
 
     @property
     def compression(self) -> str:
         """Human description of the compression (``""`` when none), e.g. ``"powersgd rank=4 start_step=2, helper process"``."""
         if self.family == "ddp_hook":
             return DDP_HOOKS[self.name]
+        if self.wire != "fp32":
+            return f"{self.wire} wire format (cast in the ring's send path, fp32 sums)"
         if self.compressor is None:
             return ""
         kw = " ".join(f"{k}={v}" for k, v in COMPRESSOR_KWARGS.get(self.compressor, {}).items())
@@ -121,13 +127,15 @@ def strategy_forms() -> str:
     return (f"{', '.join(BASE_STRATEGIES + tuple(DDP_HOOKS))}, {PIPEDAP_PREFIX}<schedule> "
             f"(schedules: {', '.join(pipedap_schedules())}), {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>"
             f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
-            f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19)")
+            f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19) and an uncompressed one in {' or '.join(WIRE_SUFFIXES)} "
+            f"(wire_dtype)")
 
 
 def parse_strategy(name: str) -> StrategySpec:
     """Take a strategy name apart: ``ddp``, ``ddp_tuned``, ``fsdp2``, ``ddp+fp16hook``, ``ddp+powersgdhook``,
     ``pipedap-<schedule>``, ``pipedap-<schedule>+<compressor>`` (helper process) or
-    ``pipedap-<schedule>+<compressor>:inline``, each pipedap form optionally followed by ``@nice<N>``.
+    ``pipedap-<schedule>+<compressor>:inline``, each pipedap form optionally followed by ``@nice<N>``, an
+    uncompressed one also by ``@fp16`` or ``@bf16`` (``wire_dtype``), e.g. ``pipedap-optimal@fp16@nice5``.
 
     Raises:
         ValueError: an unknown name, schedule, compressor or suffix; the message names the bad part
@@ -139,15 +147,22 @@ def parse_strategy(name: str) -> StrategySpec:
         return StrategySpec(name, "ddp_hook")
     if not name.startswith(PIPEDAP_PREFIX):
         raise ValueError(f"unknown strategy {name!r}; valid: {strategy_forms()} (or 'all')")
-    rest, at, nice_text = name[len(PIPEDAP_PREFIX):].partition("@")
-    nice = 0
-    if at:
-        digits = nice_text[len(NICE_SUFFIX) - 1:] if nice_text.startswith(NICE_SUFFIX[1:]) else ""
+    rest, *suffixes = name[len(PIPEDAP_PREFIX):].split("@")
+    nice, wire = 0, "fp32"
+    for text in suffixes:
+        if "@" + text in WIRE_SUFFIXES and wire == "fp32":
+            wire = text
+            continue
+        digits = text[len(NICE_SUFFIX) - 1:] if text.startswith(NICE_SUFFIX[1:]) and not nice else ""
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
-            raise ValueError(f"bad suffix {'@' + nice_text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19")
+            raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19, "
+                             f"{', '.join(WIRE_SUFFIXES)} (each at most once)")
         nice = int(digits)
     spec = _parse_pipedap(name, rest)
-    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice)
+    if wire != "fp32" and spec.compressor is not None:
+        raise ValueError(f"strategy {name!r}: a wire format suffix ({', '.join(WIRE_SUFFIXES)}) needs an uncompressed "
+                         "pipedap variant (wire_dtype and compression exclude each other)")
+    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire)
 
 
 def _parse_pipedap(name: str, rest: str) -> StrategySpec:
@@ -208,9 +223,11 @@ def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[st
 
 
 def valid_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
-    """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline`` (for ``--list``; any
-    other ``pipedap-<schedule>+<compressor>[:inline]`` is accepted too, see :func:`parse_strategy`)."""
-    return all_strategies(compressors) + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
+    """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline`` and the 16-bit wire forms
+    ``pipedap-optimal@fp16`` / ``@bf16`` (for ``--list``; any other ``pipedap-<schedule>+<compressor>[:inline]``
+    or ``pipedap-<schedule>@fp16`` is accepted too, see :func:`parse_strategy`)."""
+    return (all_strategies(compressors) + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
+            + tuple(DEFAULT_PIPEDAP + w for w in WIRE_SUFFIXES))
 
 
 def parse_strategies(text: str, compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> list[str]:
@@ -232,9 +249,15 @@ def parse_strategies(text: str, compressors: Sequence[str] = DEFAULT_COMPRESSORS
 
 def uncompressed_name(name: str) -> Optional[str]:
     """The uncompressed counterpart of a compressed variant: ``ddp`` for the DDP hooks,
-    ``pipedap-<schedule>`` for ``pipedap-<schedule>+<compressor>[:inline]``; ``None`` for the others."""
+    ``pipedap-<schedule>`` for ``pipedap-<schedule>+<compressor>[:inline]`` and for the 16-bit wire forms
+    ``pipedap-<schedule>@fp16`` / ``@bf16``; ``None`` for the others."""
     if name in DDP_HOOKS:
         return REFERENCE
     if name.startswith(PIPEDAP_PREFIX) and COMPRESS_SEP in name:
         return name.split(COMPRESS_SEP, 1)[0]
+    if name.startswith(PIPEDAP_PREFIX):
+        head, *suffixes = name.split("@")
+        kept = [s for s in suffixes if "@" + s not in WIRE_SUFFIXES]
+        if len(kept) < len(suffixes):
+            return "@".join([head, *kept])
     return None

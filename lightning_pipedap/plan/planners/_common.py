@@ -62,14 +62,19 @@ def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, 
 
 def evaluator(profile: ModelProfile, cost_model: CostModel, buckets: Sequence[Sequence[int]], channels: int,
               world_size: int, compression: CompressionCost | None = None,
-              compressed: Sequence[bool] | bool = True) -> Evaluator:
+              compressed: Sequence[bool] | bool = True, wire16: Sequence[bool] | bool = False) -> Evaluator:
     """An :class:`Evaluator` for ``buckets``; with ``compression``, ``compressed`` is a flag per bucket
-    or one bool for all of them (default: all compressed). Without ``compression`` nothing is."""
-    if compression is None:
-        return Evaluator(profile, cost_model, buckets, channels, world_size=world_size)
-    flags = (bool(compressed),) * len(buckets) if isinstance(compressed, bool) else tuple(compressed)
+    or one bool for all of them (default: all compressed). Without ``compression`` nothing is.
+    ``wire16``: 16-bit wire flags, per bucket or one bool for every bucket not compressed."""
+    flags = None
+    if compression is not None:
+        flags = (bool(compressed),) * len(buckets) if isinstance(compressed, bool) else tuple(compressed)
+    if isinstance(wire16, bool):
+        half = tuple(wire16 and not (flags is not None and flags[b]) for b in range(len(buckets)))
+    else:
+        half = tuple(wire16)
     return Evaluator(profile, cost_model, buckets, channels, compressed=flags, compression=compression,
-                     world_size=world_size)
+                     world_size=world_size, wire16=half)
 
 
 def normalize_compressed(ev: Evaluator, codes: Sequence[int]) -> list[int]:
@@ -249,14 +254,16 @@ def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int]
     """Build, validate and return the :class:`Schedule` with its predicted iteration time.
 
     With a compression cost in ``ev`` the schedule carries its flags (one per bucket) and the op
-    list is normalised (:func:`normalize_compressed`).
+    list is normalised (:func:`normalize_compressed`); with a 16-bit wire bucket in ``ev`` it carries
+    the ``wire16`` flags.
     """
     if predicted is None:
         predicted = ev.period_codes(codes)
     codes = normalize_compressed(ev, codes)
     sched = Schedule(buckets=ev.buckets, ops=tuple(code_op(c) for c in codes), name=name,
                      predicted_iteration_s=predicted,
-                     compressed=tuple(ev.compressed) if ev.compression is not None else None)
+                     compressed=tuple(ev.compressed) if ev.compression is not None else None,
+                     wire16=tuple(ev.wire16) if any(ev.wire16) else None)
     return sched.validate(profile.num_layers)
 
 

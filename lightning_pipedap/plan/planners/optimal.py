@@ -45,6 +45,17 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    and bound runs on every contiguous fusion (or the fixed one) for every flag vector (node budget
    ``max_exact_nodes``; ``2·3^(L-1)`` searches for ``L`` layers), so small instances are solved
    exactly. The compressed plan replaces the incumbent only if it predicts a shorter iteration.
+7. **16-bit wire format** (only with ``wire16=True``): which uncompressed buckets travel as 16-bit
+   (their RS and AG cost ``T(n/2)``, :data:`~lightning_pipedap.plan.evaluator.WIRE16_RATIO`).
+   Halving the bytes never lengthens an op, but it rounds the gradients, so a bucket goes 16-bit
+   only where that shortens the predicted iteration: greedy flips (largest buckets first, each flag
+   vector evaluated with the structured op lists of stage 2 and the previous op list adapted) from
+   no bucket 16-bit (a flip must shorten the prediction) and from every bucket 16-bit, on the
+   incumbent's fusion and on the best fusion of stages 2-3 with every bucket 16-bit (a flip back
+   to fp32 is taken whenever it does not lengthen the prediction: fp32 where communication is
+   hidden anyway); at most ``max_compress_evals`` flag vectors. Of the predictions within ``TOL``
+   of the best, the one with the fewest 16-bit buckets wins; it is polished (stage 4) and replaces
+   the incumbent only if it predicts a shorter iteration.
 
 Budgets are counts of evaluations, not wall time, so results are deterministic. For the shared
 profiles (16 to 402 layers) with the defaults a plan takes about a second on one CPU core.
@@ -203,12 +214,14 @@ def _fusion_neighbors(starts: Starts, L: int, pre: Sequence[int]) -> Iterator[St
 
 
 class _FusionSearch:
-    """Stages 2-3 over fusions; with ``compression`` every bucket of every fusion is compressed."""
+    """Stages 2-3 over fusions; with ``compression`` every bucket of every fusion is compressed, with
+    ``wire16`` every bucket travels in the 16-bit wire format."""
 
     def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
-                 compression: CompressionCost | None = None, world_size: int | None = None) -> None:
+                 compression: CompressionCost | None = None, world_size: int | None = None,
+                 wire16: bool = False) -> None:
         self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
-        self.compression, self.world_size = compression, world_size
+        self.compression, self.world_size, self.wire16 = compression, world_size, wire16
         self.cache: dict[Starts, tuple[float, list[int], Evaluator]] = {}
         self.pre = [0]
         for l in profile.layers:
@@ -218,7 +231,7 @@ class _FusionSearch:
         hit = self.cache.get(starts)
         if hit is None:
             ev = evaluator(self.profile, self.cost_model, buckets_of(starts, self.profile.num_layers), self.channels,
-                           self.world_size, self.compression)
+                           self.world_size, self.compression, wire16=self.wire16)
             p, codes = structured_best(ev, self.cut_window)
             hit = self.cache[starts] = (p, codes, ev)
         return hit
@@ -318,6 +331,18 @@ def _known_plans(profile: ModelProfile, cost_model: CostModel, world_size: int, 
 Flags = tuple[bool, ...]
 
 
+def _with_hint(hit: tuple[float, list[int], Evaluator],
+               hint: Sequence[int] | None) -> tuple[float, list[int], Evaluator]:
+    """``hit`` (``(s, codes, evaluator)``), or ``hint`` (an op list of other flags) adapted to the
+    evaluator's flags (:func:`normalize_compressed`) when that predicts a shorter iteration."""
+    if hint is None:
+        return hit
+    ev = hit[2]
+    codes = normalize_compressed(ev, hint)
+    p = ev.period_codes(codes)
+    return (p, codes, ev) if p < hit[0] * (1 - TOL) else hit
+
+
 class _FlagSearch:
     """Per-bucket compression flags for given fusions (stage 6), flag vectors cached."""
 
@@ -339,13 +364,7 @@ class _FlagSearch:
             p, codes = structured_best(ev, self.cut_window, drop_max_buckets=0)
             self.evals += 1
             hit = (p, codes, ev)
-        if hint is not None:
-            ev = hit[2]
-            codes = normalize_compressed(ev, hint)
-            p = ev.period_codes(codes)
-            if p < hit[0] * (1 - TOL):
-                hit = (p, codes, ev)
-        self.cache[key] = hit
+        hit = self.cache[key] = _with_hint(hit, hint)
         return hit
 
     def climb(self, starts: Starts, flags: Flags, codes: Sequence[int] | None,
@@ -414,15 +433,94 @@ def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size:
     return p, ev, codes
 
 
+# ------------------------------------------------------------------- 16-bit wire format (stage 7)
+class _WireSearch:
+    """Per-bucket 16-bit wire flags for given buckets and compressed flags (stage 7), flag vectors cached."""
+
+    def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
+                 world_size: int, compression: CompressionCost | None) -> None:
+        self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
+        self.world_size, self.compression = world_size, compression
+        self.cache: dict[tuple, tuple[float, list[int], Evaluator]] = {}
+
+    def evaluate(self, buckets: tuple, compressed: Flags, half: Flags,
+                 hint: Sequence[int] | None = None) -> tuple[float, list[int], Evaluator]:
+        """Best of the structured op lists (stage 2, without drops) and ``hint`` adapted to the flags."""
+        key = (buckets, compressed, half)
+        hit = self.cache.get(key)
+        if hit is None:
+            ev = evaluator(self.profile, self.cost_model, buckets, self.channels, self.world_size, self.compression,
+                           compressed, half)
+            hit = (*structured_best(ev, self.cut_window, drop_max_buckets=0), ev)
+        hit = self.cache[key] = _with_hint(hit, hint)
+        return hit
+
+    def climb(self, buckets: tuple, compressed: Flags, half: Flags, codes: Sequence[int] | None,
+              max_evals: int) -> tuple[float, list[int], Evaluator]:
+        """Flip one uncompressed bucket at a time (largest first): to 16-bit when that shortens the
+        prediction, back to fp32 when that does not lengthen it."""
+        cur_p, cur_codes, cur_ev = self.evaluate(buckets, compressed, half, codes)
+        order = sorted((b for b in range(len(half)) if not compressed[b]), key=lambda b: (-cur_ev.nbytes[b], b))
+        improved = True
+        while improved and len(self.cache) < max_evals:
+            improved = False
+            for b in order:
+                nh = half[:b] + (not half[b],) + half[b + 1:]
+                p, c, ev = self.evaluate(buckets, compressed, nh, cur_codes)
+                better = p <= cur_p * (1 + TOL) if half[b] else p < cur_p * (1 - TOL)
+                if better:
+                    half, cur_p, cur_codes, cur_ev, improved = nh, p, c, ev, True
+                    break
+                if len(self.cache) >= max_evals:
+                    break
+        return cur_p, cur_codes, cur_ev
+
+
+def _wire_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
+                compression: CompressionCost | None, fusion: Any, fusions: Sequence[Starts],
+                incumbent: tuple[float, Evaluator, list[int]], cut_window: int, max_fusion_evals: int,
+                max_fusion_work: int, max_evals: int,
+                max_polish_evals: int) -> tuple[float, Evaluator, list[int]] | None:
+    """Stage 7 (module docstring): the best plan with at least one 16-bit wire bucket, or ``None`` when
+    none beats ``incumbent`` (``(s, evaluator, codes)``)."""
+    best_p, inc_ev, inc_codes = incumbent
+    search = _WireSearch(profile, cost_model, channels, cut_window, world_size, compression)
+    comp = tuple(inc_ev.compressed)
+    B = inc_ev.B
+    starts: list[tuple[tuple, Flags, Flags, Sequence[int] | None]] = [
+        (inc_ev.buckets, comp, (False,) * B, inc_codes),
+        (inc_ev.buckets, comp, tuple(not c for c in comp), inc_codes),
+    ]
+    if compression is None and fusion == "auto":  # the best fusion when every bucket is 16-bit (stages 2-3)
+        fs = _FusionSearch(profile, cost_model, channels, cut_window, world_size=world_size, wire16=True)
+        st = fs.best_fusion(list(fusions) + [starts_of(inc_ev.buckets)], True, max_fusion_evals, max_fusion_work)
+        bk = buckets_of(st, profile.num_layers)
+        starts.append((bk, (False,) * len(bk), (True,) * len(bk), fs.cache[st][1]))
+    results = [search.climb(bk, c, h, codes, max_evals) for bk, c, h, codes in starts]
+    results += list(search.cache.values())
+    found = [(p, c, e) for p, c, e in results if any(e.wire16)]
+    if not found:
+        return None
+    top = min(p for p, _, _ in found)
+    p, codes, ev = min((r for r in found if r[0] <= top * (1 + TOL)),
+                       key=lambda r: (sum(r[2].wire16), r[0], r[2].buckets))
+    if max_polish_evals > 0:
+        p, codes, _ = polish(ev, list(codes), max_polish_evals)
+    if not p < best_p * (1 - TOL):
+        return None
+    return p, ev, codes
+
+
 # ----------------------------------------------------------------------------------- planner
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
          channels: int = 1, cut_window: int = 6, max_fusion_evals: int = 400, max_fusion_work: int = 12_000,
          max_polish_evals: int = 3000, polish_fusions: int = 4, max_polish_work: int = 2_000_000,
          exact_max_layers: int = 8, max_exact_nodes: int = 200_000, compression: CompressionCost | None = None,
-         max_compress_evals: int = 400, exact_compress_max_layers: int = 6) -> Schedule:
+         max_compress_evals: int = 400, exact_compress_max_layers: int = 6, wire16: bool = False) -> Schedule:
     """Search fusion, op order and op mode, and with ``compression`` which buckets to compress; never
     predicts worse than ``no_overlap``, ``wfbp``, ``dear`` or ``pipedap`` (they are evaluated, with
-    and without compression, and kept if best), nor than planning without compression.
+    and without compression, and kept if best), nor than planning without compression; with
+    ``wire16`` also which buckets travel in the 16-bit wire format (stage 7).
 
     Args:
         profile: layers in forward order.
@@ -444,10 +542,13 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         compression: the measured compression cost; None plans without compression.
         max_compress_evals: flag vectors evaluated by stage 6's flips, >= 0.
         exact_compress_max_layers: run stage 6's exact search when ``num_layers <=`` this, >= 0.
+        wire16: allow the 16-bit wire format per bucket (stage 7; its flag vectors count against
+            ``max_compress_evals``).
 
     Returns:
         The schedule, ``name="optimal"``, with ``predicted_iteration_s`` set; with ``compression``
-        its ``compressed`` flags say which buckets to compress (possibly none).
+        its ``compressed`` flags say which buckets to compress (possibly none); its ``wire16``
+        flags which travel as 16-bit (None: none).
 
     Raises:
         ValueError: for a bad ``fusion``, ``world_size``, ``channels``, ``compression`` or a
@@ -519,4 +620,12 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
             best_p, best_ev, best_codes = found
         else:  # no bucket compressed: the same plan, with explicit flags
             best_ev = evaluator(profile, cost_model, best_ev.buckets, channels, world_size, compression, False)
+
+    # stage 7
+    if wire16:
+        found = _wire_stage(profile, cost_model, world_size, channels, compression, fusion, fusions,
+                            (best_p, best_ev, best_codes), cut_window, max_fusion_evals, max_fusion_work,
+                            max_compress_evals, max_polish_evals)
+        if found is not None:
+            best_p, best_ev, best_codes = found
     return finish("optimal", profile, best_ev, best_codes)
