@@ -2,7 +2,7 @@
 size, forward and backward that *sleep* for the layer's ``t_f`` / ``t_b``.
 
 On a GPU the training thread launches a layer's kernels and goes on while they run; ``time.sleep``
-releases the GIL the same way, so the communication threads of DDP, FSDP2 and pipedap run during the
+releases the GIL the same way (:class:`VirtualStream` keeps the time line of such a stream), so the communication threads of DDP, FSDP2 and pipedap run during the
 "compute" exactly as they would beside asynchronous kernels. The layers' gradients are real tensors of
 the profile's sizes, so every strategy moves the profile's bytes over the testbed's links.
 
@@ -79,13 +79,51 @@ def replay_profile(opts: ReplayOptions) -> ModelProfile:
                         dict(base.meta, size_scale=opts.size_scale, time_scale=opts.time_scale))
 
 
+#: how far (s) the training thread may run ahead of the virtual stream before it sleeps
+LOOKAHEAD_S = 1e-3
+
+
+class VirtualStream:
+    """The time line of a GPU stream that the training thread feeds with kernels of known durations.
+
+    ``run(t)`` queues ``t`` s of work: the stream finishes it at ``end = max(end, now) + t`` (it starts when
+    the previous kernel ends, or now if the stream is idle) and the caller sleeps until ``end - lookahead_s``.
+    So the Python overhead between two layers overlaps the layers' time, as a CPU that launches asynchronous
+    kernels overlaps its launches with their execution, and the overshoot of one ``time.sleep`` is taken from
+    the next instead of adding up over hundreds of short layers. ``lookahead_s`` bounds how early a layer's
+    output (and so its gradient hook) is seen before its time is over.
+
+    Args:
+        lookahead_s: s the caller may run ahead of the stream (>= 0).
+        clock, sleep: the time source and the sleep function (tests pass fakes).
+    """
+
+    def __init__(self, lookahead_s: float = LOOKAHEAD_S, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
+        self.lookahead_s, self.clock, self.sleep = lookahead_s, clock, sleep
+        self.end = 0.0
+
+    def run(self, t: float) -> None:
+        """Queue ``t`` s of work and sleep until it is ``lookahead_s`` from done."""
+        if t <= 0:
+            return
+        now = self.clock()
+        self.end = max(self.end, now) + t
+        if self.end - self.lookahead_s > now:
+            self.sleep(self.end - self.lookahead_s - now)
+
+
+#: the stream of this process's training thread
+STREAM = VirtualStream()
+
+
 class _SleepScale(torch.autograd.Function):
-    """``x * (1 + ||w||² / (2 n))`` whose forward sleeps ``t_f`` s and whose backward sleeps ``t_b`` s."""
+    """``x * (1 + ||w||² / (2 n))`` whose forward takes ``t_f`` s and whose backward ``t_b`` s of
+    :data:`STREAM`."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, t_f: float, t_b: float) -> torch.Tensor:
-        if t_f > 0:
-            time.sleep(t_f)
+        STREAM.run(t_f)
         q = torch.dot(w, w) * (0.5 / w.numel())
         ctx.save_for_backward(x, w, q)
         ctx.t_b = t_b
@@ -93,8 +131,7 @@ class _SleepScale(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple:
-        if ctx.t_b > 0:
-            time.sleep(ctx.t_b)
+        STREAM.run(ctx.t_b)
         x, w, q = ctx.saved_tensors
         return g * (1 + q), w * ((g * x).sum() / w.numel()), None, None
 
