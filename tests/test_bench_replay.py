@@ -182,7 +182,8 @@ def test_judge_ratios_and_simulator_error(tmp_path):
     assert v.variant("pipedap-dear").sim_error == pytest.approx(-0.25)
     assert v.variant("ddp").vs_best_baseline is None and v.variant("ddp").sim_error is None
     lines = A.targets_summary([v])
-    assert "1 of 1 cells" in lines[0] and "1 of 1 such cells" in lines[1] and "1 of 2 pipedap" in lines[2]
+    assert "every fp32 baseline" in lines[0] and "1 of 1 cells" in lines[0]
+    assert "1 of 1 such cells" in lines[1] and "1 of 2 predictions" in lines[2]
     assert "| one 2r | pipedap-optimal | 300 | 1.33 | 1.20 (ddp_tuned) | 1.00 | 320 | +7% |" in A.variants_table([v])
 
 
