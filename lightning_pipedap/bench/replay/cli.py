@@ -28,7 +28,8 @@ from lightning_pipedap.bench.matrix.args import parse_bucket_list, parse_choice_
 from lightning_pipedap.bench.matrix.models import REPLAY_MODEL
 from lightning_pipedap.bench.matrix.report import machine_description, write_chart
 from lightning_pipedap.bench.matrix.results import CellResult
-from lightning_pipedap.bench.matrix.spec import DEFAULT_PIPEDAP, parse_strategies
+from lightning_pipedap.bench.matrix.spec import (DEFAULT_PIPEDAP, PLAN_TRIALS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS,
+                                                 QUICK_TRIAL_STEPS, TRIAL_ROUNDS, TRIAL_STEPS, parse_strategies)
 from lightning_pipedap.bench.replay.analysis import CellVerdict, cells_table, judge, targets_summary, variants_table
 from lightning_pipedap.bench.replay.cells import PROFILES, TARGET_MB, ReplayCell, plan_cell, target_ratio
 from lightning_pipedap.markdown import replace_between_markers
@@ -41,7 +42,8 @@ DEFAULT_STRATEGIES = ("ddp,ddp_tuned,ddp+fp16hook,fsdp2,pipedap-optimal,pipedap-
                       "pipedap-wfbp,pipedap-allreduce")
 #: ``--quick``: one cell (densenet201 at 2 ranks, 20 MB of gradients), ddp against pipedap-optimal
 QUICK = dict(profiles=["densenet201"], ranks=[2], strategies=["ddp", DEFAULT_PIPEDAP], steps=6, warmup=5,
-             target_mb=20.0, repeats=1)
+             target_mb=20.0, repeats=1, plan_trials=QUICK_PLAN_TRIALS, trial_steps=QUICK_TRIAL_STEPS,
+             trial_rounds=QUICK_TRIAL_ROUNDS)
 #: per-rank batch of the sleep model (its compute does not depend on it)
 BATCH = 8
 
@@ -62,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=6, help="warm-up steps per variant (>= 5 for pipedap)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the variants (fastest median kept)")
     ap.add_argument("--ddp-bucket-mb", default="1,4,25", help="DDP bucket caps (MiB) swept for ddp_tuned")
-    ap.add_argument("--plan-trials", type=int, default=3, help="candidates of pipedap-optimal's measured selection")
-    ap.add_argument("--trial-steps", type=int, default=2, help="measured steps per candidate")
+    ap.add_argument("--plan-trials", type=int, default=PLAN_TRIALS,
+                    help="candidates of pipedap-optimal's measured selection (default: the strategy's)")
+    ap.add_argument("--trial-steps", type=int, default=TRIAL_STEPS, help="measured steps per candidate")
+    ap.add_argument("--trial-rounds", type=int, default=TRIAL_ROUNDS, help="interleaved rounds over the candidates")
     ap.add_argument("--cell-timeout-s", type=float, default=1500.0, help="timeout of one cell's launch (s)")
     ap.add_argument("--json", default=None, help="write every cell (set-up + results) to this JSON file")
     ap.add_argument("--markdown", default=None, help="write the tables between the replay markers of this file")
@@ -85,8 +89,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.quick:
             for k, v in QUICK.items():
                 setattr(args, k, v)
-        if args.steps < 2 or args.warmup < 5 or args.repeats < 1 or not args.target_mb > 0:
-            raise ValueError("need --steps >= 2, --warmup >= 5, --repeats >= 1, --target-mb > 0")
+        if args.steps < 2 or args.warmup < 5 or args.repeats < 1 or not args.target_mb > 0 \
+                or min(args.plan_trials, args.trial_steps, args.trial_rounds) < 1:
+            raise ValueError("need --steps >= 2, --warmup >= 5, --repeats >= 1, --target-mb > 0 and trial "
+                             "settings >= 1")
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -99,7 +105,7 @@ def matrix_args(args: argparse.Namespace, setup: ReplayCell) -> argparse.Namespa
         ddp_bucket_mb=list(args.ddp_bucket_mb), sweep_steps=4, repeats=args.repeats, quick=False,
         threads=1, watts=10.0, timeline=True, weight_reader=False, timeline_dir=None,
         cell_timeout_s=args.cell_timeout_s, model_options=asdict(setup.options), trial_steps=args.trial_steps,
-        plan_trials=args.plan_trials, trial_rounds=1)
+        plan_trials=args.plan_trials, trial_rounds=args.trial_rounds)
 
 
 def run_replay_cell(setup: ReplayCell, args: argparse.Namespace) -> CellResult:
@@ -143,6 +149,36 @@ def _write_outputs(cells: list[CellVerdict], meta: dict, args: argparse.Namespac
             f.write(replace_between_markers(old, render_markdown(cells, meta), MD_BEGIN, MD_END))
     if args.chart and cells:
         write_chart([c.result for c in cells], args.chart)
+        root, ext = os.path.splitext(args.chart)
+        write_simulator_chart(cells, f"{root}_simulator{ext}")
+
+
+def write_simulator_chart(cells: Sequence[CellVerdict], path: str) -> None:
+    """Scatter (PNG, matplotlib Agg) of every prediction against its measurement (ms, one colour per cell),
+    with the diagonal and the ±10 % band of the target."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 5.0))
+    top = 0.0
+    for k, c in enumerate(cells):
+        pts = [(v.iter_s * 1e3, v.predicted_s * 1e3) for v in c.variants if v.predicted_s]
+        if pts:
+            ax.scatter(*zip(*pts), label=f"{c.setup.profile} {c.setup.ranks}r", color=plt.get_cmap("tab10")(k % 10), s=18)
+            top = max(top, *(max(p) for p in pts))
+    xs = [0.0, top * 1.1]
+    ax.plot(xs, xs, "k-", linewidth=0.8)
+    ax.fill_between(xs, [x * 0.9 for x in xs], [x * 1.1 for x in xs], color="grey", alpha=0.2, label="±10%")
+    ax.set_xlabel("measured iteration (ms, median)")
+    ax.set_ylabel("predicted iteration (ms, planner's simulator)")
+    ax.set_title("Simulator against measurement, pipedap planners")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def load_cells(paths: Sequence[str]) -> tuple[list[CellVerdict], dict]:
