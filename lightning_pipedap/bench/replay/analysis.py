@@ -81,6 +81,8 @@ class CellVerdict:
             ≤ 1.05 × bound target applies).
         best_baseline: name of the fastest baseline of all.
         variants: per variant, in run order.
+        run: tag of the launch the cell comes from (``""`` alone; ``"A"``, ``"B"``, ... when several results
+            files are shown together, in file order).
     """
 
     setup: ReplayCell
@@ -89,14 +91,15 @@ class CellVerdict:
     hideable: bool
     best_baseline: Optional[str]
     variants: tuple[VariantVerdict, ...]
+    run: str = ""
 
     def variant(self, name: str) -> Optional[VariantVerdict]:
         """The verdict of variant ``name`` or ``None``."""
         return next((v for v in self.variants if v.name == name), None)
 
 
-def judge(setup: ReplayCell, result: CellResult) -> CellVerdict:
-    """The verdicts of one measured cell."""
+def judge(setup: ReplayCell, result: CellResult, run: str = "") -> CellVerdict:
+    """The verdicts of one measured cell (``run``: :attr:`CellVerdict.run`)."""
     bound = window_bound_s(setup, result.compute_s, result.comm_s)
 
     def fastest(names: tuple[str, ...]):
@@ -115,11 +118,11 @@ def judge(setup: ReplayCell, result: CellResult) -> CellVerdict:
             best.name if best else None, v.iter_s / bound, v.predicted_s,
             v.predicted_s / v.iter_s - 1 if v.predicted_s else None))
     return CellVerdict(setup, result, bound, result.comm_s < result.compute_s, best_all.name if best_all else None,
-                       tuple(out))
+                       tuple(out), run)
 
 
 def _label(c: CellVerdict) -> str:
-    return f"{c.setup.profile} {c.setup.ranks}r"
+    return f"{c.setup.profile} {c.setup.ranks}r" + (f" ({c.run})" if c.run else "")
 
 
 def cells_table(cells: Sequence[CellVerdict]) -> str:

@@ -182,14 +182,21 @@ def write_simulator_chart(cells: Sequence[CellVerdict], path: str) -> None:
 
 
 def load_cells(paths: Sequence[str]) -> tuple[list[CellVerdict], dict]:
-    """Judged cells and merged meta (``commands`` concatenated) of one or more results files."""
+    """Judged cells and merged meta (``commands`` concatenated) of one or more results files; with several
+    files each cell is tagged with its file's letter (A, B, ...: :attr:`CellVerdict.run`), also in the chart's
+    labels."""
     cells, meta = [], {"commands": []}
-    for p in paths:
+    for k, p in enumerate(paths):
         with open(p) as f:
             data = json.load(f)
-        cells += [judge(ReplayCell.from_dict(c["setup"]), CellResult.from_dict(c["result"])) for c in data["cells"]]
-        meta.update({k: v for k, v in data["meta"].items() if k != "commands"})
-        meta["commands"] += data["meta"].get("commands", [])
+        run = chr(ord("A") + k) if len(paths) > 1 else ""
+        for c in data["cells"]:
+            result = CellResult.from_dict(c["result"])
+            if run:
+                result.model = f"{result.model} ({run})"
+            cells.append(judge(ReplayCell.from_dict(c["setup"]), result, run))
+        meta.update({k2: v for k2, v in data["meta"].items() if k2 != "commands"})
+        meta["commands"] += [f"{run}: {cmd}" if run else cmd for cmd in data["meta"].get("commands", [])]
     return cells, meta
 
 
