@@ -166,7 +166,8 @@ def write_simulator_chart(cells: Sequence[CellVerdict], path: str) -> None:
     for k, c in enumerate(cells):
         pts = [(v.iter_s * 1e3, v.predicted_s * 1e3) for v in c.variants if v.predicted_s]
         if pts:
-            ax.scatter(*zip(*pts), label=f"{c.setup.profile} {c.setup.ranks}r" + (f" ({c.run})" if c.run else ""), color=plt.get_cmap("tab10")(k % 10), s=18)
+            label = f"{c.setup.profile} {c.setup.ranks}r" + (f" ({c.run})" if c.run else "")
+            ax.scatter(*zip(*pts), label=label, color=plt.get_cmap("tab20")(k % 20), s=18)
             top = max(top, *(max(p) for p in pts))
     xs = [0.0, top * 1.1]
     ax.plot(xs, xs, "k-", linewidth=0.8)
