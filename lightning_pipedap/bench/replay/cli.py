@@ -51,7 +51,8 @@ BATCH = 8
 def build_parser() -> argparse.ArgumentParser:
     """The command line (its description is this module's docstring)."""
     ap = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one small cell (densenet201, 2 ranks, ddp vs pipedap-optimal)")
+    ap.add_argument("--quick", action="store_true",
+                    help="one small cell (densenet201, 2 ranks, ddp vs pipedap-optimal)")
     ap.add_argument("--profiles", default="all", help=f"comma list of {', '.join(PROFILES)} or 'all'")
     ap.add_argument("--ranks", default="2", help="comma list of rank counts (>= 2)")
     ap.add_argument("--ratio", default="1gbit",
@@ -125,7 +126,8 @@ def format_cell(c: CellVerdict) -> str:
              f"comm {r.comm_s * 1e3:.0f} ms, window bound {c.bound_s * 1e3:.0f} ms"]
     for v in c.variants:
         err = "" if v.sim_error is None else f" predicted {v.predicted_s * 1e3:.0f} ms ({v.sim_error * 100:+.0f}%)"
-        lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  x ddp {v.vs_ddp or 0:.2f}  /bound {v.to_bound:.2f}{err}")
+        lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  x ddp {v.vs_ddp or 0:.2f}  "
+                     f"/bound {v.to_bound:.2f}{err}")
     return "\n".join(lines)
 
 
@@ -141,8 +143,8 @@ def render_markdown(cells: Sequence[CellVerdict], meta: dict) -> str:
 def _write_outputs(cells: list[CellVerdict], meta: dict, args: argparse.Namespace) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "cells": [{"setup": c.setup.to_dict(), "result": asdict(c.result)} for c in cells]},
-                      f, indent=1)
+            rows = [{"setup": c.setup.to_dict(), "result": asdict(c.result)} for c in cells]
+            json.dump({"meta": meta, "cells": rows}, f, indent=1)
     if args.markdown:
         old = open(args.markdown).read() if os.path.exists(args.markdown) else ""
         with open(args.markdown, "w") as f:

@@ -2,8 +2,9 @@
 size, forward and backward that *sleep* for the layer's ``t_f`` / ``t_b``.
 
 On a GPU the training thread launches a layer's kernels and goes on while they run; ``time.sleep``
-releases the GIL the same way (:class:`VirtualStream` keeps the time line of such a stream), so the communication threads of DDP, FSDP2 and pipedap run during the
-"compute" exactly as they would beside asynchronous kernels. The layers' gradients are real tensors of
+releases the GIL the same way (:class:`VirtualStream` keeps the time line of such a stream), so the
+communication threads of DDP, FSDP2 and pipedap run during the "compute" as they would beside
+asynchronous kernels. The layers' gradients are real tensors of
 the profile's sizes, so every strategy moves the profile's bytes over the testbed's links.
 
 Each layer ``i`` holds one flat fp32 parameter ``w`` of ``numel_i`` elements and maps the activation
