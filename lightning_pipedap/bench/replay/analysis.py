@@ -9,8 +9,8 @@ from typing import Optional, Sequence
 
 from lightning_pipedap.bench.matrix.report import _ms, _x
 from lightning_pipedap.bench.matrix.results import CellResult
-from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, COMPRESS_SEP, DDP_HOOKS, DEFAULT_PIPEDAP, PIPEDAP_PREFIX,
-                                                 REFERENCE)
+from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, COMPRESS_SEP, DDP_HOOKS, DEFAULT_PIPEDAP,
+                                                 PIPEDAP_PREFIX, REFERENCE)
 from lightning_pipedap.bench.replay.cells import ReplayCell
 from lightning_pipedap.bench.replay.model import replay_profile
 from lightning_pipedap.plan.bounds import lower_bounds
