@@ -27,20 +27,27 @@ RESULT_PREFIX = "RESULT "
 
 
 def worker_spec(model: str, link: str, args: argparse.Namespace) -> dict:
-    """The JSON-able settings one cell's workers run with (:func:`~lightning_pipedap.bench.matrix.worker.worker`)."""
-    return dict(model=model, size=args.size, batch=args.batch or PRESETS[model][args.size]["batch"], steps=args.steps,
+    """The JSON-able settings one cell's workers run with (:func:`~lightning_pipedap.bench.matrix.worker.worker`).
+
+    ``args`` may carry ``model_options`` (a dict, the replay model's), ``trial_steps``, ``plan_trials`` and
+    ``trial_rounds`` (the measured plan selection; defaults: the strategy's, or the quick ones with ``quick``).
+    """
+    quick = bool(args.quick)
+    return dict(model=model, size=args.size, model_options=getattr(args, "model_options", None),
+                batch=args.batch or PRESETS[model][args.size]["batch"], steps=args.steps,
                 warmup=args.warmup, strategies=list(args.strategies), ddp_bucket_mb=list(args.ddp_bucket_mb),
-                sweep_steps=args.sweep_steps, repeats=args.repeats, quick=bool(args.quick),
-                trial_steps=QUICK_TRIAL_STEPS if args.quick else TRIAL_STEPS,
-                plan_trials=QUICK_PLAN_TRIALS if args.quick else PLAN_TRIALS,
-                trial_rounds=QUICK_TRIAL_ROUNDS if args.quick else TRIAL_ROUNDS,
+                sweep_steps=args.sweep_steps, repeats=args.repeats, quick=quick,
+                trial_steps=getattr(args, "trial_steps", None) or (QUICK_TRIAL_STEPS if quick else TRIAL_STEPS),
+                plan_trials=getattr(args, "plan_trials", None) or (QUICK_PLAN_TRIALS if quick else PLAN_TRIALS),
+                trial_rounds=getattr(args, "trial_rounds", None) or (QUICK_TRIAL_ROUNDS if quick else TRIAL_ROUNDS),
                 threads=args.threads, watts=args.watts, timeline=bool(args.timeline), link=link,
                 weight_reader=bool(args.weight_reader),
                 timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)
 
 
 def run_cell(model: str, link: str, ranks: int, args: argparse.Namespace) -> CellResult:
-    """Launch one cell on a fresh testbed and return its combined result.
+    """Launch one cell on a fresh testbed and return its combined result. ``link`` is a ``tc`` rate string
+    (``"1gbit"``, ``"237mbit"``) or ``"none"`` (uncapped).
 
     Raises:
         TestbedUnavailable: namespaces cannot be created here (not root, no iproute2).

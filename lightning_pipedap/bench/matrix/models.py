@@ -54,8 +54,16 @@ def _gpt(p: dict) -> tuple[nn.Module, list, BatchMaker]:
 _BUILDERS = {"mlp": _mlp, "resnet": _resnet, "gpt": _gpt}
 
 
-def build_net(model: str, size: str) -> tuple[nn.Module, list, BatchMaker]:
-    """``(net, shard_units, make_batch)`` for a model preset.
+#: the model name of the profile-replay sleep model (:mod:`lightning_pipedap.bench.replay`); it has no
+#: preset: its ``options`` (a :class:`~lightning_pipedap.bench.replay.model.ReplayOptions` as a dict) say
+#: which profile it replays at which scales
+REPLAY_MODEL = "replay"
+
+
+def build_net(model: str, size: str, options: dict | None = None) -> tuple[nn.Module, list, BatchMaker]:
+    """``(net, shard_units, make_batch)`` for a model preset, or for :data:`REPLAY_MODEL` the sleep model
+    that ``options`` describes (``size`` is then ignored; see
+    :func:`~lightning_pipedap.bench.replay.model.build_replay_net`).
 
     ``shard_units`` are the modules FSDP2 shards one by one (then the whole net); ``make_batch(n, g)``
     returns ``n`` samples ``(inputs, targets)`` drawn from generator ``g``: mlp ``(n, features)`` floats and
@@ -63,8 +71,14 @@ def build_net(model: str, size: str) -> tuple[nn.Module, list, BatchMaker]:
     ``(n, T)`` next-token targets.
 
     Raises:
-        ValueError: unknown model or size (naming the valid choices).
+        ValueError: unknown model or size (naming the valid choices), or :data:`REPLAY_MODEL` without options.
     """
+    if model == REPLAY_MODEL:
+        if not options:
+            raise ValueError(f"model {REPLAY_MODEL!r} needs options (profile, size_scale, time_scale)")
+        from lightning_pipedap.bench.replay.model import build_replay_net
+
+        return build_replay_net(options)
     if model not in PRESETS:
         raise ValueError(f"unknown model {model!r}; valid: {', '.join(MODELS)}")
     if size not in PRESETS[model]:
@@ -110,13 +124,14 @@ class BenchModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self._lr, momentum=0.9)
 
 
-def make_module(model: str, size: str, lr: float = 0.01) -> BenchModule:
-    """:class:`BenchModule` around :func:`build_net`'s network of the preset.
+def make_module(model: str, size: str, lr: float = 0.01, options: dict | None = None) -> BenchModule:
+    """:class:`BenchModule` around :func:`build_net`'s network of the preset (or of ``options`` for
+    :data:`REPLAY_MODEL`).
 
     Raises:
         ValueError: unknown model or size.
     """
-    net, units, _ = build_net(model, size)
+    net, units, _ = build_net(model, size, options)
     return BenchModule(net, units, lr)
 
 

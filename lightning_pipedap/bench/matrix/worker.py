@@ -193,7 +193,7 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
 def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: dict) -> StepTimer:
     """``Trainer.fit`` of the spec's model for ``steps`` steps on ``strategy``; returns its timer."""
     pl.seed_everything(0, verbose=False)
-    module = make_module(spec["model"], spec["size"])
+    module = make_module(spec["model"], spec["size"], options=spec.get("model_options"))
     timer = _make_timer(spec["watts"])
     callbacks: list[pl.Callback] = [timer]
     if spec.get("weight_reader"):
@@ -367,7 +367,7 @@ def worker(spec: dict) -> dict:
     """One rank of a cell: compute-only, every strategy (``repeats`` rounds, round-robin), communication-
     only, compute-only again; returns the raw results of this rank.
 
-    ``spec`` keys: model, size, batch, steps, warmup, strategies, ddp_bucket_mb (list of MiB), sweep_steps,
+    ``spec`` keys: model, size, model_options (:data:`~lightning_pipedap.bench.matrix.models.REPLAY_MODEL` only), batch, steps, warmup, strategies, ddp_bucket_mb (list of MiB), sweep_steps,
     repeats, threads, watts, timeline, link, timeline_dir (and quick, trial_steps, plan_trials,
     weight_reader). With ``repeats > 1`` each strategy keeps its run with the lowest median (noise on a
     shared machine only adds time). Runs inside :func:`quiet_worker`. Any error propagates: the peers then
@@ -378,7 +378,7 @@ def worker(spec: dict) -> dict:
         world = int(os.environ["WORLD_SIZE"])
         rank = int(os.environ["RANK"])
         spec = dict(spec, world=world)
-        _, _, make_batch = build_net(spec["model"], spec["size"])
+        _, _, make_batch = build_net(spec["model"], spec["size"], spec.get("model_options"))
         trial_steps, candidates = spec.get("trial_steps", TRIAL_STEPS), spec.get("plan_trials", PLAN_TRIALS)
         rounds = spec.get("trial_rounds", TRIAL_ROUNDS)
         total = spec["warmup"] + max(extra_warmup_steps(n, trial_steps, candidates, rounds) for n in spec["strategies"]) \
@@ -387,7 +387,7 @@ def worker(spec: dict) -> dict:
         ds = TensorDataset(*make_batch(spec["batch"] * (total + 1) * world, g))
         res: dict[str, Any] = {"rank": rank, "world": world, "variants": [], "skipped": {}}
         compute_runs = [_compute_only(spec, ds)]
-        net = make_module(spec["model"], spec["size"]).net
+        net = make_module(spec["model"], spec["size"], options=spec.get("model_options")).net
         res["params"] = sum(p.numel() for p in net.parameters())
         res["first_layer_params"] = first_layer_numel(net)
         res["variants"] = _run_strategies(spec, ds, world)
