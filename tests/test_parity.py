@@ -83,10 +83,16 @@ def test_measured_plan_selection_keeps_parity(parity_results):
     trials = res["trials"]
     assert 3 <= len(trials) <= 4 and len({t["describe"] for t in trials}) == len(trials)
     assert trials[0]["name"] == "optimal" and trials[-1]["name"] == "torch_ddp"
-    assert all(len(t["windows_s"]) == 2 and t["measured_s"] > 0 for t in trials)  # two interleaved rounds
+    # two interleaved rounds; a first-pass winner over torch_ddp is confirmed in two more rounds of the two
+    confirmed = [t for t in trials if len(t["windows_s"]) == 4]
+    assert all(len(t["windows_s"]) in (2, 4) and t["measured_s"] > 0 for t in trials)
+    assert confirmed == [] or (len(confirmed) == 2 and confirmed[-1]["name"] == "torch_ddp")
     chosen = [t for t in trials if t["chosen"]]
-    # the fastest, or a preferred one within the noise band (at most 10 %) of it
-    assert len(chosen) == 1 and chosen[0]["measured_s"] <= 1.10 * min(t["measured_s"] for t in trials)
+    assert len(chosen) == 1
+    if confirmed:  # decided between the two on the confirmation windows alone
+        assert chosen[0] in confirmed
+    else:  # the fastest, or a preferred one within the noise band (at most 10 %) of it
+        assert chosen[0]["measured_s"] <= 1.10 * min(t["measured_s"] for t in trials)
     assert res["installed"] == chosen[0]["describe"]  # every rank ends on the chosen candidate
 
 
