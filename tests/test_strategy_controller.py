@@ -85,6 +85,14 @@ def _ctl(effects, clock=None, **kw):
     return Controller(effects, clock=clock or Clock(), **kw)
 
 
+def _start_trial(ctl):
+    """The trace and profiling steps end (at the clock's time), then the first trial step starts at once."""
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.TRIAL
+    ctl.at_step_start()
+
+
 def _names(calls):
     return [c for c in calls if not (isinstance(c, tuple) and c[0] == "info")]
 
@@ -120,8 +128,7 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     cands = [Sched("a", 1.0), Sched("b", 0.9), Sched("c", 0.8)]
     fx = FakeEffects(candidates=cands, profiled=(1,))
     ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2)
-    ctl.after_sync_step(0.0)
-    ctl.after_sync_step(0.0)
+    _start_trial(ctl)
     assert ctl.phase is Phase.TRIAL and ("install_run", "a") in fx.calls
     step_s = {"a": 0.30, "b": 0.10, "c": 0.20}
     for name in ("a", "b", "c"):
@@ -135,10 +142,11 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     assert [r["chosen"] for r in ctl.trial_results] == [False, True, False]
     assert ctl.predicted_iteration_s == 0.9 and ctl.no_overlap_time_s == 3.0
     assert fx.calls.count("flush") == 3  # before every engine change
-    # time to steady state: 1 trace + 1 profile step at t = 0, then 3 windows of 5 s + 2 measured steps
+    # time to steady state: 1 trace + 1 profile step at t = 0, then 3 windows of 5 s + 2 measured steps (the
+    # first window's first step start, at t = 0, is the 10th trial step)
     assert ctl.startup == pytest.approx({"trace_s": 0.0, "trace_steps": 1, "profile_s": 0.0, "profile_steps": 1,
-                                         "trial_s": 16.2, "trial_steps": 9, "total_s": 16.2, "total_steps": 11})
-    assert any(isinstance(c, tuple) and c[0] == "info" and c[1].startswith("pipedap: steady state after 11 steps, "
+                                         "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2, "total_steps": 12})
+    assert any(isinstance(c, tuple) and c[0] == "info" and c[1].startswith("pipedap: steady state after 12 steps, "
                                                                           "16.20 s") for c in fx.calls)
     agreed = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "agree"]
     assert agreed == [([[pytest.approx(0.3)], [pytest.approx(0.1)], [pytest.approx(0.2)]], None)]
@@ -147,9 +155,7 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
 def _trial(fx, clock, step_s, rounds, trial_steps=2):
     """Drive a whole trial: ``step_s[name]`` is a list of step intervals, one per round."""
     ctl = _ctl(fx, clock, profile_steps=1, trial_steps=trial_steps, trial_rounds=rounds)
-    ctl.after_sync_step(0.0)
-    ctl.after_sync_step(0.0)
-    assert ctl.phase is Phase.TRIAL
+    _start_trial(ctl)
     for r in range(rounds):
         for name in [c.name for c in fx.candidates]:
             for k in range(trial_steps + 1):
@@ -180,7 +186,7 @@ def test_a_fit_that_ends_mid_trial_says_so_and_sync_trial_steps_count_once():
     assert ctl.unfinished_trial() is None
     ctl.after_sync_step(0.0)
     ctl.after_sync_step(0.0)
-    for _ in range(3 + 1):  # a's window, then b is installed
+    for _ in range(4):  # a's window: the first step's start, its settling step and 2 measured; then b is installed
         clock.t += 1.0
         ctl.at_step_start()
         ctl.after_sync_step(clock.t)  # (a sync-mode step also reports its end: not counted twice)
@@ -192,7 +198,7 @@ def test_a_fit_that_ends_mid_trial_says_so_and_sync_trial_steps_count_once():
         ctl.at_step_start()
         ctl.after_sync_step(clock.t)
     assert ctl.phase is Phase.RUN and ctl.unfinished_trial() is None
-    assert ctl.startup["trial_steps"] == 12 and ctl.startup["total_steps"] == 14
+    assert ctl.startup["trial_steps"] == 13 and ctl.startup["total_steps"] == 15  # 4 + 3 + 3 + 3
 
 
 def test_short_steps_get_longer_trial_windows():
@@ -202,7 +208,7 @@ def test_short_steps_get_longer_trial_windows():
     ctl.after_sync_step(0.0)
     ctl.after_sync_step(0.0)
     assert ctl.window_steps == 5  # ceil(9 s / 2 s) measured steps per window, more than trial_steps
-    for _ in range(5 + 1):
+    for _ in range(5 + 2):
         clock.t += 1.0
         ctl.at_step_start()
     assert ("install_run", "b") in fx.calls  # a's window ended after its settling step and 5 measured ones
@@ -376,8 +382,7 @@ def _b_against_ddp(rounds):
     clock = Clock()
     fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
     ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=rounds)
-    ctl.after_sync_step(0.0)
-    ctl.after_sync_step(0.0)
+    _start_trial(ctl)
     return ctl, fx, clock
 
 
@@ -420,3 +425,28 @@ def test_no_confirmation_when_ddps_reducer_wins_or_is_not_a_candidate():
     fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("c", 1.0)], profiled=(1,))
     ctl = _trial(fx, clock, {"b": [0.20], "c": [0.30]}, rounds=1)
     assert ctl.phase is Phase.RUN and [r["chosen"] for r in ctl.trial_results] == [True, False]
+
+
+def test_the_short_first_step_after_profiling_is_the_first_windows_settling_step():
+    """Regression from the profile replay (BENCHMARKS.md, "Why pipedap-optimal often does not run its own plan"):
+    the first deferred step after the sync profiling steps starts with no communication pending, so it measured
+    251 ms against 544 ms in steady state (vgg16, 2 ranks) and, as the first window's only other interval, made
+    the planner's schedule look faster than the communication floor. It must be dropped like the first step of
+    every later window."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("optimal", 0.5), Sched("dear", 0.6)], profiled=(1,), floor=0.5)
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)  # profiling ends: "optimal" installed
+    clock.t += 0.058  # the loop's gap before the first trial step starts
+    for step_s in (0.251, 0.544, 0.546):  # optimal: the short first step, then two steady ones
+        ctl.at_step_start()
+        clock.t += step_s
+    for step_s in (0.218, 0.588, 0.607):  # dear: its settling step, then two steady ones
+        ctl.at_step_start()
+        clock.t += step_s
+    ctl.at_step_start()
+    assert ctl.phase is Phase.RUN
+    assert [r["windows_s"] for r in ctl.trial_results] == [[pytest.approx(0.544)], [pytest.approx(0.588)]]
+    assert [r["chosen"] for r in ctl.trial_results] == [True, False]
+    assert not any(isinstance(c, tuple) and c[0] == "info" and "below the physical floor" in c[1] for c in fx.calls)

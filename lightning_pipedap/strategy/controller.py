@@ -341,7 +341,10 @@ class Controller:
                                gaps_s=[[] for _ in range(n)])
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.TRIAL)
-            self.trial.starts = [self.clock()]
+            # The first window starts with the first step of the candidate, as every later one does (the step
+            # that switched): that step starts with nothing pending, so it is short and must be its settling
+            # interval; the time from here to it (the loop's gap between steps) is no step and is not counted.
+            self.trial.starts = []
         else:
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.RUN)
