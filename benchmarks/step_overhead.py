@@ -2,7 +2,8 @@
 
 Runs each variant as its own 2-process CPU job (Lightning's default launcher), interleaved over
 ``--rounds`` rounds, and prints the median iteration time (start-to-start of ``on_train_batch_start``,
-after ``--warmup`` steps) per variant and its ratio to DDP in the same round::
+after ``--warmup`` steps and, for pipedap, after its start-up: trace, profiling and the measured plan selection's
+trial windows, ``strategy.startup``) per variant and its ratio to DDP in the same round::
 
     python benchmarks/step_overhead.py --model tiny_mlp --rounds 2
     python benchmarks/step_overhead.py --model digits_cnn --variants ddp,pipedap
@@ -11,7 +12,7 @@ after ``--warmup`` steps) per variant and its ratio to DDP in the same round::
 Rank 0's process CPU time per step (every thread) is printed too: it is what pipedap's glue costs,
 and a load on the machine that only delays the processes changes it less than the wall-clock time.
 
-``--profile FILE`` runs rank 0's steps after ``--warmup`` under cProfile and writes the functions of
+``--profile FILE`` runs rank 0's steady-state steps (as measured) under cProfile and writes the functions of
 lightning_pipedap with the most cumulative time, the most internal time overall, and who calls the
 waits (the steady-state overhead breakdown).
 """
@@ -31,6 +32,20 @@ VARIANTS = ("ddp", "pipedap", "pipedap-ddp", "pipedap-own", "pipedap-allreduce",
 #: ``pipedap-own``: the default without the ``torch_ddp`` candidate (pipedap's own engine paths only);
 #: ``pipedap-ddp``: the default with the trial's choice forced to ``torch_ddp`` (what pipedap's glue costs
 #: around DDP's own reducer)
+
+
+#: fewest steady-state intervals a job measures
+MIN_MEASURED = 20
+
+
+def _steady(strategy: object) -> int | None:
+    """The first step index of steady state: 0 for Lightning's ``"ddp"``; for pipedap the steps of its start-up
+    (trace, profiling, trials: ``strategy.startup``) plus 2 (the step that installs the chosen candidate settles);
+    None while pipedap's start-up is not over."""
+    if isinstance(strategy, str):
+        return 0
+    startup = getattr(strategy, "startup", None)
+    return int(startup["total_steps"]) + 2 if startup else None
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -59,11 +74,14 @@ def _job(args: argparse.Namespace) -> None:
             self.starts: list[float] = []
             self.cpu: list[float] = []  # process CPU time (all threads) at each step start
             self.prof = None  # cProfile of rank 0's steps after the warm-up (``--profile``)
+            self.profiling = False
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.starts.append(time.perf_counter())
             self.cpu.append(time.process_time())
-            if self.prof is not None and len(self.starts) == args.warmup + 1:
+            if self.prof is not None and not self.profiling and len(self.starts) > args.warmup \
+                    and _steady(trainer.strategy) is not None:
+                self.profiling = True
                 self.prof.enable()
 
     class Timed(pl.LightningModule):
@@ -109,12 +127,19 @@ def _job(args: argparse.Namespace) -> None:
     prof = clock.prof
     if trainer.global_rank != 0:
         return
-    gaps = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:])][args.warmup:]
-    cpu = clock.cpu[args.warmup:]
+    steady = _steady(strategy)
+    if steady is None:  # (the fit ended before the trials chose: no steady state to measure)
+        raise SystemExit(f"{args.variant}: the fit of {args.steps} steps ended before steady state; raise --steps")
+    first = max(args.warmup, steady)
+    if args.steps - first < MIN_MEASURED:
+        raise SystemExit(f"{args.variant}: steady state from step {steady}, only {args.steps - first} steps to measure "
+                         f"(< {MIN_MEASURED}); raise --steps")
+    gaps = [b - a for a, b in zip(clock.starts[:-1], clock.starts[1:])][first:]
+    cpu = clock.cpu[first:]
     with open(args.out, "w") as f:
         ran = getattr(strategy, "installed_schedule", None) or "ddp"
         json.dump({"median_s": statistics.median(gaps), "cpu_per_step_s": (cpu[-1] - cpu[0]) / (len(cpu) - 1),
-                   "steps": len(gaps), "installed": ran.split(":")[0]}, f)
+                   "steps": len(gaps), "first": first, "installed": ran.split(":")[0]}, f)
     if prof is not None:
         import io
         import pstats
@@ -124,9 +149,10 @@ def _job(args: argparse.Namespace) -> None:
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("cumulative").print_stats("lightning_pipedap", 40)
         st.sort_stats("tottime").print_stats(30)
+        st.sort_stats("tottime").print_stats("lightning_pipedap", 25)
         st.print_callers("distributed_c10d.py.*broadcast|threading.py.*\\(wait\\)|module.py.*__setattr__")
         with open(args.profile, "w") as f:
-            f.write(f"{args.steps - args.warmup} profiled steps (after {args.warmup})\n" + s.getvalue())
+            f.write(f"{args.steps - first} profiled steps (from step {first})\n" + s.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,7 +160,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", choices=("tiny_mlp", "digits_cnn"), default="tiny_mlp")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--steps", type=int, default=400)
-    p.add_argument("--warmup", type=int, default=100, help="intervals discarded (warm-up, profiling, trials)")
+    p.add_argument("--warmup", type=int, default=100,
+                   help="intervals discarded at least; pipedap's are discarded until its start-up (trace, profiling, "
+                        "trials) is over")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--profile", default=None)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
@@ -151,6 +179,7 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[float]] = {v: [] for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
     installed: dict[str, list[str]] = {v: [] for v in variants}
+    measured: dict[str, list[str]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for v in variants:
@@ -159,18 +188,21 @@ def main(argv: list[str] | None = None) -> None:
                        "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup)]
                 if args.profile:
                     cmd += ["--profile", args.profile]
-                subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if done.returncode != 0:
+                    raise SystemExit(f"variant {v}, round {r} failed:\n{done.stderr[-3000:]}")
                 with open(out) as f:
                     job = json.load(f)
                 results[v].append(job["median_s"])
                 cpu[v].append(job["cpu_per_step_s"])
                 installed[v].append(job["installed"].split(" (")[0])
+                measured[v].append(f"{job['first']}+{job['steps']}")
     print(f"model {args.model}, 2 CPU processes, median iteration (ms) per round, ratio to ddp of the same round")
     for v, times in results.items():
         ratios = [t / d for t, d in zip(times, results["ddp"])] if "ddp" in results else []
         print(f"  {v:18s} " + "  ".join(f"{t * 1e3:7.3f}" for t in times)
               + ("   ratio " + " ".join(f"{x:.3f}" for x in ratios) if ratios else "")
-              + f"   ran: {' '.join(installed[v])}")
+              + f"   ran: {' '.join(installed[v])}   measured (first step+intervals): {' '.join(measured[v])}")
     print("rank 0's process CPU time per step (ms, every thread: training, communication, gloo), ratio to ddp")
     for v, times in cpu.items():
         ratios = [t / d for t, d in zip(times, cpu["ddp"])] if "ddp" in cpu else []
