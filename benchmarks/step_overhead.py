@@ -42,7 +42,7 @@ def _steady(strategy: object) -> int | None:
     """The first step index of steady state: 0 for Lightning's ``"ddp"``; for pipedap the steps of its start-up
     (trace, profiling, trials: ``strategy.startup``) plus 2 (the step that installs the chosen candidate settles);
     None while pipedap's start-up is not over."""
-    if isinstance(strategy, str):
+    if isinstance(strategy, str) or not hasattr(strategy, "startup"):  # (Lightning's DDP: no start-up phases)
         return 0
     startup = getattr(strategy, "startup", None)
     return int(startup["total_steps"]) + 2 if startup else None
