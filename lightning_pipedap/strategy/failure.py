@@ -47,6 +47,8 @@ class CollectivesOffAfterFailure:
         if self._aborted:
             return
         self._aborted = True
+        if getattr(self, "local_rank", None) == 0:  # every rank sees the failure: reap_children waits at teardown
+            disarm_child_observer()
         rt = getattr(self, "_rt", None)
         if rt is not None and rt.heartbeat is not None:  # tell the peers now: they stop waiting for this rank
             rt.heartbeat.stop("interrupted" if isinstance(exception, KeyboardInterrupt)
@@ -123,6 +125,31 @@ def reap_children(launcher: Any, wait_s: float = 5.0) -> list[int]:
     return killed
 
 
+def disarm_child_observer() -> int:
+    """Stop Lightning's child-process observer in this process from SIGKILLing it; returns how many it stopped.
+
+    Lightning's subprocess launcher starts, on the launching rank, a thread that polls the ranks it
+    started every 5 s and, on the first non-zero exit code, SIGKILLs every process including the
+    launching one. After a SIGTERM or a failure that every rank sees, the other ranks exit with their
+    own code (143, or 1) moments before the launching rank; the observer would then turn the launching
+    rank's own exit code into -9. :func:`reap_children` (run at teardown after a failure) takes over its
+    other duty: no rank outlives the job. The observer is found among the live threads by its class
+    (Lightning's ``_ChildProcessObserver``, a private name: with another Lightning nothing is stopped).
+    """
+    import threading  # noqa: PLC0415
+
+    try:
+        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver  # noqa: PLC0415
+    except ImportError:
+        return 0
+    stopped = 0
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver) and getattr(thread, "_child_processes", None):
+            thread._child_processes = []  # its next poll finds nothing to watch and ends the thread
+            stopped += 1
+    return stopped
+
+
 def route_sigterm(strategy: Any) -> None:
     """Replace Lightning's SIGTERM notifier (it runs a ``broadcast`` inside the signal handler, which pairs
     with whatever collective the other ranks are in and desynchronises them) with one that only sets the
@@ -155,6 +182,7 @@ def route_sigterm(strategy: Any) -> None:
     def notify(signum: int, frame: Any) -> None:
         log.info("pipedap: rank %s received SIGTERM; stopping every rank at the next step", trainer.global_rank)
         if not connector.received_sigterm and strategy.launcher is not None:
+            disarm_child_observer()  # the ranks it started now exit 143; this rank must too, not -9
             strategy.launcher.kill(signum)
         connector.received_sigterm = True
         if rt.heartbeat is not None:
