@@ -191,7 +191,8 @@ def test_a_fit_that_ends_mid_trial_says_so_and_sync_trial_steps_count_once():
         ctl.at_step_start()
         ctl.after_sync_step(clock.t)  # (a sync-mode step also reports its end: not counted twice)
     note = ctl.unfinished_trial()
-    assert note.startswith("pipedap: the fit ended during measured plan selection (1 of 4 windows measured, 3 steps")
+    assert note.startswith("pipedap: the fit ended during measured plan selection (1 of 4 windows measured, 2 measured "
+                           "steps each after one settling step)")
     assert "b, ran last" in note
     for _ in range(3 * 3):
         clock.t += 1.0
@@ -450,3 +451,62 @@ def test_the_short_first_step_after_profiling_is_the_first_windows_settling_step
     assert [r["windows_s"] for r in ctl.trial_results] == [[pytest.approx(0.544)], [pytest.approx(0.588)]]
     assert [r["chosen"] for r in ctl.trial_results] == [True, False]
     assert not any(isinstance(c, tuple) and c[0] == "info" and "below the physical floor" in c[1] for c in fx.calls)
+
+
+def test_a_replan_that_the_fit_does_not_finish_keeps_the_first_selection_and_says_unfinished():
+    """Regression (the default ``pipedap-train`` run): a selection finishes, drift re-plans, and the fit ends in
+    the middle of the second selection. The first selection's results used to be erased when the re-plan's
+    candidates were planned, so the run reported ``candidates: []`` as if it had chosen nothing to measure."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1, 1))
+    ctl = _trial(fx, clock, {"a": [0.30], "b": [0.10]}, rounds=1)
+    assert ctl.plan_selection()["status"] == "finished"
+    assert ctl.plan_selection()["text"] == "finished (2 of 2 candidates measured)"
+    first = ctl.trial_results
+    assert [r["chosen"] for r in first] == [False, True]
+    ctl.replan_every, ctl.max_replans = 4, 1
+    for _ in range(5):  # 3x slower than b measured in its trial: re-plan
+        clock.t += 0.3
+        ctl.at_step_start()
+    assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
+    sel = ctl.plan_selection()
+    assert (sel["status"], sel["text"]) == (
+        "unfinished", "unfinished (the fit ended while profiling, before candidates were planned, after re-plan 1)")
+    ctl.after_sync_step(clock.t)  # the re-plan's profiling step: the second selection starts with a
+    assert ctl.phase is Phase.TRIAL and ctl.trial_results is first  # not erased by the re-plan
+    for step_s in (5.0, 0.4, 0.5, 0.6):  # a's window: settling, then 2 measured steps (the last start switches)
+        clock.t += step_s
+        ctl.at_step_start()
+    clock.t += 5.0
+    ctl.at_step_start()  # b's window has begun: the fit ends here
+    sel = ctl.plan_selection()
+    assert sel["status"] == "unfinished" and (sel["measured"], sel["candidates"]) == (1, 2)
+    assert sel["text"] == "unfinished (1 of 2 candidates measured, 1 of 2 windows, after re-plan 1)"
+    assert sel["selections_finished"] == 1
+    assert [(p["name"], p["windows_s"], p["measured_s"]) for p in sel["partial"]] == [
+        ("a", [pytest.approx(0.5)], pytest.approx(0.5)), ("b", [], None)]
+    # the first selection's results are kept, whole
+    assert ctl.trial_results is first and ctl.selections == [first]
+    assert [round(r["measured_s"], 6) for r in ctl.trial_results] == [0.3, 0.1]
+    note = ctl.unfinished_trial()
+    assert "(1 of 2 windows measured, 2 measured steps each after one settling step)" in note
+    assert "b, ran last (this was the selection after re-plan 1; the finished selection before it chose b" in note
+
+
+def test_plan_selection_is_not_run_for_a_fixed_schedule_or_a_single_candidate():
+    ctl = _ctl(FakeEffects(), planned=False)
+    ctl.after_sync_step(0.0)
+    assert ctl.plan_selection() == {"selections_finished": 0, "measured": None, "candidates": None, "partial": [],
+                                    "status": "not run", "text": "not run (a fixed schedule)"}
+    ctl = _run_phase(FakeEffects(profiled=(1,)), Clock())
+    assert ctl.plan_selection()["text"] == "not run (one candidate, installed directly)"
+
+
+def test_the_start_and_end_of_selection_name_the_same_window_length():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=8)
+    _start_trial(ctl)
+    start = next(c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "info" and "measuring" in c[1])
+    assert "for 8 measured steps each (after one settling step per window): a, b" in start
+    assert "8 measured steps each after one settling step" in ctl.unfinished_trial()

@@ -220,8 +220,10 @@ class Controller:
         phase: the current :class:`Phase`.
         sync_steps: sync steps since TRACE began.
         trial: the :class:`Trial` in progress (TRIAL only).
-        trial_results: one dict per measured candidate of the last selection (name, describe,
-            predicted_s, measured_s, chosen, steps_s, plus ``predictions[name]``).
+        trial_results: one dict per measured candidate of the last *finished* selection (name, describe,
+            predicted_s, measured_s, chosen, steps_s, plus ``predictions[name]``); kept across a re-plan
+            until the next selection finishes (see :meth:`plan_selection` for one left unfinished).
+        selections: ``trial_results`` of every finished selection of this fit, oldest first.
         predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
         replans_done: re-plans triggered by drift.
         predictions: rank 0's predictions per candidate name (filled by the planner side).
@@ -246,6 +248,10 @@ class Controller:
         self.sync_steps = 0
         self.trial: Optional[Trial] = None
         self.trial_results: list[dict[str, Any]] = []
+        self.selections: list[list[dict[str, Any]]] = []
+        #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
+        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection)
+        self.how = "trace"
         self.predictions: dict[str, dict[str, float]] = {}
         self.predicted_iteration_s: Optional[float] = None
         self.measured_iteration_s: Optional[float] = None
@@ -288,13 +294,14 @@ class Controller:
     def restart(self) -> None:
         """Back to TRACE (the trainable set changed): the next sync steps trace and plan again."""
         self._leave(Phase.TRACE)
-        self.sync_steps, self.trial = 0, None
+        self.sync_steps, self.trial, self.how = 0, None, "trace"
 
     def resumed(self, predicted_s: Optional[float], no_overlap_s: Optional[float],
                 planned_busy_s: Optional[float]) -> None:
         """A checkpoint's final schedule was installed: straight to RUN."""
         self.predicted_iteration_s, self.no_overlap_time_s = predicted_s, no_overlap_s
         self._planned_busy_s = planned_busy_s
+        self.how = "resumed"
         self._reset_drift()
         self._leave(Phase.RUN)
 
@@ -310,6 +317,7 @@ class Controller:
                 self._leave(Phase.PROFILE)
             else:
                 self.effects.install_fixed()
+                self.how = "fixed"
                 self._leave(Phase.RUN)
         elif self.phase is Phase.PROFILE:
             done = self.effects.take_profile_step(t_step_end)
@@ -327,14 +335,17 @@ class Controller:
     # ------------------------------------------------------------------ PROFILE -> TRIAL / RUN
     def _finish_profiling(self) -> None:
         schedules, no_overlap = self.effects.plan()
-        self.trial_results = []
+        # (trial_results keep the last finished selection: a re-plan that the fit does not finish must not
+        # erase what was measured and chosen before it)
         if len(schedules) > 1:
             rounds = self.trial_rounds
             step_s = no_overlap[0]
             longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
             self.window_steps = max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
-            self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.window_steps} steps "
-                              f"each{f' in {rounds} interleaved rounds' if rounds > 1 else ''}: "
+            self.how = "trial"
+            self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.window_steps} "
+                              f"measured steps each (after one settling step per window)"
+                              f"{f' in {rounds} interleaved rounds' if rounds > 1 else ''}: "
                               f"{', '.join(s.name for s in schedules)}")
             n = len(schedules)
             self.trial = Trial(list(schedules), list(no_overlap), order=[i for _ in range(rounds) for i in range(n)],
@@ -346,6 +357,7 @@ class Controller:
             # interval; the time from here to it (the loop's gap between steps) is no step and is not counted.
             self.trial.starts = []
         else:
+            self.how = "single"
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.RUN)
 
@@ -394,6 +406,8 @@ class Controller:
              **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
+        self.selections.append(self.trial_results)
+        self.how = "selected"
         self.effects.info("pipedap: measured candidates (lower-quartile step of each window, median over rounds): "
                           + "; ".join(
             f"{r['name']} {r['measured_s'] * 1e3:.1f} ms "
@@ -450,10 +464,65 @@ class Controller:
         if self.phase is not Phase.TRIAL or tr is None:
             return None
         cur = tr.schedules[tr.order[min(tr.window, len(tr.order) - 1)]]
+        kept = ""
+        if self.selections:
+            chosen = next((r["name"] for r in self.selections[-1] if r["chosen"]), "?")
+            kept = (f" (this was the selection after re-plan {self.replans_done}; the finished selection before it "
+                    f"chose {chosen}, its results are kept)")
         return (f"pipedap: the fit ended during measured plan selection ({tr.window} of {len(tr.order)} windows "
-                f"measured, {self.window_steps + 1} steps each): no candidate was chosen, and the one being "
-                f"measured, {cur.name}, ran last; train longer, or set plan_trials=1 (the plan directly) or fewer "
-                "trial_rounds / a smaller trial_window_s")
+                f"measured, {self.window_steps} measured steps each after one settling step): no candidate was "
+                f"chosen, and the one being measured, {cur.name}, ran last{kept}; train longer, or set "
+                "plan_trials=1 (the plan directly) or fewer trial_rounds / a smaller trial_window_s")
+
+    def partial_trial_results(self) -> list[dict[str, Any]]:
+        """The measurements of the selection in progress (TRIAL only, else []): one dict per candidate with
+        ``name``, ``predicted_s``, ``windows_s`` (the lower-quartile step of each of its windows measured so far,
+        this rank's clock) and ``measured_s`` (their median, None before its first window ended)."""
+        tr = self.trial
+        if self.phase is not Phase.TRIAL or tr is None:
+            return []
+        out = []
+        for s, per in zip(tr.schedules, tr.gaps_s):
+            windows = [lower_quartile(g[1:]) for g in per if len(g) > 1]
+            out.append({"name": s.name, "predicted_s": s.predicted_iteration_s, "windows_s": windows,
+                        "measured_s": statistics.median(windows) if windows else None, "chosen": False})
+        return out
+
+    def plan_selection(self) -> dict[str, Any]:
+        """Where measured plan selection stands (at the end of a fit: whether it finished), as plain data.
+
+        Returns:
+            ``{"status", "text", "selections_finished", "measured", "candidates", "partial"}``: ``status`` is
+            ``"finished"`` (the schedule running was chosen by a finished selection), ``"unfinished"`` (the
+            fit is, or ended, in the middle of planning or measuring candidates: no candidate was chosen for
+            the schedule running now), or ``"not run"`` (a fixed schedule, a single candidate, a checkpoint's
+            plan); ``text`` says so in words, e.g. ``"unfinished (3 of 5 candidates measured, after re-plan
+            1)"``; ``measured`` / ``candidates`` count the selection in progress or the last finished one
+            (None when there is none); ``partial`` is :meth:`partial_trial_results`.
+        """
+        after = f", after re-plan {self.replans_done}" if self.replans_done else ""
+        out: dict[str, Any] = {"selections_finished": len(self.selections), "measured": None, "candidates": None,
+                               "partial": self.partial_trial_results()}
+        if self.phase is Phase.TRIAL and self.trial is not None:
+            tr = self.trial
+            n = len(tr.schedules)
+            k = sum(1 for per in tr.gaps_s if per)
+            out.update(status="unfinished", measured=k, candidates=n,
+                       text=f"unfinished ({k} of {n} candidates measured, {tr.window} of {len(tr.order)} "
+                            f"windows{after})")
+        elif self.planned and self.phase in (Phase.TRACE, Phase.PROFILE):
+            where = "tracing" if self.phase is Phase.TRACE else "profiling"
+            out.update(status="unfinished", text=f"unfinished (the fit ended while {where}, before candidates were "
+                                                 f"planned{after})")
+        elif self.how == "selected":
+            n = len(self.trial_results)
+            out.update(status="finished", measured=n, candidates=n,
+                       text=f"finished ({n} of {n} candidates measured{after})")
+        else:
+            why = {"fixed": "a fixed schedule", "resumed": "the plan came from the checkpoint",
+                   "single": "one candidate, installed directly"}.get(self.how, "no plan yet")
+            out.update(status="not run", text=f"not run ({why}{after})")
+        return out
 
     # ------------------------------------------------------------------ RUN: drift
     def _drift_step(self) -> None:
