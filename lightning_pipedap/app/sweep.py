@@ -14,6 +14,11 @@ and the chart as an image.
 Speedup of a job = median iteration time of the DDP job(s) with the same other overrides (all
 overrides except ``strategy``/``scheduler`` ones) divided by the job's median iteration time;
 DDP jobs therefore show about 1.0, and jobs without a matching DDP job show nothing.
+
+Column ``plan_selection`` says whether a pipedap job's measured plan selection finished
+(``results.json``'s ``pipedap.plan_selection``). A job whose fit ended with selection unfinished
+ran candidates under measurement, not a chosen plan: the Markdown table marks its speedup
+``(selection unfinished)`` and says so under the table.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 #: Columns of the CSV and Markdown tables, in order.
-COLUMNS = ("job", "strategy", "schedule", "overrides", "processes", "val_acc", "iteration_ms",
+COLUMNS = ("job", "strategy", "schedule", "plan_selection", "overrides", "processes", "val_acc", "iteration_ms",
            "speedup_vs_ddp", "energy_J_per_step", "energy_kind", "fit_s")
 _STRATEGY_KEYS = ("strategy", "scheduler")
 
@@ -126,6 +131,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         out.append({
             "job": r.get("job_num"), "strategy": r.get("strategy"), "schedule": r.get("schedule") or "",
+            "plan_selection": (r.get("pipedap") or {}).get("plan_selection") or "",
             "overrides": " ".join(r.get("overrides", [])), "processes": r.get("processes"),
             "val_acc": r.get("val_acc"), "iteration_ms": r.get("iteration_ms"),
             "speedup_vs_ddp": r.get("speedup_vs_ddp"), "energy_J_per_step": r.get("energy_J_per_step"),
@@ -142,10 +148,28 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def _unfinished(row: dict[str, Any]) -> bool:
+    """Whether a :func:`table_rows` row's fit ended with measured plan selection unfinished."""
+    return str(row.get("plan_selection") or "").startswith("unfinished")
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
-    """A GitHub-flavoured Markdown table of :func:`table_rows` output."""
+    """A GitHub-flavoured Markdown table of :func:`table_rows` output; the speedup of a job whose plan
+    selection was unfinished at the end of its fit is marked, with a note under the table."""
+    def cell(r: dict[str, Any], c: str) -> str:
+        v = _cell(r[c])
+        if c == "speedup_vs_ddp" and v and _unfinished(r):
+            v += " (selection unfinished)"
+        return v.replace("|", "\\|")
+
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(r[c]).replace("|", "\\|") for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(cell(r, c) for c in COLUMNS) + " |" for r in rows]
+    flagged = [str(r["job"]) for r in rows if _unfinished(r)]
+    if flagged:
+        lines += ["", f"Job(s) {', '.join('#' + j for j in flagged)}: the fit ended during measured plan selection, "
+                      "so the iteration time mixes candidate schedules under measurement and no plan was chosen; "
+                      "their speedup is not that of a chosen plan (train longer, or lower plan_trials / "
+                      "trial_rounds)."]
     return "\n".join(lines) + "\n"
 
 

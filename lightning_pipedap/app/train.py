@@ -224,9 +224,16 @@ def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
     ran = res.get("pipedap") or {}
-    if sched and ran.get("installed"):
+    unfinished = ran.get("plan_selection_status") == "unfinished"
+    if sched and unfinished:  # no candidate was chosen: say what ran instead of "installed"
+        sched += f" -> plan selection {ran['plan_selection']}, {ran.get('ran_at_end') or 'nothing'} ran at the end"
+    elif sched and ran.get("installed"):
         sched += f" -> installed {ran['installed']['name']}"
         sched += f", {ran['buckets']} buckets" if ran.get("buckets") is not None else " (DDP's reducer)"
+    if sched and ran.get("wire_dtype") not in (None, "fp32"):
+        sched += f", wire {ran['wire_dtype']}"
+        if ran.get("buckets") is not None and ran.get("installed"):
+            sched += f" on {ran.get('wire16_buckets', '?')} of {ran['buckets']} buckets"
     if sched:
         if res.get("compression"):
             sched += f", compression {res['compression']} on {ran.get('compressed_buckets', '?')} of " \
@@ -248,9 +255,17 @@ def format_summary(res: dict[str, Any]) -> str:
         f"val/acc         {_fmt(res.get('val_acc'), '.4f')}   val/loss {_fmt(res.get('val_loss'), '.4f')}",
         f"iteration time  {it}",
         *([f"compression     {ran['compression_note']}"] if ran.get("compression_note") else []),
-        *(["candidates      " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
-                                            + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]
+        *([f"plan selection  {ran['plan_selection']}: the fit ended before a candidate was chosen, so the "
+           f"iteration time mixes candidates under measurement ({ran.get('ran_at_end')} ran last); train longer, or "
+           "lower plan_trials / trial_rounds"] if unfinished else []),
+        *([("candidates      " if not unfinished else "earlier choice  ")
+           + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
+                       + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]
           if ran.get("candidates") else []),
+        *(["measured so far " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
+                                           for c in ran["unfinished_candidates"] if c.get("measured_s") is not None)]
+          if unfinished and any(c.get("measured_s") is not None for c in ran.get("unfinished_candidates") or [])
+          else []),
         *([f"start-up        {ran['startup']['total_steps']} steps, {ran['startup']['total_s']:.1f} s to steady state "
            f"(profile {ran['startup']['profile_steps']} steps {ran['startup']['profile_s']:.1f} s, trials "
            f"{ran['startup']['trial_steps']} steps {ran['startup']['trial_s']:.1f} s)"] if ran.get("startup") else []),
@@ -348,6 +363,10 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                 if ran.get("buckets") is not None else "")]
     if ran.get("compression_note"):
         lines.append(f"compression: {ran['compression_note']}")
+    if ran.get("plan_selection"):
+        lines.append(f"plan selection: {ran['plan_selection']}"
+                     + (f"; `{ran.get('ran_at_end')}` ran at the end (no candidate chosen; the table is the last "
+                        "finished selection)" if ran.get("plan_selection_status") == "unfinished" else ""))
     if ran.get("candidates"):
         lines += ["", "| candidate | predicted (ms) | measured (ms) | chosen |", "|---|---|---|---|"]
         lines += [f"| {c['name']} | {_fmt(c.get('predicted_s') and 1e3 * c['predicted_s'], '.2f')} | "

@@ -95,7 +95,9 @@ class RunEffects:
             assert rt.handover is not None
             rt.handover.enter(schedule)  # (a collective on the default group, at the same step on every rank)
             rt.installed_schedule, rt.final_schedule = schedule.describe(), schedule
-            rt.info(f"pipedap: schedule {schedule.describe()}")
+            rt.running_schedule = schedule.name
+            rt._logged_schedule = f"pipedap: schedule {schedule.describe()}"
+            rt.info(rt._logged_schedule)
             return None
         rt.install(rt.order, schedule, rt.owners, final=True)
         cm = rt.planning.cost_model

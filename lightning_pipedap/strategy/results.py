@@ -95,8 +95,9 @@ class RunResults:
             return getattr(self.config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    trial_results = _FromRun("trial_results", [], "Measured plan selection of the last plan: one dict per "
-                             "candidate (name, describe, steps_s, predicted_s, measured_s, chosen, predictions).")
+    trial_results = _FromRun("trial_results", [], "Measured plan selection of the last finished selection (kept "
+                             "across a re-plan the fit did not finish): one dict per candidate (name, describe, "
+                             "steps_s, predicted_s, measured_s, chosen, predictions).")
     predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
     predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
     measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
@@ -117,7 +118,14 @@ class RunResults:
         ``compressed_buckets`` (counts), ``compression`` (the configured method), ``compression_note``
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
-        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`).
+        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
+        ``plan_selection`` (in words: ``"finished (4 of 4 candidates measured)"``, ``"unfinished (3 of 5
+        candidates measured, ...)"`` when the fit ended while (re-)planning or measuring candidates, ``"not
+        run (...)"``), ``plan_selection_status`` (``"finished"``, ``"unfinished"``, ``"not run"``; None
+        outside a fit), ``unfinished_candidates`` (the measurements of an unfinished selection, as
+        ``candidates``; ``candidates`` keeps the last *finished* one), ``ran_at_end`` (the name of the
+        schedule communicating when the fit ended: a candidate under measurement or the profiling schedule
+        when selection was unfinished), ``wire_dtype`` and ``wire16_buckets`` (buckets sent 16-bit).
         """
         rt = self._rt or self._last
         if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
@@ -138,7 +146,22 @@ class RunResults:
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
             "replans": self.replans_done, "startup": dict(self.startup),
+            **self._selection_state(rt),
+            "wire_dtype": self.config.wire_dtype,
+            "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
         }
+
+    @staticmethod
+    def _selection_state(rt: Optional[Runtime]) -> dict[str, Any]:
+        """The ``plan_selection*``, ``unfinished_candidates`` and ``ran_at_end`` entries of :meth:`what_ran`."""
+        if rt is None:
+            return {"plan_selection": None, "plan_selection_status": None, "unfinished_candidates": [],
+                    "ran_at_end": None}
+        sel = rt.controller.plan_selection()
+        return {"plan_selection": sel["text"], "plan_selection_status": sel["status"],
+                "unfinished_candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s")}
+                                          for r in sel["partial"]],
+                "ran_at_end": rt.running_schedule}
 
     @property
     def phase(self) -> Optional[Phase]:

@@ -110,6 +110,9 @@ class Runtime:
         self.owners: list[Optional[torch.nn.Module]] = []
         self.installed_schedule: Optional[str] = None
         self.final_schedule: Optional[Schedule] = None
+        #: name of the schedule communicating now (final, profiling or warm-up): what ran at the end of a fit
+        self.running_schedule: Optional[str] = None
+        self._logged_schedule: Optional[str] = None  # the last "pipedap: schedule ..." line, not repeated
         self.controller = Controller(RunEffects(self), planned=config.planned, warmup_steps=config.warmup_steps,
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
                                      trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
@@ -251,8 +254,12 @@ class Runtime:
             self.hooks.add_modules([o for o in dict.fromkeys(owners) if o is not None])
         if final:
             self.installed_schedule, self.final_schedule = schedule.describe(), schedule
+        self.running_schedule = schedule.name
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
-        self.info(f"pipedap: {what} {schedule.describe()[:300]}")
+        line = f"pipedap: {what} {schedule.describe()[:300]}"
+        if line != self._logged_schedule:  # (the profiling steps re-install the set-up's warm-up schedule)
+            self.info(line)
+        self._logged_schedule = line
 
     def close_engine(self) -> None:
         """Finish and close the current engine, or leave DDP's reducer."""

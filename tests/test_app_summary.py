@@ -1,0 +1,102 @@
+"""The end-of-run summary, results.json's ``pipedap`` entry and the sweep table when a fit ends in the middle of
+measured plan selection (pure: a controller driven by a fake clock, fake results dicts)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from lightning_pipedap.app.sweep import write_summary
+from lightning_pipedap.app.train import format_summary, what_ran_markdown
+from lightning_pipedap.strategy import PipeDAPStrategy
+from lightning_pipedap.strategy.controller import Phase
+from tests.test_strategy_controller import Clock, FakeEffects, Sched, _trial
+
+
+def _replanned_mid_trial():
+    """A selection finishes (b chosen), drift re-plans, and the fit ends in the second selection's second window."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1, 1))
+    ctl = _trial(fx, clock, {"a": [0.30], "b": [0.10]}, rounds=1)
+    ctl.replan_every, ctl.max_replans = 4, 1
+    for _ in range(5):
+        clock.t += 0.3
+        ctl.at_step_start()
+    ctl.after_sync_step(clock.t)
+    for step_s in (5.0, 0.4, 0.5, 0.6, 5.0):
+        clock.t += step_s
+        ctl.at_step_start()
+    assert ctl.phase is Phase.TRIAL
+    return ctl
+
+
+def _what_ran(ctl, running="b"):
+    strategy = PipeDAPStrategy(schedule="optimal")
+    strategy._last = SimpleNamespace(controller=ctl, final_schedule=None, running_schedule=running,
+                                     installed_schedule=None)
+    return strategy, strategy.what_ran()
+
+
+def test_what_ran_keeps_the_first_selection_and_marks_the_unfinished_one():
+    strategy, ran = _what_ran(_replanned_mid_trial())
+    assert ran["plan_selection"] == "unfinished (1 of 2 candidates measured, 1 of 2 windows, after re-plan 1)"
+    assert ran["plan_selection_status"] == "unfinished" and ran["ran_at_end"] == "b"
+    # the finished first selection, not []
+    assert [(c["name"], round(c["measured_s"], 6), c["chosen"]) for c in ran["candidates"]] == [
+        ("a", 0.3, False), ("b", 0.1, True)]
+    assert [(c["name"], c["measured_s"]) for c in ran["unfinished_candidates"]] == [("a", pytest.approx(0.5)),
+                                                                                    ("b", None)]
+    assert [r["name"] for r in strategy.trial_results] == ["a", "b"]
+    json.dumps(ran)  # results.json-able
+
+
+def _res(ran, **kw):
+    res = {"strategy": "pipedap", "schedule": "optimal", "processes": 2, "accelerator": "cpu", "model": "DigitsCNN",
+           "val_acc": 0.98, "val_loss": 0.1, "iteration_ms": 15.0, "fit_s": 30.0, "output_dir": "/tmp/x",
+           "compression": None, "pipedap": ran, "speedup_vs_reference": None}
+    res.update(kw)
+    return res
+
+
+def test_the_summary_says_selection_was_unfinished_instead_of_installed():
+    _, ran = _what_ran(_replanned_mid_trial())
+    text = format_summary(_res(ran))
+    assert "-> installed" not in text
+    assert ("(schedule optimal -> plan selection unfinished (1 of 2 candidates measured, 1 of 2 windows, after "
+            "re-plan 1), b ran at the end)") in text
+    assert "plan selection  unfinished (1 of 2 candidates measured" in text
+    assert "earlier choice  a 300.0 ms, b 100.0 ms (chosen)" in text
+    assert "measured so far a 500.0 ms" in text
+    md = what_ran_markdown(ran)
+    assert "plan selection: unfinished (1 of 2 candidates measured" in md and "`b` ran at the end" in md
+
+
+def test_the_summary_names_a_16_bit_wire_format():
+    ran = {"installed": {"name": "optimal"}, "buckets": 4, "wire_dtype": "bf16", "wire16_buckets": 3,
+           "plan_selection": "finished (4 of 4 candidates measured)", "plan_selection_status": "finished"}
+    assert "(schedule optimal -> installed optimal, 4 buckets, wire bf16 on 3 of 4 buckets)" in format_summary(_res(ran))
+    ran["wire_dtype"] = "fp32"
+    assert "wire" not in format_summary(_res(ran)).splitlines()[3]
+
+
+def test_the_sweep_table_flags_a_speedup_from_an_unfinished_selection(tmp_path):
+    _, unfinished = _what_ran(_replanned_mid_trial())
+    for num, strategy, it_ms, ran in ((0, "ddp", 12.0, None), (1, "pipedap", 8.0, unfinished)):
+        d = os.path.join(str(tmp_path), str(num))
+        os.makedirs(d)
+        with open(os.path.join(d, "results.json"), "w") as f:
+            json.dump({"job_num": num, "strategy": strategy, "schedule": None if ran is None else "optimal",
+                       "overrides": [f"strategy={strategy}"], "processes": 2, "val_acc": 0.9, "iteration_ms": it_ms,
+                       "fit_s": 1.0, "metrics": {}, "pipedap": ran}, f)
+    paths = write_summary(str(tmp_path), tensorboard=False)
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["plan_selection"] for r in rows] == ["", unfinished["plan_selection"]]
+    assert float(rows[1]["speedup_vs_ddp"]) == 1.5  # (the CSV stays numeric)
+    md = open(paths["md"]).read()
+    assert "| 1.5 (selection unfinished) |" in md
+    assert "Job(s) #1: the fit ended during measured plan selection" in md
