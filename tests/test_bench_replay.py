@@ -206,3 +206,36 @@ def test_sleep_model_trains_identically_under_ddp_and_pipedap(tmp_path):
     for sched in ("dear", "allreduce"):
         assert res[sched] <= 1e-6, f"{sched}: max |param - ddp| = {res[sched]:.3e}"
     assert res["dear_updates_in_forward"] > 0  # updates really deferred into the next forward
+
+
+def test_cli_names_the_bad_argument(tmp_path, capsys):
+    """A missing results file, an empty profile name and an out-of-range number are argparse errors (status 2)
+    naming the argument and the value, not a traceback or an accepted typo."""
+    def error(argv):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2
+        return capsys.readouterr().err
+
+    assert "--from-json: no such file '/nonexistent'" in error(["--from-json", "/nonexistent"])
+    err = error(["--profiles", "vgg16,,"])
+    assert "empty profile name in the list of profiles 'vgg16,,'" in err and "valid: " in err and "vgg16" in err
+    assert "--warmup must be >= 5, got 3" in error(["--warmup", "3"])
+    assert "--trial-rounds must be >= 1, got 0" in error(["--trial-rounds", "0"])
+    assert "--target-mb must be > 0, got -1.0" in error(["--target-mb", "-1"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    from lightning_pipedap.bench.replay.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--from-json", str(bad)])
+    assert e.value.code == 2 and f"--from-json {bad}: not a replay results file" in capsys.readouterr().err
+    assert parse_args(["--profiles", "vgg16"]).profiles == ["vgg16"]
+
+
+def test_matrix_cli_refuses_a_missing_results_file(capsys):
+    from lightning_pipedap.bench.matrix.args import parse_args as matrix_args
+
+    with pytest.raises(SystemExit):
+        matrix_args(["--from-json", "/nonexistent"])
+    assert "--from-json: no such file '/nonexistent'" in capsys.readouterr().err

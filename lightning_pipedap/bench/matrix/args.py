@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from typing import Callable, Optional, Sequence
 
 from lightning_pipedap.bench.matrix.spec import (DEFAULT_COMPRESSORS, LINKS, MODELS, PIPEDAP_PREFIX, QUICK_STRATEGIES,
@@ -18,13 +19,17 @@ def parse_choice_list(text: str, valid: Sequence[str], what: str, item: str) -> 
     ``what`` names the list (``"models"``) and ``item`` one entry (``"model"``) in error messages.
 
     Raises:
-        ValueError: an empty list or an unknown item; the message names the item and the valid choices.
+        ValueError: an empty list, an empty entry (``"vgg16,,"``) or an unknown item; the message names the
+            item and the valid choices.
     """
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    items = [t.strip() for t in str(text).split(",")]
     if items == ["all"]:
         return list(valid)
-    if not items:
+    if not any(items):
         raise ValueError(f"empty list of {what}; valid: {', '.join(valid)} (or 'all')")
+    if not all(items):
+        raise ValueError(f"empty {item} name in the list of {what} {text!r} (a stray comma?); valid: "
+                         f"{', '.join(valid)} (or 'all')")
     for t in items:
         if t not in valid:
             raise ValueError(f"unknown {item} {t!r}; valid: {', '.join(valid)} (or 'all')")
@@ -145,6 +150,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
     if not args.watts > 0:
         raise ValueError(f"--watts must be > 0, got {args.watts}")
+    if args.from_json is not None and not os.path.isfile(args.from_json):
+        raise ValueError(f"--from-json: no such file {args.from_json!r}")
     if args.quick:
         args.models, args.links, args.ranks = ["mlp"], ["1gbit"], [2]
         args.strategies = list(QUICK_STRATEGIES)

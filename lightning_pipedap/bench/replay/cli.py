@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", default=None, help="write every cell (set-up + results) to this JSON file")
     ap.add_argument("--markdown", default=None, help="write the tables between the replay markers of this file")
     ap.add_argument("--chart", default=None, help="write the speedup chart (PNG) here")
-    ap.add_argument("--from-json", default=None, help="re-render tables and chart from a results file")
+    ap.add_argument("--from-json", default=None,
+                    help="re-render tables and chart from results file(s) written by --json (comma list)")
     return ap
 
 
@@ -90,10 +91,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.quick:
             for k, v in QUICK.items():
                 setattr(args, k, v)
-        if args.steps < 2 or args.warmup < 5 or args.repeats < 1 or not args.target_mb > 0 \
-                or min(args.plan_trials, args.trial_steps, args.trial_rounds) < 1:
-            raise ValueError("need --steps >= 2, --warmup >= 5, --repeats >= 1, --target-mb > 0 and trial "
-                             "settings >= 1")
+        for flag, value, low in (("--steps", args.steps, 2), ("--warmup", args.warmup, 5), ("--repeats", args.repeats, 1),
+                                 ("--plan-trials", args.plan_trials, 1), ("--trial-steps", args.trial_steps, 1),
+                                 ("--trial-rounds", args.trial_rounds, 1)):
+            if value < low:
+                raise ValueError(f"{flag} must be >= {low}, got {value}")
+        if not args.target_mb > 0:
+            raise ValueError(f"--target-mb must be > 0, got {args.target_mb}")
+        if not args.cell_timeout_s > 0:
+            raise ValueError(f"--cell-timeout-s must be > 0, got {args.cell_timeout_s}")
+        if args.from_json is not None:
+            paths = [p.strip() for p in args.from_json.split(",")]
+            for p in paths:
+                if not p:
+                    raise ValueError(f"--from-json: empty path in {args.from_json!r} (a stray comma?)")
+                if not os.path.isfile(p):
+                    raise ValueError(f"--from-json: no such file {p!r}")
+            args.from_json = paths
     except ValueError as exc:
         ap.error(str(exc))
     return args
@@ -207,7 +221,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run (or re-render, ``--from-json a.json,b.json``) the replay cells; 0 ok, 2 testbed unavailable."""
     args = parse_args(argv)
     if args.from_json:
-        cells, meta = load_cells(args.from_json.split(","))
+        try:
+            cells, meta = load_cells(args.from_json)
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # (json.JSONDecodeError is a ValueError)
+            build_parser().error(f"--from-json {','.join(args.from_json)}: not a replay results file "
+                                 f"({type(exc).__name__}: {exc})")
         for c in cells:
             print(format_cell(c))
         _write_outputs(cells, meta, args)
