@@ -198,3 +198,26 @@ def test_warn_under_ddps_reducer_checks_the_parameters_every_50_steps_once():
     for _ in range(100):
         quiet.check_params_under_ddp([b])
     assert len(said) == 1
+
+
+def test_an_fp16_wire_overflow_names_wire_dtype_instead_of_implying_ddp_sees_the_same():
+    """fp16 on the wire overflows above 65504 where DDP's fp32 sum would not: the error, the warning and the skip
+    message say so and suggest bf16 or fp32, for the buckets the schedule sends in fp16 only."""
+    found = first_nonfinite([_bucket([[1.0], [float("inf")]])], lambda p: "fc.weight", step=9)
+    wire = NonFiniteCheck("raise", lambda p: "fc.weight", lambda m: None, wire_dtype="fp16", is_wire16=lambda b: b == 0)
+    msg = str(wire.error(found))
+    assert "bucket 0 is sent in fp16 on the wire (wire_dtype='fp16'), which overflows to inf above 65504 where " \
+           "DDP, summing in fp32, would not" in msg
+    assert "wire_dtype='bf16'" in msg and "wire_dtype='fp32'" in msg and "as DDP" not in msg
+    said: list[str] = []
+    NonFiniteCheck("warn", lambda p: "w", said.append, wire_dtype="fp16", is_wire16=lambda b: True).scan(
+        [_bucket([[float("inf")]])], 3)
+    assert "wire_dtype='fp16'" in said[0] and "as DDP applies it" not in said[0]
+    NonFiniteCheck("skip", lambda p: "w", said.append, wire_dtype="fp16", is_wire16=lambda b: True).skip(found)
+    assert "wire_dtype='bf16'" in said[1]
+    # an fp32 bucket (or wire_dtype fp32/bf16) keeps the DDP comparison
+    for check in (NonFiniteCheck("raise", lambda p: "x", said.append, wire_dtype="fp16", is_wire16=lambda b: False),
+                  NonFiniteCheck("raise", lambda p: "x", said.append, wire_dtype="bf16", is_wire16=lambda b: True),
+                  NonFiniteCheck("raise", lambda p: "x", said.append)):
+        msg = str(check.error(found))
+        assert "wire_dtype" not in msg and msg.endswith("'warn' to apply them as DDP)")

@@ -94,6 +94,10 @@ class NonFiniteCheck:
         mode: ``"warn"``, ``"raise"``, ``"skip"`` or ``"ignore"`` (see ``PipeDAPConfig.nonfinite``).
         name_of: ``parameter -> name``.
         warn: rank-0 warning logger (a message and a ``UserWarning``).
+        wire_dtype: the strategy's ``wire_dtype`` (``"fp32"``, ``"fp16"``, ``"bf16"``).
+        is_wire16: ``bucket index -> bool``, whether the installed schedule sends that bucket in the 16-bit
+            wire format (default: none). A finding in an fp16 bucket says that the overflow may be the wire
+            format's: fp16 holds at most 65504, where DDP sums in fp32.
 
     Attributes:
         enabled: False with an fp16 grad scaler (set by the strategy): the scaler skips non-finite steps.
@@ -102,14 +106,29 @@ class NonFiniteCheck:
         skipped: steps skipped (``"skip"``) in this fit.
     """
 
-    def __init__(self, mode: str, name_of: Callable[[Tensor], str], warn: Callable[[str], None]) -> None:
+    def __init__(self, mode: str, name_of: Callable[[Tensor], str], warn: Callable[[str], None],
+                 wire_dtype: str = "fp32", is_wire16: Callable[[int], bool] = lambda bucket: False) -> None:
         self.mode, self.name_of, self.warn = mode, name_of, warn
+        self.wire_dtype, self.is_wire16 = wire_dtype, is_wire16
         self.enabled = True
         self.step_of: Callable[[], int] = lambda: -1
         self.verdict: Optional[Finding] = None
         self.skipped: list[int] = []
         self._warned = False
         self._logged: Optional[Finding] = None
+
+    def fp16_wire(self, found: Finding) -> bool:
+        """Whether ``found``'s bucket went over the wire in fp16 (where DDP's fp32 sum might not overflow)."""
+        return self.wire_dtype == "fp16" and self.is_wire16(found.bucket)
+
+    def describe(self, found: Finding) -> str:
+        """``found.describe()``, plus, for a bucket sent in fp16, that the wire format may be the cause."""
+        text = found.describe()
+        if self.fp16_wire(found):
+            text += (f"; bucket {found.bucket} is sent in fp16 on the wire (wire_dtype='fp16'), which overflows to "
+                     "inf above 65504 where DDP, summing in fp32, would not: DDP may see finite values here. Use "
+                     "wire_dtype='bf16' (fp32's range) or wire_dtype='fp32'")
+        return text
 
     @property
     def active(self) -> bool:
@@ -128,7 +147,8 @@ class NonFiniteCheck:
         found = first_nonfinite(buckets, self.name_of, self.step_of() if step is None else step)
         if found is not None and self.mode == "warn":
             self._warned = True
-            self.warn(f"pipedap: {found.describe()}; the update is applied as DDP applies it (nonfinite='warn', "
+            how = "applied" if self.fp16_wire(found) else "applied as DDP applies it"
+            self.warn(f"pipedap: {self.describe(found)}; the update is {how} (nonfinite='warn', "
                       "said once per fit; 'raise' stops training, 'skip' skips such steps)")
         return found
 
@@ -152,13 +172,15 @@ class NonFiniteCheck:
                   "applies it (nonfinite='warn', said once per fit)")
 
     def error(self, found: Finding) -> NonFiniteGradientError:
-        return NonFiniteGradientError(f"pipedap: {found.describe()}; nonfinite='raise' stops training on every "
-                                      "rank (use nonfinite='skip' to skip such steps, 'warn' to apply them as DDP)")
+        """The error of ``found`` under ``nonfinite="raise"`` (naming ``wire_dtype`` for an fp16 bucket)."""
+        as_ddp = "" if self.fp16_wire(found) else " as DDP"
+        return NonFiniteGradientError(f"pipedap: {self.describe(found)}; nonfinite='raise' stops training on every "
+                                      f"rank (use nonfinite='skip' to skip such steps, 'warn' to apply them{as_ddp})")
 
     def skip(self, found: Finding) -> None:
         """Log that the step of ``found`` is skipped on every rank."""
         self.skipped.append(found.step)
-        self.warn(f"pipedap: {found.describe()}; the optimizer step is skipped on every rank (nonfinite='skip'; "
+        self.warn(f"pipedap: {self.describe(found)}; the optimizer step is skipped on every rank (nonfinite='skip'; "
                   f"{len(self.skipped)} step(s) skipped in this fit)")
 
     def raise_if_bad(self) -> None:

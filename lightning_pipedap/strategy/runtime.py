@@ -150,7 +150,8 @@ class Runtime:
         #: ``() -> int``: the current optimizer step (Lightning's ``global_step``; set by the strategy)
         self.step_of: Callable[[], int] = lambda: -1
         #: the ``nonfinite`` check of this fit (the strategy turns it off under an fp16 grad scaler)
-        self.nonfinite = NonFiniteCheck(config.nonfinite, self.name_of, warn)
+        self.nonfinite = NonFiniteCheck(config.nonfinite, self.name_of, warn, config.wire_dtype,
+                                        lambda b: self.engine is not None and self.engine.schedule.is_wire16(b))
         self.nonfinite.step_of = lambda: self.step_of()
         self._params_checked_at = 0
         #: the compression helper for the whole fit (started now, given a layout per final schedule)
