@@ -106,3 +106,49 @@ def test_model_without_trainable_parameters_is_rejected():
                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
     with pytest.raises(Exception, match="no trainable parameters"):
         trainer.fit(_NoTrainable())
+
+
+def test_options_that_do_not_apply_are_named():
+    from lightning_pipedap.strategy.config import PipeDAPConfig as Config
+
+    assert Config().ignored_options() == [] and Config(schedule="dear").ignored_options() == []
+    (fixed,) = Config(schedule="dear", plan_trials=2, trial_rounds=3).ignored_options()
+    assert fixed.startswith("pipedap: plan_trials=2, trial_rounds=3 not used: schedule 'dear' is fixed, and measured "
+                            "plan selection runs only for the planned schedules (") and "optimal" in fixed
+    (wire,) = Config(wire_dtype="bf16").ignored_options()
+    assert wire == ("pipedap: torch_ddp_candidate=True not used: the torch_ddp candidate (DDP's reducer) is not "
+                    "trialled with wire_dtype='bf16' (DDP's reducer sends fp32: set wire_dtype='fp32' to measure it)")
+    assert Config(wire_dtype="bf16", torch_ddp_candidate=False).ignored_options() == []
+    assert Config(wire_dtype="bf16", plan_trials=1).ignored_options() == []  # (no trial at all)
+
+
+def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once():
+    """The run-time of a fit (here in a one-process gloo group) logs them when it starts, once; the warm-up
+    schedule's line is not repeated when the profiling steps install it again."""
+    import torch.distributed as dist
+
+    from lightning_pipedap.strategy.config import PipeDAPConfig
+    from lightning_pipedap.strategy.planning import Measured
+    from lightning_pipedap.strategy.resume import ResumeState
+    from lightning_pipedap.strategy.runtime import Runtime
+
+    import lightning_pipedap.engine.collectives as C
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        said: list[str] = []
+        cfg = PipeDAPConfig(wire_dtype="fp16")
+        comm = C.new_comm_group(cfg.wait_timeout_s, int(cfg.ring_chunk_mb * 2**20))
+        rt = Runtime(cfg, torch.nn.Linear(2, 2), lambda: [], comm, 1, 0, torch.device("cpu"), Measured(),
+                     ResumeState(), said.append, said.append, {}, [], lambda: False)
+        # the set-up's warm-up schedule, then the profiling steps re-install the same one: said once
+        rt.install_warmup()
+        rt.order, rt.owners = [0, 1], [None, None]
+        rt.install(rt.order, rt.builtin(rt.order, "allreduce"), rt.owners)
+        assert rt.running_schedule == "allreduce" and rt.final_schedule is None
+        rt.close()
+    finally:
+        dist.destroy_process_group()
+    assert [m for m in said if "not used" in m] == [PipeDAPConfig(wire_dtype="fp16").ignored_options()[0]]
+    assert [m for m in said if "warm-up schedule" in m] == [
+        "pipedap: warm-up schedule (sync mode, until the plan is ready) allreduce: 1 buckets: AR0"]

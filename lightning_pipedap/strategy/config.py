@@ -292,6 +292,34 @@ class PipeDAPConfig:
             out.append((name, repr(value)))
         return out
 
+    def ignored_options(self) -> list[str]:
+        """Sentences (``pipedap: ...``) naming the options set here that this configuration does not use, for
+        the log at the start of a fit: trial settings changed from their defaults under a fixed schedule
+        (measured plan selection runs for planned schedules only), and ``torch_ddp_candidate=True`` where
+        the ``torch_ddp`` candidate is not trialled (a 16-bit ``wire_dtype``: DDP's reducer sends fp32;
+        ``nonfinite="raise"``/``"skip"`` or ``check_params_every_n_steps``: they need pipedap's reduction)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        out = []
+        if not self.planned:
+            changed = [f"{n}={getattr(self, n)!r}" for n in ("plan_trials", "trial_steps", "trial_rounds",
+                                                               "trial_window_s") if getattr(self, n) != defaults[n]]
+            if changed:
+                out.append(f"pipedap: {', '.join(changed)} not used: schedule {self.schedule!r} is fixed, and measured "
+                           f"plan selection runs only for the planned schedules ({', '.join(sorted(PLANNED))})")
+        elif self.torch_ddp_candidate and self.plan_trials > 1 and self.compression is None:
+            why = []
+            if self.wire_dtype != "fp32":
+                why.append(f"wire_dtype={self.wire_dtype!r} (DDP's reducer sends fp32: set wire_dtype='fp32' to "
+                           "measure it)")
+            if self.nonfinite in ("raise", "skip"):
+                why.append(f"nonfinite={self.nonfinite!r} (it needs pipedap's own reduction)")
+            if self.check_params_every_n_steps:
+                why.append("check_params_every_n_steps (it needs pipedap's own reduction)")
+            if why:
+                out.append("pipedap: torch_ddp_candidate=True not used: the torch_ddp candidate (DDP's reducer) is "
+                           f"not trialled with {' and '.join(why)}")
+        return out
+
     @property
     def planned(self) -> bool:
         """Whether the schedule is planned from a profile (not one of the fixed built-ins)."""

@@ -119,6 +119,8 @@ class Runtime:
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
                                      max_replans=config.max_replans)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
+        for note in config.ignored_options():  # (once per fit: options that do not apply are not silent)
+            info(note)
         self.carry = (R.CompressionCarry(config.compression, config.compression_kwargs, self.engine_param_info, info)
                       if config.compression else None)
         if self.carry is not None:
