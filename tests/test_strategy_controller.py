@@ -472,6 +472,9 @@ def test_a_replan_that_the_fit_does_not_finish_keeps_the_first_selection_and_say
     sel = ctl.plan_selection()
     assert (sel["status"], sel["text"]) == (
         "unfinished", "unfinished (the fit ended while profiling, before candidates were planned, after re-plan 1)")
+    assert ctl.unfinished_trial() == (
+        "pipedap: the fit ended while profiling for re-plan 1: no candidate was planned or measured, and the profiling "
+        "schedule (sync mode) ran last (the finished selection before it chose b, its results are kept); train longer")
     ctl.after_sync_step(clock.t)  # the re-plan's profiling step: the second selection starts with a
     assert ctl.phase is Phase.TRIAL and ctl.trial_results is first  # not erased by the re-plan
     for step_s in (5.0, 0.4, 0.5, 0.6):  # a's window: settling, then 2 measured steps (the last start switches)

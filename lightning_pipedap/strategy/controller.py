@@ -459,8 +459,16 @@ class Controller:
         tr.starts = [self.clock()]
 
     def unfinished_trial(self) -> Optional[str]:
-        """A sentence for the end of a fit that stopped during measured plan selection, else None."""
+        """A sentence for the end of a fit that stopped during measured plan selection (or while profiling for a
+        plan), else None."""
         tr = self.trial
+        if self.phase is Phase.PROFILE:
+            chosen = next((r["name"] for r in self.selections[-1] if r["chosen"]), "?") if self.selections else None
+            what = f"re-plan {self.replans_done}" if self.replans_done else "the plan"
+            return (f"pipedap: the fit ended while profiling for {what}: no candidate was planned or measured, and the "
+                    "profiling schedule (sync mode) ran last"
+                    + (f" (the finished selection before it chose {chosen}, its results are kept)" if chosen else "")
+                    + "; train longer")
         if self.phase is not Phase.TRIAL or tr is None:
             return None
         cur = tr.schedules[tr.order[min(tr.window, len(tr.order) - 1)]]
