@@ -54,11 +54,15 @@ def test_fp16_wire_overflow_is_seen_by_nonfinite(results):
     assert "error" not in res, res.get("error")
     assert res["ddp_nonfinite"] == 0  # finite in fp32: only the fp16 wire overflows
     warn = res["fp16_warn"]
-    assert warn["error"] is None and warn["nonfinite"] > 0  # the inf update applied, as DDP applies one
+    assert warn["error"] is None and warn["nonfinite"] > 0  # the inf update applied
     assert len(warn["warnings"]) == 1 and "step 4: the averaged gradients are not finite" in warn["warnings"][0]
     skip = res["fp16_skip"]
     assert skip["error"] is None and skip["nonfinite"] == 0 and skip["max_diff"] < 1e-3  # vs DDP without step 4
     assert "the optimizer step is skipped on every rank" in skip["warnings"][0]
     assert res["fp16_raise"]["error"].startswith("NonFiniteGradientError: pipedap: step 4:")
+    # the messages blame the fp16 wire, not a gradient DDP would see too
+    for msg in (res["fp16_raise"]["error"], warn["warnings"][0], skip["warnings"][0]):
+        assert "is sent in fp16 on the wire (wire_dtype='fp16')" in msg and "wire_dtype='bf16'" in msg, msg
+    assert "as DDP" not in res["fp16_raise"]["error"] and "as DDP applies it" not in warn["warnings"][0]
     bf16 = res["bf16_raise"]  # bf16 keeps fp32's range: nothing to raise
     assert bf16["error"] is None and bf16["nonfinite"] == 0
