@@ -459,15 +459,25 @@ def test_plan_record_reads_the_strategy_attributes():
                         no_overlap_time_s=0.0052, calibration_ratio=1.2, replans_done=0,
                         contention=SimpleNamespace(comm_slowdown=1.5, compute_slowdown=1.25),
                         trial_results=[{"name": "optimal", "measured_s": 0.009, "chosen": False},
-                                       {"name": "dear@25MiB", "measured_s": 0.004, "chosen": True}])
+                                       {"name": "dear@25MiB", "measured_s": 0.004, "chosen": True}],
+                        what_ran=lambda: {"plan_selection_status": "finished"})
     assert M.plan_record(s) == [
         "schedule dear@25MiB: 1 buckets: RS0 AG0", "predicted iteration 4.7 ms", "no-overlap iteration 5.2 ms",
         "α-β model scaled by 1.20 (measured / predicted communication of the profiling steps)",
         "contention: communication 1.50 and compute 1.25 extra slowdown while they overlap",
         "measured candidates: optimal 9.0 ms; dear@25MiB 4.0 ms (chosen)"]
     fresh = SimpleNamespace(installed_schedule=None, predicted_iteration_s=None, no_overlap_time_s=None,
-                            calibration_ratio=1.0, contention=None, trial_results=[], replans_done=0)
+                            calibration_ratio=1.0, contention=None, trial_results=[], replans_done=0,
+                            what_ran=lambda: {"plan_selection_status": None})
     assert M.plan_record(fresh) == []
+    cut = SimpleNamespace(installed_schedule=None, predicted_iteration_s=None, no_overlap_time_s=None,
+                          calibration_ratio=1.0, contention=None, trial_results=[], replans_done=1,
+                          what_ran=lambda: {"plan_selection_status": "unfinished", "ran_at_end": "dear@25MiB",
+                                            "plan_selection": "unfinished (1 of 4 candidates measured, 1 of 4 "
+                                                              "windows, after re-plan 1)"})
+    assert M.plan_record(cut) == [
+        "re-plans: 1", "plan selection unfinished (1 of 4 candidates measured, 1 of 4 windows, after re-plan 1): "
+        "dear@25MiB ran at the end, not a chosen candidate"]
 
 
 def test_wire_suffix_selects_wire_dtype_and_its_uncompressed_counterpart():

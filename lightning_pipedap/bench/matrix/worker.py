@@ -165,8 +165,9 @@ def _ddp_with_comm_hook(name: str) -> CommHookDDPStrategy:
 def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     """What a pipedap strategy reports about its plan after a fit, one line per item, from its own
     attributes: the installed schedule, the predicted and no-overlap iteration times, the calibration of
-    the α-β model, the measured contention, the measured candidates and the re-plans (items it does not
-    have are left out)."""
+    the α-β model, the measured contention, the measured candidates, the re-plans and, when the fit ended
+    during plan selection, that selection and the schedule that ran at the end (items it does not have are
+    left out)."""
     lines = []
     if strategy.installed_schedule is not None:
         lines.append(f"schedule {strategy.installed_schedule}")
@@ -187,6 +188,10 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
             for t in strategy.trial_results))
     if strategy.replans_done:
         lines.append(f"re-plans: {strategy.replans_done}")
+    ran = strategy.what_ran()
+    if ran.get("plan_selection_status") == "unfinished":
+        lines.append(f"plan selection {ran['plan_selection']}: {ran['ran_at_end']} ran at the end, not a chosen "
+                     "candidate")
     return lines
 
 
