@@ -8,8 +8,9 @@ Gradients are copied in as they become ready (divided by the world size, as DDP 
 whole buffer is reduced (RS then AG, or one AR) and the reduced gradients are read back as views.
 The *used flags* travel with the data: a rank writes 1 for each parameter that received a
 gradient in this backward, so after reduction ``flag > 0`` tells every rank whether any rank
-produced a gradient. Parameters unused on every rank keep ``grad = None`` in the update (the
-optimizer skips them), with no ``find_unused_parameters`` flag and no extra collective.
+produced a gradient. Parameters unused on every rank keep their own ``.grad`` in the update, as
+DDP leaves it: None (the optimizer skips them) or, after ``zero_grad(set_to_none=False)``, a zero
+tensor the optimizer steps with; no ``find_unused_parameters`` flag and no extra collective.
 """
 
 from __future__ import annotations

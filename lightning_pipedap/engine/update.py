@@ -102,6 +102,9 @@ class BucketOptimizer:
         Args:
             bucket: a bucket whose AG/AR has finished.
             used: per parameter, whether any rank produced a gradient (default: read the reduced flags).
+                A parameter no rank produced a gradient for is stepped with its own ``.grad`` when that is
+                not None (``zero_grad(set_to_none=False)`` left a zero tensor: DDP steps it too, so momentum
+                and weight decay move it) and skipped when it is None.
             hparams: :func:`snapshot_hparams` taken at the step's ``optimizer_step``.
             clip: the step's clip request, or ``None``.
             coef: the global clip-by-norm coefficient (required when ``clip.algorithm == "norm"``).
@@ -118,14 +121,18 @@ class BucketOptimizer:
                 saved.append((p, p.grad))
                 if used[slot]:
                     g = bucket.grad_view(slot)
-                    if clip is not None and clip.algorithm == "value":
-                        g.clamp_(-clip.value, clip.value)
-                    elif clip is not None and coef is not None:
-                        g.mul_(coef)
-                    p.grad = g
-                    plist.append(p)
+                elif p.grad is not None:
+                    # unused on every rank but ``.grad`` kept (``zero_grad(set_to_none=False)``): DDP leaves
+                    # ``.grad`` untouched and the optimizer steps the parameter with it (momentum, weight decay)
+                    g = p.grad
                 else:
-                    p.grad = None
+                    continue  # no gradient anywhere: not stepped, as with DDP
+                if clip is not None and clip.algorithm == "value":
+                    g.clamp_(-clip.value, clip.value)
+                elif clip is not None and coef is not None:
+                    g.mul_(coef)
+                p.grad = g
+                plist.append(p)
             if plist:
                 groups.append(dict(hparams[gi], params=plist))
         try:
