@@ -385,11 +385,20 @@ def run_resume_boundary_case() -> dict[str, float]:
 
 
 #: case -> extra variants ``{schedule}_{suffix}`` run with these strategy options (besides the plain ones)
+_VIEW = {"gradient_as_bucket_view": True}
 VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     # (its optimizer_zero_grad override makes "auto" run in sync mode; defer_update=True defers anyway)
-    "unused_zero_grad_keep": {"defer": {"defer_update": True}},
+    "unused_zero_grad_keep": {"defer": {"defer_update": True}, "view": _VIEW,
+                              "defer_view": {"defer_update": True, **_VIEW}},
     # (set_to_none=True, Lightning's default: a parameter unused everywhere keeps grad None, not stepped)
-    "unused_some_steps": {"sync": {"defer_update": False}},
+    "unused_some_steps": {"sync": {"defer_update": False}, "view": _VIEW, "sync_view": {"defer_update": False, **_VIEW}},
+    # gradient_as_bucket_view: .grad is the bucket itself (accumulation in the view, clipping, momentum)
+    "sgd_momentum": {"view": _VIEW},
+    "accumulate2": {"view": _VIEW},
+    "clip_norm": {"view": _VIEW},
+    "clip_value": {"view": _VIEW},
+    "tied_root_twice": {"view": _VIEW},
+    "manual_optimization": {"view": _VIEW},
 }
 
 

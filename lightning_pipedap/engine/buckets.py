@@ -36,6 +36,8 @@ class FlatBucket:
         views: per parameter, the view of ``buffer`` holding its gradient, shaped like the parameter
             (built once: :meth:`grad_view`).
         flag_view: the used-flag elements, one per parameter (``k`` elements; :attr:`flags`).
+        as_view: ``gradient_as_bucket_view`` is on for this bucket: each parameter's ``.grad`` is its
+            view (set by the engine), so backward accumulates into the buffer and nothing is copied back.
     """
 
     index: int
@@ -48,6 +50,7 @@ class FlatBucket:
     world_size: int
     views: list[torch.Tensor] = field(default_factory=list, repr=False)
     flag_view: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
+    as_view: bool = False
 
     def __post_init__(self) -> None:
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
@@ -81,6 +84,12 @@ class FlatBucket:
     def grad_view(self, slot: int) -> torch.Tensor:
         """View of the buffer holding parameter ``slot``'s gradient, shaped like the parameter."""
         return self.views[slot]
+
+    def is_view(self, slot: int, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is parameter ``slot``'s view of the buffer (same storage, offset and shape)."""
+        v = self.views[slot]
+        return (grad is not None and grad.data_ptr() == v.data_ptr() and grad.shape == v.shape
+                and grad.stride() == v.stride() and grad.dtype == v.dtype and grad.device == v.device)
 
     @property
     def flags(self) -> torch.Tensor:

@@ -150,7 +150,8 @@ def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None
     """Sync mode: set each parameter's ``.grad`` to its reduced (averaged) gradient.
 
     Parameters that no rank produced a gradient for keep their ``.grad`` untouched (DDP semantics).
-    ``used`` (per parameter, any rank had a gradient) defaults to the reduced flags.
+    ``used`` (per parameter, any rank had a gradient) defaults to the reduced flags. On a bucket with
+    ``as_view`` a ``.grad`` that is the bucket's view (or None) is pointed at the view: no copy.
     """
     if used is None:
         used = (bucket.flags > 0).tolist()
@@ -158,7 +159,9 @@ def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None
         if not used[slot]:
             continue
         g = bucket.grad_view(slot)
-        if p.grad is None:
+        if bucket.as_view and (p.grad is None or bucket.is_view(slot, p.grad)):
+            p.grad = g  # gradient_as_bucket_view: .grad is the reduced view itself, nothing to copy
+        elif p.grad is None:
             p.grad = g.clone()
         else:
             p.grad.copy_(g)
