@@ -207,6 +207,8 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "frozen": ("frozen", {"opt": "adamw"}, {}),
     "unused_some_steps": ("unused", {"opt": "sgd"}, {}),
     "unused_zero_grad_keep": ("unused_keep", {"opt": "sgd"}, {}),
+    # `extra` is used only in the first micro-batch of each window: its accumulated gradient is reduced
+    "unused_accumulate2": ("unused", {"opt": "sgd"}, {"accumulate_grad_batches": 2}),
     "activation_checkpointing": ("ckpt_act", {"opt": "sgd"}, {}),
     "manual_optimization": ("manual", {"opt": "sgd"}, {}),
     "plateau_with_val": ("mlp", {"opt": "sgd", "sched": "plateau"}, {"val_check_interval": 3}),
@@ -393,6 +395,7 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     # (set_to_none=True, Lightning's default: a parameter unused everywhere keeps grad None, not stepped)
     "unused_some_steps": {"sync": {"defer_update": False}, "view": _VIEW, "sync_view": {"defer_update": False, **_VIEW}},
     # gradient_as_bucket_view: .grad is the bucket itself (accumulation in the view, clipping, momentum)
+    "unused_accumulate2": {"sync": {"defer_update": False}, "view": _VIEW},
     "sgd_momentum": {"view": _VIEW},
     "accumulate2": {"view": _VIEW},
     "clip_norm": {"view": _VIEW},

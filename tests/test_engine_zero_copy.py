@@ -126,7 +126,7 @@ def test_grads_are_bucket_views_with_ddp_values_and_no_copy():
         assert r["attached_before_backward"] == [True] * 5  # every None .grad pointed at its zeroed view
         for k, (batches, copies) in enumerate([([0], 0), ([1, 2], 0), ([3], 1)]):
             rnd = r["rounds"][k]
-            assert rnd["copies"] == copies, (k, rnd["copies"])  # only the .grad user code replaced is copied
+            assert rnd["copies"] == copies, (k, rnd["copies"])  # only the .grad user code replaced is copied (once)
             assert rnd["in_bucket"][:4] == [True] * 4, k  # (also the replaced one: re-pointed at its view)
             assert rnd["grads"][4] is None  # unused on every rank: .grad None again, as under DDP
             assert rnd["used"][2] == [False]

@@ -141,6 +141,7 @@ class CommEngine:
         #: gradients copied into a bucket by :meth:`grad_ready` (none on the view path once ``.grad`` is the view)
         self.copies = 0
         self._attached: set[int] = set()  # param indices whose None .grad attach_views pointed at the view
+        self._local: set[int] = set()  # param indices with a gradient from a backward without communication
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)
         self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
@@ -290,7 +291,9 @@ class CommEngine:
         return {i: v.clone() for i, v in self._carry.items()}
 
     def attach_views(self) -> None:
-        """``bucket_view``: before a backward, point every ``.grad`` that is None at its zeroed view.
+        """``bucket_view``: before a backward, point every ``.grad`` that is None at its zeroed view, and move
+        any other ``.grad`` that is not this engine's view (an earlier engine's view after a new schedule was
+        installed, or a tensor user code assigned) into its view (one copy, values unchanged).
 
         Autograd then accumulates into the bucket (no new tensor, no copy). A parameter attached here
         that then gets a gradient on no rank gets ``.grad = None`` back in :meth:`used_flags` (DDP
@@ -313,11 +316,34 @@ class CommEngine:
                     view.zero_()
                     p.grad = view
                     self._attached.add(bucket.param_indices[slot])
+                elif not bucket.is_view(slot, p.grad):
+                    # a view of an earlier engine's bucket (a new schedule was installed) or a tensor user code
+                    # put there: same values, now in this bucket (and the earlier bucket can be freed)
+                    view = bucket.grad_view(slot)
+                    view.copy_(p.grad)
+                    p.grad = view
+                    self.copies += 1
+
+    def local_gradient(self, param_index: int) -> None:
+        """Parameter ``param_index`` got a gradient in a backward that does not communicate (an accumulation
+        micro-batch, ``no_sync``): it counts as used in the next round even without a gradient in that round's
+        backward, and :meth:`finish_backward` reduces its accumulated ``.grad`` (as DDP's reducer, which marks a
+        parameter used in any micro-batch of the window and reduces its accumulated gradient)."""
+        self._local.add(param_index)
 
     def finish_backward(self) -> None:
-        """Mark every incomplete bucket ready; parameters that got no gradient contribute zeros, flag 0."""
+        """Mark every incomplete bucket ready. A parameter that got no gradient in this backward but one in a
+        micro-batch before it (:meth:`local_gradient`) contributes its accumulated ``.grad``; the others
+        contribute zeros, flag 0."""
         if not self.collecting:
             return
+        local, self._local = self._local, set()
+        for i in sorted(local):
+            if not self._got[i]:
+                b, slot = self._slot_of[i]
+                grad = self.buckets[b].params[slot].grad
+                if grad is not None:
+                    self.grad_ready(i, grad)
         for b in range(self.num_buckets):
             if not self._ready[b].is_set():
                 bucket = self.buckets[b]

@@ -299,10 +299,13 @@ class Runtime:
     # ------------------------------------------------------------------ hooks' reactions
     def grad_ready(self, p: Tensor) -> None:
         engine = self.engine
-        if engine is None or not engine.collecting or p.grad is None:
+        if engine is None or p.grad is None:
             return
         i = self._index_of.get(id(p))
         if i is None:  # not trainable when the buckets were built (see retrain_if_changed)
+            return
+        if not engine.collecting:  # an accumulation micro-batch: used in this window, reduced in the next round
+            engine.local_gradient(i)
             return
         if p.grad.layout != torch.strided:
             raise ValueError(f"pipedap: parameter {self.name_of(p)!r} got a {p.grad.layout} gradient; pipedap "
