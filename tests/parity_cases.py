@@ -410,6 +410,10 @@ TORCH_DDP_CASES = ("accumulate2", "clip_norm", "batchnorm", "frozen", "unused_so
                    "plateau_with_val", "manual_two_optimizers")
 
 
+#: ... and with ``gradient_as_bucket_view=True`` (DDP's reducer then gets the option too)
+TORCH_DDP_VIEW_CASES = ("accumulate2", "unused_some_steps")
+
+
 def run_torch_ddp_case() -> dict[str, Any]:
     """The ``torch_ddp`` candidate chosen (forced: the trial's choice is patched to it), then trained under
     DDP's reducer to the end: each model must equal DDP's, and the run must really end under it."""
@@ -424,14 +428,15 @@ def run_torch_ddp_case() -> dict[str, Any]:
     out: dict[str, Any] = {}
     ctl.choose_candidate = forced
     try:
-        for name in TORCH_DDP_CASES:
+        runs = [(name, {}) for name in TORCH_DDP_CASES] + [(name, _VIEW) for name in TORCH_DDP_VIEW_CASES]
+        for name, options in runs:
             model_name, model_kw, trainer_kw = CASES[name]
             ref = train(model_name, model_kw, trainer_kw,
                         "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp")
             st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1,
-                                 trial_window_s=0)
+                                 trial_window_s=0, **options)
             res = train(model_name, model_kw, trainer_kw, st)
-            out[name] = {"diff": max_diff(res, ref), "installed": st.installed_schedule}
+            out[name + ("_view" if options else "")] = {"diff": max_diff(res, ref), "installed": st.installed_schedule}
     finally:
         ctl.choose_candidate = real
     return out

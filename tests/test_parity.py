@@ -128,4 +128,7 @@ def test_torch_ddp_candidate_trains_exactly_as_ddp(parity_results):
         if name not in ("manual_optimization", "manual_two_optimizers"):  # (their plans stay in the warm-up here)
             assert r["installed"].startswith("torch_ddp"), (name, r)
     assert "find_unused_parameters" in res["unused_some_steps"]["installed"]
+    for name, r in res.items():  # (the strategy's gradient_as_bucket_view reaches DDP's reducer)
+        assert ("gradient_as_bucket_view" in (r["installed"] or "")) == name.endswith("_view"), (name, r)
+    assert {"accumulate2_view", "unused_some_steps_view"} <= set(res)
     assert "find_unused_parameters" not in res["batchnorm"]["installed"]

@@ -13,7 +13,8 @@ Data flow inside one iteration::
     apply bucket b's update
 
 Every wait has a timeout and names the operation; an exception in the worker is re-raised in the
-main thread at the next wait. On CUDA the worker issues collectives on its own stream and the
+main thread at the next wait. With ``bucket_view`` (``gradient_as_bucket_view``) ``.grad`` is the
+bucket's view itself: backward accumulates into it and ``grad_ready`` divides in place, no copy. On CUDA the worker issues collectives on its own stream and the
 hand-offs carry CUDA events, so the main thread never synchronises the host on the hot path.
 """
 
@@ -138,7 +139,8 @@ class CommEngine:
                     b.as_view = True
                 else:
                     self.view_refusals[b.index] = reason
-        #: gradients copied into a bucket by :meth:`grad_ready` (none on the view path once ``.grad`` is the view)
+        #: gradients copied into a bucket by :meth:`grad_ready` or :meth:`attach_views` (on the view path only
+        #: a ``.grad`` that is not the view yet is copied, once)
         self.copies = 0
         self._attached: set[int] = set()  # param indices whose None .grad attach_views pointed at the view
         self._local: set[int] = set()  # param indices with a gradient from a backward without communication
