@@ -393,9 +393,10 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "unused_zero_grad_keep": {"defer": {"defer_update": True}, "view": _VIEW,
                               "defer_view": {"defer_update": True, **_VIEW}},
     # (set_to_none=True, Lightning's default: a parameter unused everywhere keeps grad None, not stepped)
-    "unused_some_steps": {"sync": {"defer_update": False}, "view": _VIEW, "sync_view": {"defer_update": False, **_VIEW}},
-    # gradient_as_bucket_view: .grad is the bucket itself (accumulation in the view, clipping, momentum)
+    "unused_some_steps": {"sync": {"defer_update": False}, "view": _VIEW,
+                          "sync_view": {"defer_update": False, **_VIEW}},
     "unused_accumulate2": {"sync": {"defer_update": False}, "view": _VIEW},
+    # gradient_as_bucket_view: .grad is the bucket itself (accumulation in the view, clipping, momentum)
     "sgd_momentum": {"view": _VIEW},
     "accumulate2": {"view": _VIEW},
     "clip_norm": {"view": _VIEW},

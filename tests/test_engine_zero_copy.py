@@ -48,7 +48,8 @@ def _local_grads(xs: list[torch.Tensor], extra: bool = False) -> list[torch.Tens
 def _in_bucket(grad: torch.Tensor, bucket: FlatBucket) -> bool:
     start = bucket.buffer.data_ptr()
     end = start + bucket.buffer.numel() * bucket.buffer.element_size()
-    return start <= grad.data_ptr() < end and grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+    same_storage = grad.untyped_storage().data_ptr() == bucket.buffer.untyped_storage().data_ptr()
+    return start <= grad.data_ptr() < end and same_storage
 
 
 def _run(rank, world, wire):
@@ -81,8 +82,9 @@ def _run(rank, world, wire):
     try:
         # round 1: .grad None -> attached views; one backward; the engine copies nothing
         engine.attach_views()
-        out["attached_before_backward"] = [p.grad is not None and _in_bucket(p.grad, engine.buckets[engine._slot_of[i][0]])
-                                           for i, p in enumerate(params)]
+        out["attached_before_backward"] = [
+            p.grad is not None and _in_bucket(p.grad, engine.buckets[engine._slot_of[i][0]])
+            for i, p in enumerate(params)]
         engine.begin_iteration()
         model(_batch(rank, 0)).pow(2).sum().backward()
         out["rounds"].append(reduced())
