@@ -130,6 +130,15 @@ class Unused(MLP):
         return F.cross_entropy(out, y)
 
 
+class UnusedKeepGrad(Unused):
+    """``Unused`` whose ``optimizer_zero_grad`` keeps ``.grad`` as zero tensors (``set_to_none=False``, as in
+    older public code): DDP steps a parameter unused on every rank with its zero gradient (momentum and
+    weight decay still move it)."""
+
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        optimizer.zero_grad(set_to_none=False)
+
+
 class Checkpointed(MLP):
     def forward(self, x):
         h = checkpoint(self.net[:3], x, use_reentrant=False)
@@ -181,7 +190,7 @@ class TwoOptimizers(MLP):
 
 MODELS: dict[str, Callable[..., Base]] = {
     "lbfgs": LBFGSNet, "two_opt": TwoOptimizers,
-    "mlp": MLP, "bn": BNNet, "tied": Tied, "frozen": Frozen, "unused": Unused,
+    "mlp": MLP, "bn": BNNet, "tied": Tied, "frozen": Frozen, "unused": Unused, "unused_keep": UnusedKeepGrad,
     "ckpt_act": Checkpointed, "manual": Manual,
 }
 
@@ -197,6 +206,9 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "tied_root_twice": ("tied", {"opt": "adamw"}, {}),
     "frozen": ("frozen", {"opt": "adamw"}, {}),
     "unused_some_steps": ("unused", {"opt": "sgd"}, {}),
+    "unused_zero_grad_keep": ("unused_keep", {"opt": "sgd"}, {}),
+    # `extra` is used only in the first micro-batch of each window: its accumulated gradient is reduced
+    "unused_accumulate2": ("unused", {"opt": "sgd"}, {"accumulate_grad_batches": 2}),
     "activation_checkpointing": ("ckpt_act", {"opt": "sgd"}, {}),
     "manual_optimization": ("manual", {"opt": "sgd"}, {}),
     "plateau_with_val": ("mlp", {"opt": "sgd", "sched": "plateau"}, {"val_check_interval": 3}),
@@ -264,7 +276,7 @@ def moved(a: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
 
 def run_case(name: str) -> dict[str, float]:
     model_name, model_kw, trainer_kw = CASES[name]
-    ddp_name = "ddp_find_unused_parameters_true" if model_name == "unused" else "ddp"
+    ddp_name = "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp"
     ref = train(model_name, model_kw, trainer_kw, ddp_name)
     pl.seed_everything(0, verbose=False)
     init = {k: v.clone() for k, v in MODELS[model_name](**model_kw).state_dict().items()}
@@ -274,6 +286,11 @@ def run_case(name: str) -> dict[str, float]:
         out = train(model_name, model_kw, trainer_kw, strategy)
         res[sched] = max_diff(out, ref)
         res[f"{sched}_updates_in_forward"] = strategy.update_counts["forward"]
+        for suffix, options in VARIANTS.get(name, {}).items():
+            strategy = PipeDAPStrategy(schedule=sched, bucket_cap_mb=0.002, **options)
+            out = train(model_name, model_kw, trainer_kw, strategy)
+            res[f"{sched}_{suffix}"] = max_diff(out, ref)
+            res[f"{sched}_{suffix}_updates_in_forward"] = strategy.update_counts["forward"]
     return res
 
 
@@ -369,9 +386,33 @@ def run_resume_boundary_case() -> dict[str, float]:
             "ddp_6": _resume(lambda: "ddp", at=6), "ddp_12": _resume(lambda: "ddp", at=12)}
 
 
+#: case -> extra variants ``{schedule}_{suffix}`` run with these strategy options (besides the plain ones)
+_VIEW = {"gradient_as_bucket_view": True}
+VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
+    # (its optimizer_zero_grad override makes "auto" run in sync mode; defer_update=True defers anyway)
+    "unused_zero_grad_keep": {"defer": {"defer_update": True}, "view": _VIEW,
+                              "defer_view": {"defer_update": True, **_VIEW}},
+    # (set_to_none=True, Lightning's default: a parameter unused everywhere keeps grad None, not stepped)
+    "unused_some_steps": {"sync": {"defer_update": False}, "view": _VIEW,
+                          "sync_view": {"defer_update": False, **_VIEW}},
+    "unused_accumulate2": {"sync": {"defer_update": False}, "view": _VIEW},
+    # gradient_as_bucket_view: .grad is the bucket itself (accumulation in the view, clipping, momentum)
+    "sgd_momentum": {"view": _VIEW},
+    "accumulate2": {"view": _VIEW},
+    "clip_norm": {"view": _VIEW},
+    "clip_value": {"view": _VIEW},
+    "tied_root_twice": {"view": _VIEW},
+    "manual_optimization": {"view": _VIEW},
+}
+
+
 #: cases re-run with DDP's reducer forced as the trial's choice (``run_torch_ddp_case``)
 TORCH_DDP_CASES = ("accumulate2", "clip_norm", "batchnorm", "frozen", "unused_some_steps", "manual_optimization",
                    "plateau_with_val", "manual_two_optimizers")
+
+
+#: ... and with ``gradient_as_bucket_view=True`` (DDP's reducer then gets the option too)
+TORCH_DDP_VIEW_CASES = ("accumulate2", "unused_some_steps")
 
 
 def run_torch_ddp_case() -> dict[str, Any]:
@@ -388,14 +429,15 @@ def run_torch_ddp_case() -> dict[str, Any]:
     out: dict[str, Any] = {}
     ctl.choose_candidate = forced
     try:
-        for name in TORCH_DDP_CASES:
+        runs = [(name, {}) for name in TORCH_DDP_CASES] + [(name, _VIEW) for name in TORCH_DDP_VIEW_CASES]
+        for name, options in runs:
             model_name, model_kw, trainer_kw = CASES[name]
             ref = train(model_name, model_kw, trainer_kw,
-                        "ddp_find_unused_parameters_true" if model_name == "unused" else "ddp")
+                        "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp")
             st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1,
-                                 trial_window_s=0)
+                                 trial_window_s=0, **options)
             res = train(model_name, model_kw, trainer_kw, st)
-            out[name] = {"diff": max_diff(res, ref), "installed": st.installed_schedule}
+            out[name + ("_view" if options else "")] = {"diff": max_diff(res, ref), "installed": st.installed_schedule}
     finally:
         ctl.choose_candidate = real
     return out

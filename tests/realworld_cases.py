@@ -66,6 +66,9 @@ def _pipedap(**kw: Any) -> PipeDAPStrategy:
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "default": lambda: _pipedap(),
     "dear": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002),
+    # gradient_as_bucket_view: every .grad a view into its bucket (REALWORLD_VARIANTS=dear_view,default_view)
+    "dear_view": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002, gradient_as_bucket_view=True),
+    "default_view": lambda: _pipedap(gradient_as_bucket_view=True),
     "ddp": lambda: "ddp",
     "ddp_find_unused_parameters_true": lambda: "ddp_find_unused_parameters_true",
 }

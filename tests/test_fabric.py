@@ -35,7 +35,7 @@ def fabric_results(tmp_path_factory):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["mnist_cnn", "transformer_lm"])
-@pytest.mark.parametrize("schedule", ["dear", "allreduce", "optimal"])
+@pytest.mark.parametrize("schedule", ["dear", "allreduce", "optimal", "dear_view", "optimal_view"])
 def test_fabric_parity_with_ddp(fabric_results, case, schedule):
     res = fabric_results[case]
     assert "error" not in res, res.get("error")
@@ -45,13 +45,21 @@ def test_fabric_parity_with_ddp(fabric_results, case, schedule):
         assert run[key] <= TOL, f"{case}/{schedule}: max |{key} - ddp| = {run[key]:.3e}"
     assert run["rank_spread"] <= TOL
     assert run["phase"] == "run" and run["installed"]
-    if schedule == "optimal":
+    base = schedule.removesuffix("_view")  # (``*_view``: the same with gradient_as_bucket_view=True)
+    # .grad is the bucket itself with gradient_as_bucket_view, never without; on the view path only the first
+    # round of the installed engine copies (each .grad still pointed into the warm-up engine's buckets)
+    assert run["grads_in_buckets"] == (base != schedule)
+    if base != schedule:
+        assert run["engine_copies"] <= run["engine_params"]
+    else:  # (the copy path copies every gradient of every round)
+        assert run["engine_copies"] >= run["engine_params"] * (run["engine_rounds"] - 1)
+    if base == "optimal":
         assert run["trials"] == 2  # the controller planned and measured both candidates under Fabric
     else:
         # 10 optimizer steps; the first ran on the warm-up engine; micro-batches under no_backward_sync never
         # communicate, so the installed engine ran exactly one round per remaining step
         assert run["engine_rounds"] == 9
-        assert run["installed"].startswith(schedule + ":")
+        assert run["installed"].startswith(base + ":")
 
 
 @pytest.mark.multiprocess

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from tests._dist_util import run_lightning_ranks
-from tests.parity_cases import CASES, SPECIAL
+from tests.parity_cases import CASES, SPECIAL, VARIANTS
 
 TOL = 1e-6
 # manual optimization and closure-based optimizers run the synchronous path by design
-SYNC_PATH_CASES = {"manual_optimization", "lbfgs_closure", "manual_two_optimizers"}
+SYNC_PATH_CASES = {"manual_optimization", "lbfgs_closure", "manual_two_optimizers",
+                   "unused_zero_grad_keep"}  # (an optimizer_zero_grad override: "auto" runs in sync mode)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,9 +35,17 @@ def test_parity_with_ddp(parity_results, case):
     assert res["ddp_moved"] > 1e-3, "the reference run must actually train"
     for schedule in ("allreduce", "dear", "optimal"):
         assert res[schedule] <= TOL, f"{case}/{schedule}: max |param - ddp| = {res[schedule]:.3e}"
+        for suffix, options in VARIANTS.get(case, {}).items():
+            key = f"{schedule}_{suffix}"
+            assert res[key] <= TOL, f"{case}/{key} ({options}): max |param - ddp| = {res[key]:.3e}"
+            # a variant that defers must really defer; one in sync mode must not
+            defers = options["defer_update"] is True if "defer_update" in options else case not in SYNC_PATH_CASES
+            assert (res[f"{key}_updates_in_forward"] > 0) == defers, (key, res)
     if case not in SYNC_PATH_CASES:
         # updates must really be deferred into the next forward (not silently flushed)
         assert res["dear_updates_in_forward"] > 0
+    else:
+        assert res["dear_updates_in_forward"] == 0
 
 
 @pytest.mark.multiprocess
@@ -119,4 +128,7 @@ def test_torch_ddp_candidate_trains_exactly_as_ddp(parity_results):
         if name not in ("manual_optimization", "manual_two_optimizers"):  # (their plans stay in the warm-up here)
             assert r["installed"].startswith("torch_ddp"), (name, r)
     assert "find_unused_parameters" in res["unused_some_steps"]["installed"]
+    for name, r in res.items():  # (the strategy's gradient_as_bucket_view reaches DDP's reducer)
+        assert ("gradient_as_bucket_view" in (r["installed"] or "")) == name.endswith("_view"), (name, r)
+    assert {"accumulate2_view", "unused_some_steps_view"} <= set(res)
     assert "find_unused_parameters" not in res["batchnorm"]["installed"]

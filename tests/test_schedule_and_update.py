@@ -112,6 +112,35 @@ def test_bucket_step_uses_snapshot_hparams_and_skips_unused():
     assert all(p.grad is None for p in params)  # .grad restored afterwards
 
 
+def test_bucket_step_steps_unused_param_with_kept_zero_grad_as_ddp():
+    """``zero_grad(set_to_none=False)``: a parameter unused on every rank keeps a zero ``.grad``; DDP leaves it
+    untouched and SGD with momentum and weight decay still moves the parameter. A None ``.grad`` is skipped."""
+    for keep in (True, False):
+        m, _ = _model_and_grads()
+        ref = copy.deepcopy(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
+        params, ref_params = list(m.parameters()), list(ref.parameters())
+        bucket = FlatBucket.allocate(0, (0, 1, 2, 3), params, 2)
+        upd = BucketOptimizer(opt, [bucket])
+        after_step0 = None
+        for step in range(2):  # step 0: every parameter used (momentum buffers exist); step 1: param 1 unused
+            for slot, (p, r) in enumerate(zip(params, ref_params)):
+                unused = step == 1 and slot == 1
+                bucket.grad_view(slot).fill_(0.0 if unused else 1.0 + slot)
+                r.grad = (torch.zeros_like(r) if keep else None) if unused else bucket.grad_view(slot).clone()
+                p.grad = (torch.zeros_like(p) if keep else None) if unused else None
+            bucket.flags.copy_(torch.tensor([1.0, 0.0 if step == 1 else 1.0, 1.0, 1.0]))
+            with torch.no_grad():
+                upd.step(bucket, snapshot_hparams(opt), None, None)
+            ref_opt.step()
+            after_step0 = params[1].detach().clone() if step == 0 else after_step0
+        for p, r in zip(params, ref_params):
+            assert torch.equal(p, r)
+        assert (params[1].grad is not None) == keep  # .grad itself left as it was
+        assert torch.equal(params[1], after_step0) != keep  # stepped with its zero grad only when kept
+
+
 def test_clip_value_and_norm_math():
     assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6))
     assert clip_coefficient(0.5, 1.0) == 1.0

@@ -36,6 +36,7 @@ def test_import_registers_names_idempotently():
         ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1, got 0"),
         ({"calibrate_cost_model": "yes"}, ValueError, r"calibrate_cost_model must be True or False, got 'yes'"),
         ({"model_contention": 1}, ValueError, r"model_contention must be True or False, got 1"),
+        ({"gradient_as_bucket_view": "true"}, ValueError, r"gradient_as_bucket_view must be True or False, got 'true'"),
         ({"compression_mode": "thread"}, ValueError, r"need a compression method"),
         ({"trial_steps": True}, ValueError, r"trial_steps must be an integer >= 1, got True"),
         ({"cost_model": "/nonexistent/cm.json"}, ValueError, r"cost_model='/nonexistent/cm.json': no such file"),

@@ -91,6 +91,7 @@ class PipeDAPStrategyConf:
     compression_mode: str = "process"
     compression_threads: int = 1
     wire_dtype: str = "fp32"  # "fp32" | "fp16" | "bf16" (see PipeDAPStrategy)
+    gradient_as_bucket_view: bool = False  # .grad as views into the buckets (see PipeDAPStrategy)
     nonfinite: str = "warn"  # "warn" | "raise" | "skip" | "ignore" (see PipeDAPStrategy)
     check_params_every_n_steps: Optional[int] = None
     start_method: str = "popen"

@@ -8,8 +8,9 @@ Gradients are copied in as they become ready (divided by the world size, as DDP 
 whole buffer is reduced (RS then AG, or one AR) and the reduced gradients are read back as views.
 The *used flags* travel with the data: a rank writes 1 for each parameter that received a
 gradient in this backward, so after reduction ``flag > 0`` tells every rank whether any rank
-produced a gradient. Parameters unused on every rank keep ``grad = None`` in the update (the
-optimizer skips them), with no ``find_unused_parameters`` flag and no extra collective.
+produced a gradient. Parameters unused on every rank keep their own ``.grad`` in the update, as
+DDP leaves it: None (the optimizer skips them) or, after ``zero_grad(set_to_none=False)``, a zero
+tensor the optimizer steps with; no ``find_unused_parameters`` flag and no extra collective.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ class FlatBucket:
         views: per parameter, the view of ``buffer`` holding its gradient, shaped like the parameter
             (built once: :meth:`grad_view`).
         flag_view: the used-flag elements, one per parameter (``k`` elements; :attr:`flags`).
+        as_view: ``gradient_as_bucket_view`` is on for this bucket: each parameter's ``.grad`` is its
+            view (set by the engine), so backward accumulates into the buffer and nothing is copied back.
     """
 
     index: int
@@ -47,6 +50,7 @@ class FlatBucket:
     world_size: int
     views: list[torch.Tensor] = field(default_factory=list, repr=False)
     flag_view: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
+    as_view: bool = False
 
     def __post_init__(self) -> None:
         self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
@@ -80,6 +84,12 @@ class FlatBucket:
     def grad_view(self, slot: int) -> torch.Tensor:
         """View of the buffer holding parameter ``slot``'s gradient, shaped like the parameter."""
         return self.views[slot]
+
+    def is_view(self, slot: int, grad: torch.Tensor | None) -> bool:
+        """Whether ``grad`` is parameter ``slot``'s view of the buffer (same storage, offset and shape)."""
+        v = self.views[slot]
+        return (grad is not None and grad.data_ptr() == v.data_ptr() and grad.shape == v.shape
+                and grad.stride() == v.stride() and grad.dtype == v.dtype and grad.device == v.device)
 
     @property
     def flags(self) -> torch.Tensor:

@@ -380,7 +380,7 @@ def all_gather_object(obj: object) -> list:
 
 
 def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: float,
-              find_unused_parameters: bool) -> torch.nn.Module:
+              find_unused_parameters: bool, gradient_as_bucket_view: bool = False) -> torch.nn.Module:
     """Wrap ``module`` in PyTorch's ``DistributedDataParallel`` on the default process group.
 
     The C++ reducer all-reduces gradient buckets of ``bucket_cap_mb`` MiB inside backward (WFBP) and
@@ -393,13 +393,15 @@ def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: floa
         device: the model's device (``device_ids`` is set for CUDA).
         bucket_cap_mb: DDP's bucket size, MiB (> 0).
         find_unused_parameters: traverse the graph each step for parameters without a gradient.
+        gradient_as_bucket_view: ``.grad`` as views into DDP's buckets (no second gradient copy).
 
     Returns:
         The ``DistributedDataParallel`` wrapper.
     """
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
     return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
-                                                     find_unused_parameters=find_unused_parameters)
+                                                     find_unused_parameters=find_unused_parameters,
+                                                     gradient_as_bucket_view=gradient_as_bucket_view)
 
 
 def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:

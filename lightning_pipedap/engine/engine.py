@@ -13,7 +13,8 @@ Data flow inside one iteration::
     apply bucket b's update
 
 Every wait has a timeout and names the operation; an exception in the worker is re-raised in the
-main thread at the next wait. On CUDA the worker issues collectives on its own stream and the
+main thread at the next wait. With ``bucket_view`` (``gradient_as_bucket_view``) ``.grad`` is the
+bucket's view itself: backward accumulates into it and ``grad_ready`` divides in place, no copy. On CUDA the worker issues collectives on its own stream and the
 hand-offs carry CUDA events, so the main thread never synchronises the host on the hot path.
 """
 
@@ -33,7 +34,39 @@ from lightning_pipedap.engine.transport import DenseTransport, Transport
 from lightning_pipedap.measure.timeline import OpTiming
 from lightning_pipedap.schedule import Op, OpKind, Schedule
 
-__all__ = ["CommEngine", "EngineError", "OpTiming"]
+__all__ = ["CommEngine", "EngineError", "OpTiming", "view_refusal"]
+
+
+def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False) -> Optional[str]:
+    """Why ``bucket`` cannot hold its parameters' ``.grad`` as views of its buffer, or None when it can.
+
+    ``gradient_as_bucket_view`` makes each parameter's ``.grad`` a view into the bucket, so the bucket's
+    contents must be the gradient itself at every point user code can see it. That fails when
+
+    - the bucket is ``compressed``: the compressor reads the bucket and writes its own reconstruction;
+    - it travels in the 16-bit wire format (``wire16``): the owner rounds its reduced shard in place;
+    - a parameter is not a contiguous dense tensor: a contiguous view would break the gradient
+      layout contract (``.grad`` strides equal to the parameter's).
+
+    Such a bucket keeps the copy path (same values in ``.grad``, one more copy).
+
+    Args:
+        bucket: the bucket (its parameters are read, not changed).
+        compressed: whether the schedule compresses this bucket.
+        wire16: whether the schedule sends this bucket in the 16-bit wire format.
+
+    Returns:
+        None, or a short reason naming the cause (for the log).
+    """
+    if compressed:
+        return "it is compressed (the compressor rewrites the bucket)"
+    if wire16:
+        return "it travels in the 16-bit wire format (its reduced shard is rounded in the buffer)"
+    for slot, p in enumerate(bucket.params):
+        if p.layout != torch.strided or not p.is_contiguous():
+            return (f"parameter {bucket.param_indices[slot]} (shape {tuple(p.shape)}) is not a contiguous dense "
+                    "tensor (its .grad layout differs from the flat buffer's)")
+    return None
 
 
 class EngineError(RuntimeError):
@@ -61,6 +94,11 @@ class CommEngine:
             flagged in ``schedule.wire16`` (their RS/AG cast each piece in the send path and sum in
             fp32; :class:`~lightning_pipedap.engine.transport.DenseTransport`); the other buckets
             travel in their own dtype.
+        bucket_view: ``gradient_as_bucket_view``: every parameter's ``.grad`` is its view of the
+            bucket (set by :meth:`attach_views` before a backward, or by :meth:`grad_ready` when
+            autograd made a new tensor), so backward accumulates into the bucket and
+            :meth:`grad_ready` only divides in place. Buckets refused by :func:`view_refusal`
+            keep the copy path; :attr:`view_refusals` says why.
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
@@ -68,7 +106,7 @@ class CommEngine:
     """
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
-                 transport_factory=None, wire_dtype: str = "fp32") -> None:
+                 transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False) -> None:
         schedule.validate(len(params))
         if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
             raise ValueError(f"schedule {schedule.name!r} sends {schedule.num_wire16} bucket(s) in the 16-bit wire "
@@ -91,6 +129,21 @@ class CommEngine:
             self.transport if self.transport is not None and schedule.is_compressed(b)
             else half if schedule.is_wire16(b) else dense
             for b in range(len(self.buckets))]
+        #: bucket index -> why it keeps the copy path under ``bucket_view`` (:func:`view_refusal`)
+        self.view_refusals: dict[int, str] = {}
+        if bucket_view:
+            for b in self.buckets:
+                reason = view_refusal(b, compressed=self._transports[b.index] is self.transport is not None,
+                                      wire16=schedule.is_wire16(b.index))
+                if reason is None:
+                    b.as_view = True
+                else:
+                    self.view_refusals[b.index] = reason
+        #: gradients copied into a bucket by :meth:`grad_ready` or :meth:`attach_views` (on the view path only
+        #: a ``.grad`` that is not the view yet is copied, once)
+        self.copies = 0
+        self._attached: set[int] = set()  # param indices whose None .grad attach_views pointed at the view
+        self._local: set[int] = set()  # param indices with a gradient from a backward without communication
         self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
         self._got = [False] * len(params)
         self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
@@ -181,7 +234,13 @@ class CommEngine:
         b, slot = self._slot_of[param_index]
         bucket = self.buckets[b]
         view = bucket.grad_view(slot)
-        torch.div(grad, self.comm.world_size, out=view)
+        if bucket.as_view and bucket.is_view(slot, grad):
+            view.div_(self.comm.world_size)  # backward accumulated into the bucket itself
+        else:
+            torch.div(grad, self.comm.world_size, out=view)
+            self.copies += 1
+            if bucket.as_view:  # autograd made a new tensor (.grad was None), or user code replaced .grad
+                bucket.params[slot].grad = view
         if self._carry:
             extra = self._carry.pop(param_index, None)
             if extra is not None:  # once: see carry_to_next_gradient
@@ -233,10 +292,60 @@ class CommEngine:
             return out
         return {i: v.clone() for i, v in self._carry.items()}
 
+    def attach_views(self) -> None:
+        """``bucket_view``: before a backward, point every ``.grad`` that is None at its zeroed view, and move
+        any other ``.grad`` that is not this engine's view (an earlier engine's view after a new schedule was
+        installed, or a tensor user code assigned) into its view (one copy, values unchanged).
+
+        Autograd then accumulates into the bucket (no new tensor, no copy). A parameter attached here
+        that then gets a gradient on no rank gets ``.grad = None`` back in :meth:`used_flags` (DDP
+        leaves it None, and the optimizer must not step it). Waits for a round still running, so
+        no operation of the worker writes the buffer while it is zeroed.
+
+        Raises:
+            EngineError: if the previous round does not finish within the timeout, or the worker failed.
+        """
+        views = [b for b in self.buckets if b.as_view]
+        if not views:
+            return
+        if not self._idle.is_set():
+            self.wait_idle()
+        self._check()
+        for bucket in views:
+            for slot, p in enumerate(bucket.params):
+                if p.grad is None:
+                    view = bucket.grad_view(slot)
+                    view.zero_()
+                    p.grad = view
+                    self._attached.add(bucket.param_indices[slot])
+                elif not bucket.is_view(slot, p.grad):
+                    # a view of an earlier engine's bucket (a new schedule was installed) or a tensor user code
+                    # put there: same values, now in this bucket (and the earlier bucket can be freed)
+                    view = bucket.grad_view(slot)
+                    view.copy_(p.grad)
+                    p.grad = view
+                    self.copies += 1
+
+    def local_gradient(self, param_index: int) -> None:
+        """Parameter ``param_index`` got a gradient in a backward that does not communicate (an accumulation
+        micro-batch, ``no_sync``): it counts as used in the next round even without a gradient in that round's
+        backward, and :meth:`finish_backward` reduces its accumulated ``.grad`` (as DDP's reducer, which marks a
+        parameter used in any micro-batch of the window and reduces its accumulated gradient)."""
+        self._local.add(param_index)
+
     def finish_backward(self) -> None:
-        """Mark every incomplete bucket ready; parameters that got no gradient contribute zeros, flag 0."""
+        """Mark every incomplete bucket ready. A parameter that got no gradient in this backward but one in a
+        micro-batch before it (:meth:`local_gradient`) contributes its accumulated ``.grad``; the others
+        contribute zeros, flag 0."""
         if not self.collecting:
             return
+        local, self._local = self._local, set()
+        for i in sorted(local):
+            if not self._got[i]:
+                b, slot = self._slot_of[i]
+                grad = self.buckets[b].params[slot].grad
+                if grad is not None:
+                    self.grad_ready(i, grad)
         for b in range(self.num_buckets):
             if not self._ready[b].is_set():
                 bucket = self.buckets[b]
@@ -264,14 +373,26 @@ class CommEngine:
 
         A parameter that got a local gradient is used without looking at the reduced flag, so the
         host reads the reduced flags (a device sync on CUDA) only when some parameter of the bucket
-        got no local gradient.
+        got no local gradient. Call once the bucket is reduced.
+
+        ``bucket_view``: a parameter whose None ``.grad`` :meth:`attach_views` pointed at its view and
+        that no rank produced a gradient for gets ``.grad = None`` back here (as under DDP), before any
+        update reads it.
         """
         bucket = self.buckets[b]
         local = [self._got[i] for i in bucket.param_indices]
         if all(local):
-            return local
-        reduced = (bucket.flags > 0).tolist()
-        return [l or r for l, r in zip(local, reduced)]
+            used = local
+        else:
+            reduced = (bucket.flags > 0).tolist()
+            used = [l or r for l, r in zip(local, reduced)]
+        if self._attached:
+            for slot, i in enumerate(bucket.param_indices):
+                if i in self._attached:
+                    self._attached.discard(i)
+                    if not used[slot] and bucket.is_view(slot, bucket.params[slot].grad):
+                        bucket.params[slot].grad = None
+        return used
 
     def wait_all_reduced(self) -> None:
         """Block until every bucket's RS or AR has finished (each rank then holds its reduced shards)."""

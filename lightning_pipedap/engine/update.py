@@ -102,6 +102,9 @@ class BucketOptimizer:
         Args:
             bucket: a bucket whose AG/AR has finished.
             used: per parameter, whether any rank produced a gradient (default: read the reduced flags).
+                A parameter no rank produced a gradient for is stepped with its own ``.grad`` when that is
+                not None (``zero_grad(set_to_none=False)`` left a zero tensor: DDP steps it too, so momentum
+                and weight decay move it) and skipped when it is None.
             hparams: :func:`snapshot_hparams` taken at the step's ``optimizer_step``.
             clip: the step's clip request, or ``None``.
             coef: the global clip-by-norm coefficient (required when ``clip.algorithm == "norm"``).
@@ -118,14 +121,18 @@ class BucketOptimizer:
                 saved.append((p, p.grad))
                 if used[slot]:
                     g = bucket.grad_view(slot)
-                    if clip is not None and clip.algorithm == "value":
-                        g.clamp_(-clip.value, clip.value)
-                    elif clip is not None and coef is not None:
-                        g.mul_(coef)
-                    p.grad = g
-                    plist.append(p)
+                elif p.grad is not None:
+                    # unused on every rank but ``.grad`` kept (``zero_grad(set_to_none=False)``): DDP leaves
+                    # ``.grad`` untouched and the optimizer steps the parameter with it (momentum, weight decay)
+                    g = p.grad
                 else:
-                    p.grad = None
+                    continue  # no gradient anywhere: not stepped, as with DDP
+                if clip is not None and clip.algorithm == "value":
+                    g.clamp_(-clip.value, clip.value)
+                elif clip is not None and coef is not None:
+                    g.mul_(coef)
+                p.grad = g
+                plist.append(p)
             if plist:
                 groups.append(dict(hparams[gi], params=plist))
         try:
@@ -143,7 +150,8 @@ def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None
     """Sync mode: set each parameter's ``.grad`` to its reduced (averaged) gradient.
 
     Parameters that no rank produced a gradient for keep their ``.grad`` untouched (DDP semantics).
-    ``used`` (per parameter, any rank had a gradient) defaults to the reduced flags.
+    ``used`` (per parameter, any rank had a gradient) defaults to the reduced flags. On a bucket with
+    ``as_view`` a ``.grad`` that is the bucket's view (or None) is pointed at the view: no copy.
     """
     if used is None:
         used = (bucket.flags > 0).tolist()
@@ -151,7 +159,9 @@ def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None
         if not used[slot]:
             continue
         g = bucket.grad_view(slot)
-        if p.grad is None:
+        if bucket.as_view and (p.grad is None or bucket.is_view(slot, p.grad)):
+            p.grad = g  # gradient_as_bucket_view: .grad is the reduced view itself, nothing to copy
+        elif p.grad is None:
             p.grad = g.clone()
         else:
             p.grad.copy_(g)

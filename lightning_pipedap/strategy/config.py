@@ -159,6 +159,15 @@ class PipeDAPConfig:
             planners send every bucket 16-bit. fp16 overflows beyond 65504 to inf (``nonfinite``
             sees it); bf16 keeps fp32's range with 8 bits of mantissa. Not with ``compression`` (the
             ``"fp16"`` compressor is the helper-process form of the same idea).
+        gradient_as_bucket_view: ``False`` (default): each parameter's gradient is copied (divided
+            by the world size) into its bucket when it is ready, and the averaged gradient is copied
+            back into ``.grad``. ``True`` (as DDP's option of that name): ``.grad`` of every parameter
+            is a view into its bucket's flat buffer, so backward accumulates straight into the bucket
+            and no second copy of the gradients exists (about one gradient's worth of memory less).
+            ``zero_grad(set_to_none=True)`` detaches the views; the next backward re-points ``.grad``
+            at its (zeroed) view. A bucket that cannot be a view keeps the copy path, logged once with
+            the reason (:func:`~lightning_pipedap.engine.engine.view_refusal`: a compressed or 16-bit
+            wire bucket, a non-contiguous parameter). Values in ``.grad`` are the same either way.
         nonfinite: what a step whose *averaged* gradients hold NaN or inf does. The decision is taken
             from the reduced buckets, which are identical on every rank (a NaN on one rank is in the
             reduced sum of all), so every rank decides alike with no extra collective. ``"warn"``
@@ -206,6 +215,7 @@ class PipeDAPConfig:
     compression_mode: CompressionMode = "process"
     compression_threads: int = 1
     wire_dtype: WireDtype = "fp32"
+    gradient_as_bucket_view: bool = False
     plan_trials: int = 4
     trial_steps: int = 3
     trial_rounds: int = 2
@@ -232,7 +242,8 @@ class PipeDAPConfig:
                           ("compression_threads", 1)):
             _integer(name, getattr(self, name), low)
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
-        for name in ("calibrate_cost_model", "model_contention", "cost_model_cache", "torch_ddp_candidate"):
+        for name in ("calibrate_cost_model", "model_contention", "cost_model_cache", "torch_ddp_candidate",
+                     "gradient_as_bucket_view"):
             _boolean(name, getattr(self, name))
         if not isinstance(self.nonfinite, str) or self.nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE_CHOICES))}, "

@@ -129,6 +129,7 @@ class DeferredUpdates:
         self._forward_params: set[int] = set()
         self._late: set[int] = set()
         self._stale: list[int] = []
+        self._landed = False  # leftovers of this step applied already (land_leftovers after training_step)
 
     # ------------------------------------------------------------------ layout
     def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module) -> None:
@@ -171,6 +172,7 @@ class DeferredUpdates:
     def before_training_step(self) -> None:
         """The clip coefficient (same point on every rank) and the root buckets."""
         self._applied_in_forward, self._forward_params = False, set()
+        self._landed = False
         if self.pending is not None:
             self._clip_coefficient(self.pending)
             self._decide(self.pending)  # (nonfinite raise/skip: before any bucket of the step lands)
@@ -224,12 +226,22 @@ class DeferredUpdates:
                      "in training_step, or a data-dependent path); the update was applied just before the read, and "
                      "it lands before training_step from now on")
 
-    def before_backward(self) -> None:
-        """Apply leftovers (modules not called); remember their parameters to catch stale reads."""
+    def land_leftovers(self) -> None:
+        """Apply leftovers (modules not called); remember their parameters to catch stale reads. Runs at the
+        start of backward, or earlier, right after ``training_step`` (``gradient_as_bucket_view``: before
+        ``zero_grad`` can zero ``.grad``, which is then the bucket itself)."""
         self._late, self._stale = set(), []
         if self.pending is not None:
             self._late = {i for b in self.pending.remaining for i in self.engine.buckets[b].param_indices}
             self.apply_all("leftover")
+        self._landed = True
+
+    def before_backward(self) -> None:
+        """Leftovers land (unless :meth:`land_leftovers` ran after this step's ``training_step``); ``.grad`` must
+        not get the reduced gradients any more."""
+        if not self._landed:
+            self.land_leftovers()
+        self._landed = False
         self.forget_unwritten()
 
     def gradient_arrived(self, i: int) -> None:

@@ -84,7 +84,8 @@ class RunEffects:
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
             unused = rt.saw_unused or any(o is None for o in rt.owners)
             schedules = [*schedules, TorchDDPCandidate(
-                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s)]
+                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
+                gradient_as_bucket_view=cfg.gradient_as_bucket_view)]
             no_overlap = [*no_overlap, no_overlap[same] if same is not None else max(no_overlap)]
         return schedules, no_overlap
 

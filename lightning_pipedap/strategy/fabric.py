@@ -84,7 +84,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
     Args:
         schedule, bucket_cap_mb, warmup_steps, wait_timeout_s, ring_chunk_mb, profile_steps, cost_model,
             cost_model_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
-            max_replans, plan_trials, trial_steps, trial_rounds, trial_window_s, model_contention, wire_dtype: as for
+            max_replans, plan_trials, trial_steps, trial_rounds, trial_window_s, model_contention, wire_dtype,
+            gradient_as_bucket_view: as for
             :class:`~lightning_pipedap.PipeDAPStrategy` (documented in
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`).
         defer_update: ``"auto"`` or ``False`` (both: sync mode).
@@ -122,6 +123,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         max_replans: int = 1,
         compression: Optional[str] = None,
         wire_dtype: str = "fp32",
+        gradient_as_bucket_view: bool = False,
         plan_trials: int = 4,
         trial_steps: int = 3,
         trial_rounds: int = 2,

@@ -33,11 +33,14 @@ class TorchDDPCandidate:
         find_unused_parameters: set when a step so far left a trainable parameter without a gradient
             (DDP then traverses the graph every step, as ``DDPStrategy(find_unused_parameters=True)``).
         predicted_iteration_s: the α-β prediction of the same WFBP schedule (s), None when unknown.
+        gradient_as_bucket_view: DDP's option of that name, the strategy's ``gradient_as_bucket_view``
+            (``.grad`` as views into DDP's buckets, so the reducer keeps no second copy either).
     """
 
     bucket_cap_mb: float
     find_unused_parameters: bool
     predicted_iteration_s: Optional[float] = None
+    gradient_as_bucket_view: bool = False
     name: str = NAME
     num_compressed: int = 0
     #: no drift re-plan under it: it has no plan, and a machine that is slower now slows every candidate alike
@@ -46,12 +49,15 @@ class TorchDDPCandidate:
     def describe(self) -> str:
         """``"torch_ddp (DistributedDataParallel reducer, 25 MiB buckets)"``."""
         unused = ", find_unused_parameters" if self.find_unused_parameters else ""
+        unused += ", gradient_as_bucket_view" if self.gradient_as_bucket_view else ""
         return f"{self.name} (DistributedDataParallel reducer, {self.bucket_cap_mb:g} MiB buckets{unused})"
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for result files: name, bucket_cap_mb, find_unused_parameters, predicted_iteration_s."""
+        """Plain data for result files: name, bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view,
+        predicted_iteration_s."""
         return {"name": self.name, "bucket_cap_mb": self.bucket_cap_mb,
                 "find_unused_parameters": self.find_unused_parameters,
+                "gradient_as_bucket_view": self.gradient_as_bucket_view,
                 "predicted_iteration_s": self.predicted_iteration_s}
 
 
@@ -81,7 +87,8 @@ class TorchDDPHandover:
         if self.wrapper is not None:
             return
         self._unhook()
-        self.wrapper = C.torch_ddp(self.module, self.device, candidate.bucket_cap_mb, candidate.find_unused_parameters)
+        self.wrapper = C.torch_ddp(self.module, self.device, candidate.bucket_cap_mb, candidate.find_unused_parameters,
+                                   candidate.gradient_as_bucket_view)
         self._set_model(self.wrapper)
 
     def leave(self, rehook: bool = True) -> None:

@@ -62,14 +62,17 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         schedule, bucket_cap_mb, defer_update, warmup_steps, wait_timeout_s, ring_chunk_mb,
             deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
-            compression_kwargs, compression_mode, compression_threads, wire_dtype, plan_trials, trial_steps,
+            compression_kwargs, compression_mode, compression_threads, wire_dtype, gradient_as_bucket_view,
+            plan_trials, trial_steps,
             trial_rounds, trial_window_s, torch_ddp_candidate, model_contention, nonfinite,
             check_params_every_n_steps: the options, validated into :attr:`config`, a
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
             readable as an attribute: ``strategy.bucket_cap_mb``). ``nonfinite`` (``"warn"``, ``"raise"``,
             ``"skip"``, ``"ignore"``; default ``"warn"``) says what a step whose averaged gradients hold NaN
             or inf does, decided alike on every rank from the reduced data; ``check_params_every_n_steps``
-            (None or an integer >= 1) compares a hash of every parameter across ranks every N steps.
+            (None or an integer >= 1) compares a hash of every parameter across ranks every N steps;
+            ``gradient_as_bucket_view`` (default False) makes every ``.grad`` a view into its bucket (no second
+            copy of the gradients, as DDP's option of that name).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
             bounds the default group's collectives (Lightning's barriers and broadcasts) and defaults
@@ -117,6 +120,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         compression_mode: str = "process",
         compression_threads: int = 1,
         wire_dtype: str = "fp32",
+        gradient_as_bucket_view: bool = False,
         plan_trials: int = 4,
         trial_steps: int = 3,
         trial_rounds: int = 2,

@@ -244,7 +244,11 @@ class Runtime:
         self._engine_params = params  # (engine order: what the consumer trace watches)
         factory = self._compression_factory() if final and self.config.compression else None
         self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory,
-                                 wire_dtype=self.config.wire_dtype)
+                                 wire_dtype=self.config.wire_dtype, bucket_view=self.config.gradient_as_bucket_view)
+        for b, reason in sorted(self.engine.view_refusals.items()):
+            names = ", ".join(self.name_of(p) for p in self.engine.buckets[b].params[:3])
+            self.say(f"view:{reason}", f"pipedap: gradient_as_bucket_view: bucket {b} ({names}, ...) keeps the copy "
+                     f"path: {reason}")
         self.engine.timeline_enabled = self.timeline()
         self.engine.context = self.describe_step
         self.engine.peers = self.heartbeat.describe if self.heartbeat is not None else None
@@ -305,10 +309,13 @@ class Runtime:
     # ------------------------------------------------------------------ hooks' reactions
     def grad_ready(self, p: Tensor) -> None:
         engine = self.engine
-        if engine is None or not engine.collecting or p.grad is None:
+        if engine is None or p.grad is None:
             return
         i = self._index_of.get(id(p))
         if i is None:  # not trainable when the buckets were built (see retrain_if_changed)
+            return
+        if not engine.collecting:  # an accumulation micro-batch: used in this window, reduced in the next round
+            engine.local_gradient(i)
             return
         if p.grad.layout != torch.strided:
             raise ValueError(f"pipedap: parameter {self.name_of(p)!r} got a {p.grad.layout} gradient; pipedap "
@@ -366,12 +373,19 @@ class Runtime:
                 self.trace = trace
                 return self._timed_step(call)
         if not deferred.guard_needed:
-            return self._timed_step(call)
-        with consumer_mode(self._stack, self._engine_params, self.optimizers(), deferred.guarded_read, track=False):
-            try:
-                return self._timed_step(call)
-            finally:
-                self._adopt_misses()
+            out = self._timed_step(call)
+        else:
+            with consumer_mode(self._stack, self._engine_params, self.optimizers(), deferred.guarded_read,
+                               track=False):
+                try:
+                    out = self._timed_step(call)
+                finally:
+                    self._adopt_misses()
+        if deferred.pending is not None and self.config.gradient_as_bucket_view:
+            # .grad is the bucket: what the forward left lands before Lightning's zero_grad, which may zero .grad
+            # in place (set_to_none=False) and so the reduced gradients of a bucket still pending
+            deferred.land_leftovers()
+        return out
 
     def check_params(self) -> None:
         """``check_params_every_n_steps=N``: at the first ``training_step`` of every N-th optimizer step (the same
@@ -432,6 +446,7 @@ class Runtime:
 
     def before_backward(self) -> None:
         self.deferred.before_backward()
+        self.engine.attach_views()  # (gradient_as_bucket_view: None .grad -> zeroed views; every pending bucket landed)
         if self.sync_grads:
             self.engine.begin_iteration()
             if self.recorder is not None:

@@ -91,6 +91,11 @@ VARIANTS: dict[str, Callable[[], Any]] = {
     # planned: trace 1 step, profile 2, measure 2 candidates x 2 steps, then run (10 steps reach RUN)
     "optimal": lambda: PipeDAPFabricStrategy(schedule="optimal", profile_steps=2, plan_trials=2, trial_steps=1,
                                              trial_rounds=1, trial_window_s=0, model_contention=False),
+    # gradient_as_bucket_view: .grad is a view into its bucket (accumulation and clipping act on the bucket)
+    "dear_view": lambda: PipeDAPFabricStrategy(schedule="dear", bucket_cap_mb=0.25, gradient_as_bucket_view=True),
+    "optimal_view": lambda: PipeDAPFabricStrategy(schedule="optimal", profile_steps=2, plan_trials=2, trial_steps=1,
+                                                  trial_rounds=1, trial_window_s=0, model_contention=False,
+                                                  gradient_as_bucket_view=True),
 }
 
 
@@ -125,6 +130,10 @@ def train(strategy: Any, case: Case, *, load: Optional[str] = None, save_at: Opt
             out["losses"].append(loss.item())
         if step == GRAD_STEP:
             out["grads"] = _flat([p.grad for p in model.parameters()])
+            if isinstance(fabric.strategy, PipeDAPFabricStrategy):  # (gradient_as_bucket_view: .grad is the bucket)
+                engine = fabric.strategy._rt.engine
+                out["grads_in_buckets"] = all(b.is_view(k, p.grad) for b in engine.buckets
+                                              for k, p in enumerate(b.params))
         norm = fabric.clip_gradients(model, optimizer, **case.clip)
         out["norms"].append(None if norm is None else float(norm))
         optimizer.step()
@@ -145,7 +154,9 @@ def train(strategy: Any, case: Case, *, load: Optional[str] = None, save_at: Opt
     if isinstance(s, PipeDAPFabricStrategy):
         rt = s._rt
         out["info"] = {"phase": rt.controller.phase.value, "installed": s.installed_schedule,
-                       "engine_rounds": rt.engine.iteration, "trials": len(s.trial_results)}
+                       "engine_rounds": rt.engine.iteration, "trials": len(s.trial_results),
+                       "engine_copies": rt.engine.copies, "engine_params": sum(len(b.params) for b in rt.engine.buckets),
+                       "grads_in_buckets": out.pop("grads_in_buckets", None)}
     fabric.barrier()
     world = os.environ.get("WORLD_SIZE")
     s.teardown()  # (Lightning's environment teardown drops WORLD_SIZE; the next Fabric of this process needs it)
@@ -180,7 +191,7 @@ def main(out_path: str) -> None:
             res["ddp_moved"] = float((ref["params"] - _initial(case)).abs().max())
             res["ddp_grad_absmax"] = float(ref["grads"].abs().max())  # (> clip_val: value clipping acts)
             res["ddp_clipped"] = any(n is not None and n > case.clip.get("max_norm", float("inf")) for n in ref["norms"])
-            for v in ("dear", "allreduce", "optimal"):
+            for v in ("dear", "allreduce", "optimal", "dear_view", "optimal_view"):
                 run = train(VARIANTS[v](), case, save_at=case.steps // 2 if v == "dear" else None,
                             save_path=ckpt["dear"])
                 res[v] = {**compare(run, ref), "rank_spread": run["rank_spread"], **run["info"]}
