@@ -103,8 +103,7 @@ class Planning:
                       "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False "
                       "to re-measure.")
         self.info("pipedap: α-β model " + ", ".join(
-            f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 1e9 / 8:.3f} ns/bit "
-            f"R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
+            f"{k} {ab.describe()}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
         self._profiled, self._t_updates, self._profile_busy = [], [], []
 
     def recorder(self) -> StepRecorder:
@@ -217,8 +216,8 @@ class Planning:
                                             threads=cfg.compression_threads if process else None)
             self.compression_cost = cost
             self.info(f"pipedap: compression cost of {cost.method}: {cost.alpha_c_s * 1e6:.0f} µs + "
-                      f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/byte ({cost.post_share:.0%} after the collective, "
-                      f"R²={cost.meta.get('r2')}), payload via {cost.collective} x{cost.rounds}")
+                      f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/B ({cost.post_share:.0%} after the collective, "
+                      f"R²={_r2(cost.meta.get('r2'))}), payload via {cost.collective} x{cost.rounds}")
         schedule = planner(profile, self.cost_model, self.world_size, compression=cost)
         self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
                   f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
@@ -251,6 +250,11 @@ class Planning:
             return False
         self.cost_model = self.cost_model.scaled(alpha_factor=ratio, beta_factor=ratio)
         return True
+
+
+def _r2(r2: Any) -> str:
+    """R² for a log line: 4 decimals, or ``n/a``."""
+    return f"{r2:.4f}" if isinstance(r2, (int, float)) else "n/a"
 
 
 def describe_contention(c: Any) -> str:
