@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
 from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
+from lightning_pipedap.strategy.controller import describe_startup
 
 #: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
 #: read a relative path as a package path when the app runs as the ``pipedap-train`` console script.
@@ -267,8 +268,8 @@ def format_summary(res: dict[str, Any]) -> str:
           if unfinished and any(c.get("measured_s") is not None for c in ran.get("unfinished_candidates") or [])
           else []),
         *([f"start-up        {ran['startup']['total_steps']} steps, {ran['startup']['total_s']:.1f} s to steady state "
-           f"(profile {ran['startup']['profile_steps']} steps {ran['startup']['profile_s']:.1f} s, trials "
-           f"{ran['startup']['trial_steps']} steps {ran['startup']['trial_s']:.1f} s)"] if ran.get("startup") else []),
+           f"({describe_startup(ran['startup'], 1)})"] if ran.get("startup") else []),
+        *([f"α-β model       {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
@@ -374,8 +375,9 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                   for c in ran["candidates"]]
     st = ran.get("startup") or {}
     if st:
-        lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s (trace {st['trace_steps']}, "
-                      f"profile {st['profile_steps']}, trials {st['trial_steps']} steps)"]
+        lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s: {describe_startup(st)}"]
+    if ran.get("cost_model_origin"):
+        lines += ["", f"α-β model: {ran['cost_model_origin']}"]
     return "\n".join(lines)
 
 

@@ -106,7 +106,8 @@ class RunResults:
     replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
     installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
     startup = _FromRun("startup", {}, "Time to steady state of the last fit: seconds and steps in trace, profile "
-                       "(with the α-β fit) and trials, and their totals ({} until the plan runs).")
+                       "and trials, seconds of the α-β model, the contention benchmark and the compression "
+                       "helper's start, and their totals ({} until the plan runs).")
 
     def what_ran(self) -> dict[str, Any]:
         """What the last fit ran, as plain JSON-able data (for result files and summaries).
@@ -119,6 +120,9 @@ class RunResults:
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
         ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
+        ``cost_model_origin`` (where the α-β model came from, in words: ``"cached α-β model from <path>
+        (fitted <time>)"``, ``"fitted on the live group in 2.1 s"``, ``"loaded from cost_model=<file>"``;
+        None without a planned schedule),
         ``plan_selection`` (in words: ``"finished (4 of 4 candidates measured)"``, ``"unfinished (3 of 5
         candidates measured, ...)"`` when the fit ended while (re-)planning or measuring candidates, ``"not
         run (...)"``), ``plan_selection_status`` (``"finished"``, ``"unfinished"``, ``"not run"``; None
@@ -146,6 +150,7 @@ class RunResults:
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
             "replans": self.replans_done, "startup": dict(self.startup),
+            "cost_model_origin": getattr(getattr(rt, "planning", None), "cost_model_origin", None),
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
