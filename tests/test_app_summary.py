@@ -93,11 +93,11 @@ def test_the_summary_accounts_for_every_start_up_part_and_says_where_the_model_c
     text = format_summary(_res(ran))
     assert ("start-up        44 steps, 5.1 s to steady state (trace 1 step 0.8 s, α-β model 0.0 s, contention "
             "benchmark 0.7 s, profile 3 steps 0.1 s, trials 40 steps 3.5 s)") in text
-    assert f"α-β model       {origin}" in text
+    assert f"cost model      {origin}" in text
     md = what_ran_markdown(ran)
     assert ("steady state after 44 steps, 5.11 s: trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark "
             "0.70 s, profile 3 steps 0.10 s, trials 40 steps 3.50 s") in md
-    assert f"α-β model: {origin}" in md
+    assert f"cost model: {origin}" in md
 
 
 def test_the_sweep_table_flags_a_speedup_from_an_unfinished_selection(tmp_path):

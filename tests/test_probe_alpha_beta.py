@@ -48,7 +48,7 @@ def test_a_cached_model_says_so_and_a_fresh_fit_says_when(tmp_path):
         assert fresh["source"] == "measured" and fresh["fit_s"] > 0
         assert fresh["fitted_at"] == out[0]["fresh"]["fitted_at"]  # rank 0's time on every rank
         assert fresh["fitted_at"][:4] == time.strftime("%Y", time.gmtime())
-        assert AB.describe_origin(fresh) == f"fitted on the live group in {fresh['fit_s']:.1f} s"
+        assert AB.describe_origin(fresh) == f"α-β model fitted on the live group in {fresh['fit_s']:.1f} s"
         assert out[rank]["cached_ar"] == (1e-4, 2e-9)
         assert AB.describe_origin(cached) == f"cached α-β model from {path} (fitted 2026-11-30 08:00:00 UTC)"
         assert AB.describe_origin(undated) == f"cached α-β model from {path} (fitted 1970-01-02 00:00:00 UTC)"

@@ -66,11 +66,18 @@ class CloseProcessGroup(pl.Callback):
             C.shutdown()
 
 
+#: a rank's own log file in the job directory: the name Lightning gives Hydra's job log of a popen rank
+#: (``hydra.job.name=train_ddp_process_<local rank>``), used for spawned ranks too so one run and a sweep agree
+RANK_LOG_FILE = "train_ddp_process_{rank}.log"
+
+
 class LogToJobDir(pl.Callback):
     """Spawned ranks (multirun): write the ``lightning_pipedap`` log to the job's log file too.
 
     Hydra configures logging in its own process only; a rank started with ``spawn`` is a fresh
-    interpreter. Rank 0 appends to the job's ``<task>.log``, rank r to ``<task>_rank<r>.log``.
+    interpreter. Rank 0 appends to the job's ``<task>.log``, rank r to :data:`RANK_LOG_FILE`
+    (``train_ddp_process_<r>.log``, as in a single run), which gets rank r's own messages (its set-up line,
+    warnings and errors, ``[rank r]``-prefixed: :mod:`lightning_pipedap.strategy.messages`).
     """
 
     pipedap_reads_model = False
@@ -83,7 +90,7 @@ class LogToJobDir(pl.Callback):
         if self._handler is not None:
             return
         rank = trainer.global_rank
-        name = f"{self.task}.log" if rank == 0 else f"{self.task}_rank{rank}.log"
+        name = f"{self.task}.log" if rank == 0 else RANK_LOG_FILE.format(rank=rank)
         os.makedirs(self.log_dir, exist_ok=True)
         self._handler = logging.FileHandler(os.path.join(self.log_dir, name), mode="a")
         self._handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
@@ -269,7 +276,7 @@ def format_summary(res: dict[str, Any]) -> str:
           else []),
         *([f"start-up        {ran['startup']['total_steps']} steps, {ran['startup']['total_s']:.1f} s to steady state "
            f"({describe_startup(ran['startup'], 1)})"] if ran.get("startup") else []),
-        *([f"α-β model       {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
+        *([f"cost model      {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
@@ -377,7 +384,7 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
     if st:
         lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s: {describe_startup(st)}"]
     if ran.get("cost_model_origin"):
-        lines += ["", f"α-β model: {ran['cost_model_origin']}"]
+        lines += ["", f"cost model: {ran['cost_model_origin']}"]
     return "\n".join(lines)
 
 

@@ -41,15 +41,15 @@ def _utc(ts: float) -> str:
 
 def describe_origin(meta: Mapping[str, Any]) -> str:
     """Where a cost model came from, in words, from its ``meta``: ``"cached α-β model from <path> (fitted
-    <time>)"`` for one read from the cache, ``"fitted on the live group in 2.3 s"`` for a fresh fit,
+    <time>)"`` for one read from the cache, ``"α-β model fitted on the live group in 2.3 s"`` for a fresh fit,
     ``"given"`` otherwise (a model passed as ``cost_model=`` is described by its caller)."""
     source = meta.get("source")
     if source == "cached":
         return f"cached α-β model from {meta.get('cache_path')} (fitted {meta.get('fitted_at') or 'at an unknown time'})"
     if source == "measured":
         took = meta.get("fit_s")
-        return "fitted on the live group" + (f" in {took:.1f} s" if isinstance(took, (int, float)) else "")
-    return "given"
+        return "α-β model fitted on the live group" + (f" in {took:.1f} s" if isinstance(took, (int, float)) else "")
+    return "α-β model given"
 
 
 def measure_cost_model(

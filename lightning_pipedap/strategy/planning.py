@@ -94,10 +94,10 @@ class Planning:
             t0 = time.perf_counter()
             if isinstance(cfg.cost_model, str):
                 self.cost_model = load_cost_model(cfg.cost_model)
-                self.cost_model_origin = f"loaded from cost_model={cfg.cost_model}"
+                self.cost_model_origin = f"α-β model loaded from cost_model={cfg.cost_model}"
             elif cfg.cost_model is not None:
                 self.cost_model = cfg.cost_model
-                self.cost_model_origin = "given as cost_model="
+                self.cost_model_origin = "α-β model given as cost_model="
             else:
                 largest = max(p.numel() * p.element_size() for p in params)
                 self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
@@ -124,7 +124,7 @@ class Planning:
             self.warn(f"pipedap: the α-β fit of {poor} is poor (R² < 0.5; typical on an uncontended loopback where "
                       "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False "
                       "to re-measure.")
-        self.info(f"pipedap: α-β model, {self.cost_model_origin}: " + ", ".join(
+        self.info(f"pipedap: {self.cost_model_origin}: " + ", ".join(
             f"{k} {ab.describe()}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
 
     def recorder(self) -> StepRecorder:

@@ -8,6 +8,8 @@ constructor calls :meth:`RunResults._init_run_state` once it has its options.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any, Callable, Optional
 
 import torch
@@ -83,6 +85,9 @@ class RunResults:
                                 self.root_device, self._measured, resume, M.info, M.warn, self.update_counts,
                                 self._records, lambda: self._timeline_enabled)
         rt.start_heartbeat(on_lost_peer)
+        M.every_rank(f"pipedap: rank {self.global_rank} of {self.world_size} set up on {socket.gethostname()} "
+                     f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors, "
+                     f"schedule {self.config.schedule})")
         # forward pre-hooks are prepended (legacy weight_norm recomputes `weight` in a pre-hook, which must see
         # the updated values) and not put inside compiled regions, whose hooks dynamo would trace (their
         # parameters are updated before training_step)
@@ -121,7 +126,8 @@ class RunResults:
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
         ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
         ``cost_model_origin`` (where the α-β model came from, in words: ``"cached α-β model from <path>
-        (fitted <time>)"``, ``"fitted on the live group in 2.1 s"``, ``"loaded from cost_model=<file>"``;
+        (fitted <time>)"``, ``"α-β model fitted on the live group in 2.1 s"``, ``"α-β model loaded from
+        cost_model=<file>"``;
         None without a planned schedule),
         ``plan_selection`` (in words: ``"finished (4 of 4 candidates measured)"``, ``"unfinished (3 of 5
         candidates measured, ...)"`` when the fit ended while (re-)planning or measuring candidates, ``"not
