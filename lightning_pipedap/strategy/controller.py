@@ -248,7 +248,8 @@ class Controller:
             ``"<part>_s"`` per part reported to :meth:`account` (``alpha_beta_s``, ``contention_s``,
             ``helper_start_s``), in s from the controller's creation at set-up. The phases exclude the
             parts, so ``total_s`` is the sum of the phases and parts; a phase holds everything else that
-            ran while it was current (Lightning's own work between steps, the trials' engine switches).
+            ran while it was current (Lightning's own work between steps; in profile, planning with the
+            compressor's cost measurement; in trials, the engine switches).
             Empty before.
     """
 
