@@ -57,6 +57,19 @@ def test_bad_sweep_value_stops_the_sweep_before_the_first_job(tmp_path):
     assert not os.path.exists(tmp_path / "sweep" / "0")
 
 
+def test_strategy_schedule_against_the_scheduler_group_stops_before_any_process(tmp_path):
+    """`scheduler=dear strategy.schedule=allreduce` ran allreduce while recording dear (and a sweep ran it twice)."""
+    proc, _ = _run(["scheduler=dear", "strategy.schedule=allreduce", f"hydra.run.dir={tmp_path}/run"], tmp_path,
+                   timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "strategy.schedule='allreduce' conflicts with scheduler='dear'" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    proc, _ = _run(["-m", "scheduler=dear", "strategy.schedule=dear,allreduce", f"hydra.sweep.dir={tmp_path}/sweep"],
+                   tmp_path, timeout=120)
+    assert proc.returncode == 1 and "Error in sweep job #1 (scheduler=dear strategy.schedule=allreduce)" in proc.stderr
+    assert not os.path.exists(tmp_path / "sweep" / "0")
+
+
 TINY = ["data.limit=192", "data.batch_size=16", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
         "callbacks.speedup.warmup_steps=1", "callbacks.speedup.window_steps=2", "~callbacks.comm_timeline"]
 
