@@ -38,6 +38,21 @@ def test_scheduler_group_sets_strategy_schedule():
     assert strategy_label(_compose("strategy=ddp")) == ("ddp", None)
 
 
+@pytest.mark.parametrize("overrides, given, group", [
+    (("scheduler=dear", "strategy.schedule=allreduce"), "allreduce", "dear"),
+    (("strategy.schedule=dear",), "dear", "optimal"),  # the group's default, optimal, would be recorded
+])
+def test_strategy_schedule_conflicting_with_the_scheduler_group_is_an_error(overrides, given, group):
+    """It used to run strategy.schedule while the config (and the sweep's duplicate key) kept the group's name."""
+    cfg = _compose(*overrides)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert (f"strategy.schedule={given!r} conflicts with scheduler={group!r}: the schedule comes from the "
+            "scheduler group; choose it with scheduler=<name> (valid choices: allreduce, dear,") in str(e.value)
+    validate(_compose("scheduler=dear", "strategy.schedule=dear"))  # the same value is no conflict
+    validate(_compose("strategy=ddp", "scheduler=dear"))  # ddp has no schedule: the group does not apply
+
+
 def test_unknown_group_option_names_valid_choices():
     with pytest.raises(MissingConfigException) as e:
         _compose("scheduler=foo")

@@ -57,6 +57,19 @@ def test_bad_sweep_value_stops_the_sweep_before_the_first_job(tmp_path):
     assert not os.path.exists(tmp_path / "sweep" / "0")
 
 
+def test_strategy_schedule_against_the_scheduler_group_stops_before_any_process(tmp_path):
+    """`scheduler=dear strategy.schedule=allreduce` ran allreduce while recording dear (and a sweep ran it twice)."""
+    proc, _ = _run(["scheduler=dear", "strategy.schedule=allreduce", f"hydra.run.dir={tmp_path}/run"], tmp_path,
+                   timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "strategy.schedule='allreduce' conflicts with scheduler='dear'" in proc.stderr
+    assert "Initializing distributed" not in proc.stdout + proc.stderr
+    proc, _ = _run(["-m", "scheduler=dear", "strategy.schedule=dear,allreduce", f"hydra.sweep.dir={tmp_path}/sweep"],
+                   tmp_path, timeout=120)
+    assert proc.returncode == 1 and "Error in sweep job #1 (scheduler=dear strategy.schedule=allreduce)" in proc.stderr
+    assert not os.path.exists(tmp_path / "sweep" / "0")
+
+
 TINY = ["data.limit=192", "data.batch_size=16", "trainer.max_epochs=1", "trainer.enable_progress_bar=false",
         "callbacks.speedup.warmup_steps=1", "callbacks.speedup.window_steps=2", "~callbacks.comm_timeline"]
 
@@ -128,6 +141,10 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
         logs = list((tmp_path / "sweep" / j).glob("*.log"))
         text = "".join(f.read_text() for f in logs)
         assert "[lightning_pipedap][INFO] - pipedap: schedule " in text, [f.name for f in logs]
+        # rank 1's own file (the name of a single run's rank-1 log) carries its own set-up line (it was empty)
+        rank1 = (tmp_path / "sweep" / j / "train_ddp_process_1.log").read_text()
+        assert "[lightning_pipedap][INFO] - [rank 1] pipedap: rank 1 of 2 set up on " in rank1, rank1
+        assert not list((tmp_path / "sweep" / j).glob("*_rank1.log"))
         # and in TensorBoard's TEXT tab
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: PLC0415
 
@@ -178,3 +195,16 @@ def test_ckpt_path_resumes_as_ddp_does(tmp_path):
 def test_missing_ckpt_path_is_refused_before_any_process(tmp_path):
     proc, _ = _run(["ckpt_path=/nonexistent/x.ckpt"], tmp_path, timeout=120)
     assert proc.returncode == 2 and "no such checkpoint file" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_single_run_rank_one_log_has_its_own_messages(tmp_path):
+    """A single (popen) run: Lightning names rank 1's Hydra log train_ddp_process_1.log; it used to stay empty
+    (every pipedap message was rank-0-only). Now it has rank 1's set-up line, rank-prefixed, and no plan lines."""
+    proc, marker = _run([*TINY, "scheduler=dear", f"hydra.run.dir={tmp_path}/run"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank1 = (tmp_path / "run" / "train_ddp_process_1.log").read_text()
+    assert "[lightning_pipedap][INFO] - [rank 1] pipedap: rank 1 of 2 set up on " in rank1, rank1
+    assert "schedule dear)" in rank1 and "pipedap: schedule dear:" not in rank1
+    rank0 = (tmp_path / "run" / "train.log").read_text()
+    assert "[lightning_pipedap][INFO] - pipedap: rank 0 of 2 set up on " in rank0 and "[rank 1]" not in rank0
+    assert _processes_with(marker) == []

@@ -83,6 +83,23 @@ def test_the_summary_names_a_16_bit_wire_format():
     assert "wire" not in format_summary(_res(ran)).splitlines()[3]
 
 
+def test_the_summary_accounts_for_every_start_up_part_and_says_where_the_model_came_from():
+    """The start-up line used to list profile and trials only (the trace, the contention benchmark and the
+    α-β model were unaccounted) and never said that the α-β model was read from the cache."""
+    st = {"trace_s": 0.8, "trace_steps": 1, "alpha_beta_s": 0.01, "contention_s": 0.7, "profile_s": 0.1,
+          "profile_steps": 3, "trial_s": 3.5, "trial_steps": 40, "total_s": 5.11, "total_steps": 44}
+    origin = "cached α-β model from /home/u/.cache/lightning_pipedap/alpha_beta-x.json (fitted 2026-12-01 10:00:00 UTC)"
+    ran = {"installed": {"name": "optimal"}, "buckets": 4, "startup": st, "cost_model_origin": origin}
+    text = format_summary(_res(ran))
+    assert ("start-up        44 steps, 5.1 s to steady state (trace 1 step 0.8 s, α-β model 0.0 s, contention "
+            "benchmark 0.7 s, profile 3 steps 0.1 s, trials 40 steps 3.5 s)") in text
+    assert f"cost model      {origin}" in text
+    md = what_ran_markdown(ran)
+    assert ("steady state after 44 steps, 5.11 s: trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark "
+            "0.70 s, profile 3 steps 0.10 s, trials 40 steps 3.50 s") in md
+    assert f"cost model: {origin}" in md
+
+
 def test_the_sweep_table_flags_a_speedup_from_an_unfinished_selection(tmp_path):
     _, unfinished = _what_ran(_replanned_mid_trial())
     for num, strategy, it_ms, ran in ((0, "ddp", 12.0, None), (1, "pipedap", 8.0, unfinished)):

@@ -36,6 +36,9 @@ def test_table_png_and_trace_on_tiny_profile(tmp_path, capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines()
             if line.split() and line.split()[0] in cli.ORDER}
     assert list(rows) == list(cli.ORDER)
+    # the α-β constants in the same units as the training log (AR: alpha 2e-4 s, beta 2e-9 s/B)
+    assert f"cost model: AR {cm.ar.describe(with_r2=False)}, RS " in out
+    assert "AR α=200 µs β=2.000 ns/B (0.5 GB/s)" in out and "ps/B" not in out
     for name, cols in rows.items():
         expected = get_planner(name)(prof, cm, 4).predicted_iteration_s
         assert float(cols[3]) == pytest.approx(expected * 1e3, abs=1e-3)

@@ -138,3 +138,13 @@ def test_scaled_multiplies_beta_only():
     assert cm.ar.alpha_s == pytest.approx(1e-3)
     assert cm.all_reduce(1e6) == pytest.approx(1e-3 + 1e-2)
     assert cm.meta["beta_factor"] == 10
+
+
+def test_describe_uses_one_unit_convention():
+    """α in µs, β in ns/B with its bandwidth in GB/s beside it, R² when fitted (the log and the what-if CLI
+    both print this; they used to print ns/bit and ps/B)."""
+    ab = AlphaBeta(789e-6, 8.313e-9, r2=0.99934)
+    assert ab.describe() == "α=789 µs β=8.313 ns/B (0.12 GB/s) R²=0.9993"
+    assert ab.describe(with_r2=False) == "α=789 µs β=8.313 ns/B (0.12 GB/s)"
+    assert AlphaBeta(1e-4, 1e-10).describe() == "α=100 µs β=0.100 ns/B (10 GB/s)"
+    assert AlphaBeta(0.0, 0.0).describe() == "α=0 µs β=0.000 ns/B (unbounded)"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from lightning_pipedap.strategy.controller import Controller, Phase, choose_candidate, lower_quartile
+from lightning_pipedap.strategy.controller import Controller, Phase, choose_candidate, describe_startup, lower_quartile
 
 
 @dataclass
@@ -23,8 +23,10 @@ class Sched:
 class FakeEffects:
     """Records what the controller asks for; ``agree`` returns the value as rank 0 would."""
 
-    def __init__(self, candidates=None, profiled=(1, 2, 3), busy=None, rescale_ok=True, floor=None):
+    def __init__(self, candidates=None, profiled=(1, 2, 3), busy=None, rescale_ok=True, floor=None,
+                 profiling_parts=None, clock=None):
         self.calls: list = []
+        self.profiling_parts, self.clock = profiling_parts, clock
         self.floor = floor
         self.candidates = candidates or [Sched("plan", 1.0)]
         self._profiled = iter(profiled)
@@ -39,6 +41,9 @@ class FakeEffects:
 
     def start_profiling(self):
         self.calls.append("start_profiling")
+        if self.profiling_parts and self.clock is not None:  # the α-β fit and contention take clock time
+            self.clock.t += sum(self.profiling_parts.values())
+        return self.profiling_parts
 
     def take_profile_step(self, t):
         return next(self._profiled)
@@ -513,3 +518,34 @@ def test_the_start_and_end_of_selection_name_the_same_window_length():
     start = next(c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "info" and "measuring" in c[1])
     assert "for 8 measured steps each (after one settling step per window): a, b" in start
     assert "8 measured steps each after one settling step" in ctl.unfinished_trial()
+
+
+def test_startup_lists_every_part_and_adds_up():
+    """The α-β model, the contention benchmark and the compression helper's start are their own entries,
+    no longer hidden in the trace phase (whose line said 'profile ... incl. the α-β fit')."""
+    clock = Clock()
+    fx = FakeEffects(profiled=(1,), profiling_parts={"alpha_beta": 0.02, "contention": 0.7}, clock=clock)
+    ctl = _ctl(fx, clock, profile_steps=1)
+    clock.t = 0.3
+    ctl.account({"helper_start": 0.3})  # (the run-time's helper start, inside the trace phase)
+    clock.t = 1.1  # the trace step ends at 1.1 s; the α-β model and contention then take 0.72 s
+    ctl.after_sync_step(clock.t)
+    assert ctl.phase is Phase.PROFILE
+    clock.t += 0.5
+    ctl.after_sync_step(clock.t)  # one profiled step of 0.5 s, then a single candidate: RUN
+    assert ctl.phase is Phase.RUN
+    st = ctl.startup
+    assert st == pytest.approx({"trace_s": 0.8, "trace_steps": 1, "helper_start_s": 0.3, "alpha_beta_s": 0.02,
+                                "contention_s": 0.7, "profile_s": 0.5, "profile_steps": 1, "trial_s": 0.0,
+                                "trial_steps": 0, "total_s": 2.32, "total_steps": 2})
+    assert st["total_s"] == pytest.approx(clock.t)  # nothing unaccounted
+    line = ("pipedap: steady state after 2 steps, 2.32 s since set-up: trace 1 step 0.80 s, compression helper "
+            "start 0.30 s, α-β model 0.02 s, contention benchmark 0.70 s, profile 1 step 0.50 s, trials 0 steps 0.00 s")
+    assert ("info", line) in fx.calls
+    ctl.account({"alpha_beta": 5.0})  # after steady state (a re-plan): not start-up
+    assert ctl.startup["alpha_beta_s"] == pytest.approx(0.02)
+
+
+def test_describe_startup_omits_parts_that_did_not_run():
+    st = {"trace_s": 0.25, "trace_steps": 2, "profile_s": 0.0, "profile_steps": 0, "trial_s": 0.0, "trial_steps": 0}
+    assert describe_startup(st, 1) == "trace 2 steps 0.2 s, profile 0 steps 0.0 s, trials 0 steps 0.0 s"

@@ -1,6 +1,7 @@
 """Registration, bad input and no-hang behaviour of the strategy and the engine."""
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -43,11 +44,28 @@ def test_import_registers_names_idempotently():
         ({"nonfinite": "zero"}, ValueError, r"nonfinite must be one of 'warn', 'raise', 'skip', 'ignore', got 'zero'"),
         ({"check_params_every_n_steps": -3}, ValueError,
          r"check_params_every_n_steps must be an integer >= 1 or None \(off\), got -3"),
+        ({"timeout": "5"}, TypeError, r"timeout='5' \(str\) is not accepted; valid: None .*datetime\.timedelta, "
+                                      r"or a number of seconds"),
+        ({"timeout": True}, TypeError, r"timeout=True \(bool\) is not accepted"),
+        ({"timeout": 0}, ValueError, r"timeout=0 must be a finite number of seconds > 0"),
+        ({"timeout": timedelta(seconds=-1)}, ValueError, r"must be positive"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, err, match):
     with pytest.raises(err, match=match):
         PipeDAPStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("timeout,seconds", [(5, 5.0), (2.5, 2.5), (timedelta(minutes=2), 120.0), (None, 42.0)])
+def test_timeout_seconds_or_timedelta_becomes_the_group_timeout(timeout, seconds):
+    """A number of seconds is converted at construction (it used to reach torch's init_process_group
+    unconverted and fail there with a TypeError); None takes wait_timeout_s."""
+    s = PipeDAPStrategy(timeout=timeout, wait_timeout_s=42)
+    assert s._timeout == timedelta(seconds=seconds)
+    f = lightning_pipedap.PipeDAPFabricStrategy(timeout=timeout, wait_timeout_s=42)
+    assert f._timeout == timedelta(seconds=seconds)
+    with pytest.raises(TypeError, match=r"PipeDAPFabricStrategy: timeout=\[5\] \(list\) is not accepted"):
+        lightning_pipedap.PipeDAPFabricStrategy(timeout=[5])
 
 
 def test_world_size_one_fails_before_launch():

@@ -167,8 +167,26 @@ def validate(cfg: DictConfig) -> None:
         except Exception as e:  # OmegaConf may wrap errors raised in __post_init__
             cause = e.__cause__ if isinstance(e.__cause__, ConfigError) else None
             raise ConfigError(str(cause or e)) from e
+    _check_schedule_matches_scheduler(cfg)
     _check_compression_applies(cfg)
     _check_ckpt_path(cfg)
+
+
+def _check_schedule_matches_scheduler(cfg: DictConfig) -> None:
+    """The ``scheduler`` group is the one place that chooses ``strategy=pipedap``'s schedule
+    (``strategy.schedule: ${scheduler.name}``). An explicit ``strategy.schedule=<x>`` that differs from it
+    would run ``x`` while the config, the summary and the sweep's duplicate detection say the group's name.
+
+    Raises:
+        ConfigError: naming both values and how to choose the schedule.
+    """
+    node, sched = cfg.strategy, cfg.get("scheduler")
+    if sched is None or "schedule" not in node or not str(node.get("_target_", "")).endswith("PipeDAPStrategy"):
+        return
+    if str(node.schedule) != str(sched.name):
+        raise ConfigError(f"strategy.schedule={node.schedule!r} conflicts with scheduler={sched.name!r}: the "
+                          f"schedule comes from the scheduler group; choose it with scheduler=<name> (valid choices: "
+                          f"{', '.join(SCHEDULER_NAMES)}) and leave strategy.schedule unset")
 
 
 def _check_compression_applies(cfg: DictConfig) -> None:

@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
 from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
+from lightning_pipedap.strategy.controller import describe_startup
 
 #: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
 #: read a relative path as a package path when the app runs as the ``pipedap-train`` console script.
@@ -65,11 +66,18 @@ class CloseProcessGroup(pl.Callback):
             C.shutdown()
 
 
+#: a rank's own log file in the job directory: the name Lightning gives Hydra's job log of a popen rank
+#: (``hydra.job.name=train_ddp_process_<local rank>``), used for spawned ranks too so one run and a sweep agree
+RANK_LOG_FILE = "train_ddp_process_{rank}.log"
+
+
 class LogToJobDir(pl.Callback):
     """Spawned ranks (multirun): write the ``lightning_pipedap`` log to the job's log file too.
 
     Hydra configures logging in its own process only; a rank started with ``spawn`` is a fresh
-    interpreter. Rank 0 appends to the job's ``<task>.log``, rank r to ``<task>_rank<r>.log``.
+    interpreter. Rank 0 appends to the job's ``<task>.log``, rank r to :data:`RANK_LOG_FILE`
+    (``train_ddp_process_<r>.log``, as in a single run), which gets rank r's own messages (its set-up line,
+    warnings and errors, ``[rank r]``-prefixed: :mod:`lightning_pipedap.strategy.messages`).
     """
 
     pipedap_reads_model = False
@@ -82,7 +90,7 @@ class LogToJobDir(pl.Callback):
         if self._handler is not None:
             return
         rank = trainer.global_rank
-        name = f"{self.task}.log" if rank == 0 else f"{self.task}_rank{rank}.log"
+        name = f"{self.task}.log" if rank == 0 else RANK_LOG_FILE.format(rank=rank)
         os.makedirs(self.log_dir, exist_ok=True)
         self._handler = logging.FileHandler(os.path.join(self.log_dir, name), mode="a")
         self._handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
@@ -267,8 +275,8 @@ def format_summary(res: dict[str, Any]) -> str:
           if unfinished and any(c.get("measured_s") is not None for c in ran.get("unfinished_candidates") or [])
           else []),
         *([f"start-up        {ran['startup']['total_steps']} steps, {ran['startup']['total_s']:.1f} s to steady state "
-           f"(profile {ran['startup']['profile_steps']} steps {ran['startup']['profile_s']:.1f} s, trials "
-           f"{ran['startup']['trial_steps']} steps {ran['startup']['trial_s']:.1f} s)"] if ran.get("startup") else []),
+           f"({describe_startup(ran['startup'], 1)})"] if ran.get("startup") else []),
+        *([f"cost model      {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
@@ -374,8 +382,9 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                   for c in ran["candidates"]]
     st = ran.get("startup") or {}
     if st:
-        lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s (trace {st['trace_steps']}, "
-                      f"profile {st['profile_steps']}, trials {st['trial_steps']} steps)"]
+        lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s: {describe_startup(st)}"]
+    if ran.get("cost_model_origin"):
+        lines += ["", f"cost model: {ran['cost_model_origin']}"]
     return "\n".join(lines)
 
 

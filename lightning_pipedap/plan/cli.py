@@ -246,7 +246,7 @@ def build_compression_cost(args: argparse.Namespace, profile: ModelProfile) -> C
             source += f"; saved to {args.save_compression_cost}"
     cost.check_layers(profile.num_layers)
     print(f"compression {method} ({cost.where}): {cost.alpha_c_s * 1e6:.1f} us + {cost.beta_c_s_per_byte * 1e9:.4f} "
-          f"ns/byte, {cost.post_share:.0%} after the collective, payload via {cost.collective} x{cost.rounds}; "
+          f"ns/B, {cost.post_share:.0%} after the collective, payload via {cost.collective} x{cost.rounds}; "
           f"{source}")
     return cost
 
@@ -404,8 +404,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"profile {profile.name}: {profile.num_layers} layers, {profile.total_bytes / 2**20:.1f} MiB, "
           f"forward {profile.t_forward * 1e3:.3f} ms, backward {profile.t_backward * 1e3:.3f} ms, "
           f"update {profile.t_update * 1e3:.3f} ms; world size {args.world_size}, {args.channels} channel(s)")
-    print(f"cost model: AR alpha {cm.ar.alpha_s * 1e6:.2f} us, beta {cm.ar.beta_s_per_byte * 1e12:.4f} ps/B; "
-          f"RS alpha {cm.rs.alpha_s * 1e6:.2f} us; AG alpha {cm.ag.alpha_s * 1e6:.2f} us")
+    print("cost model: " + ", ".join(f"{k} {ab.describe(with_r2=False)}"
+                                     for k, ab in (("AR", cm.ar), ("RS", cm.rs), ("AG", cm.ag))))
     bounds = (f"lower bounds: compute {lb.compute_s * 1e3:.3f} ms, "
               f"sum max(compute, comm) {lb.sum_bound_s * 1e3:.3f} ms, window {lb.window_s * 1e3:.3f} ms "
               f"(layer {lb.window_layer}); gap % is against {lb.best_s * 1e3:.3f} ms")

@@ -73,6 +73,14 @@ class AlphaBeta:
             raise ValueError(f"message size must be >= 0 bytes, got {nbytes}")
         return self.alpha_s + self.beta_s_per_byte * nbytes
 
+    def describe(self, with_r2: bool = True) -> str:
+        """The constants in the one unit convention of every output (log, summary, what-if CLI):
+        ``α=789 µs β=8.313 ns/B (0.120 GB/s)``, α in µs, β in ns per byte with its bandwidth ``1/β`` in
+        GB/s (10^9 bytes/s) beside it, then ``R²=0.9993`` when the constants were fitted and ``with_r2``."""
+        bw = f"{1e-9 / self.beta_s_per_byte:.3g} GB/s" if self.beta_s_per_byte > 0 else "unbounded"
+        r2 = f" R²={self.r2:.4f}" if with_r2 and self.r2 is not None else ""
+        return f"α={self.alpha_s * 1e6:.0f} µs β={self.beta_s_per_byte * 1e9:.3f} ns/B ({bw}){r2}"
+
     def scaled(self, alpha_factor: float = 1.0, beta_factor: float = 1.0) -> "AlphaBeta":
         """Copy with ``alpha`` and ``beta`` multiplied (what-if studies: slower network = larger beta)."""
         return AlphaBeta(self.alpha_s * alpha_factor, self.beta_s_per_byte * beta_factor, self.r2, self.n_samples)

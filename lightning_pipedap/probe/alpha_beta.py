@@ -4,7 +4,8 @@ A short micro-benchmark (all ranks together): for a geometric range of bucket si
 primitive a few times (median), then fits ``T = α + β·bytes`` per primitive with
 :func:`lightning_pipedap.plan.cost_model.fit_cost_model` (non-negative least squares, R² reported).
 Rank 0's timings are broadcast so every rank plans with the same model. Results are cached per
-(backend, world size, host set, master address) in ``~/.cache/lightning_pipedap`` unless disabled.
+(backend, world size, host set, master address) in ``~/.cache/lightning_pipedap`` unless disabled;
+the returned model's ``meta`` says which (:func:`describe_origin`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import os
 import socket
 import statistics
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
@@ -30,6 +33,23 @@ def _cache_key(comm: C.CommGroup) -> str:
     hosts = C.all_gather_object(socket.gethostname())
     raw = json.dumps([comm.backend, comm.world_size, sorted(hosts), os.environ.get("MASTER_ADDR", "")])
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
+
+
+def _utc(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def describe_origin(meta: Mapping[str, Any]) -> str:
+    """Where a cost model came from, in words, from its ``meta``: ``"cached α-β model from <path> (fitted
+    <time>)"`` for one read from the cache, ``"α-β model fitted on the live group in 2.3 s"`` for a fresh fit,
+    ``"given"`` otherwise (a model passed as ``cost_model=`` is described by its caller)."""
+    source = meta.get("source")
+    if source == "cached":
+        return f"cached α-β model from {meta.get('cache_path')} (fitted {meta.get('fitted_at') or 'at an unknown time'})"
+    if source == "measured":
+        took = meta.get("fit_s")
+        return "α-β model fitted on the live group" + (f" in {took:.1f} s" if isinstance(took, (int, float)) else "")
+    return "α-β model given"
 
 
 def measure_cost_model(
@@ -53,7 +73,9 @@ def measure_cost_model(
         use_cache: read/write the fitted model from/to the cache directory.
 
     Returns:
-        The fitted :class:`CostModel` (``meta`` holds backend, world size, R² per primitive).
+        The fitted :class:`CostModel` (``meta`` holds backend, world size, ``source``: ``"measured"``
+        with ``fit_s`` and ``fitted_at``, or ``"cached"`` with ``cache_path`` and the ``fitted_at`` of
+        the cached fit).
 
     Raises:
         ValueError: if the size range is empty.
@@ -66,7 +88,10 @@ def measure_cost_model(
     if path is not None and comm.rank == 0 and path.exists():
         try:
             cached = CostModel.from_dict(json.loads(path.read_text()))
-        except (ValueError, KeyError, json.JSONDecodeError):
+            # (a file written before fitted_at was recorded: its modification time is when it was fitted)
+            cached.meta.update(source="cached", cache_path=str(path),
+                               fitted_at=cached.meta.get("fitted_at") or _utc(path.stat().st_mtime))
+        except (ValueError, KeyError, json.JSONDecodeError, OSError):
             cached = None
     cached = C.broadcast_object(cached.to_dict() if cached is not None else None, src=0)
     if cached is not None:
@@ -102,8 +127,10 @@ def measure_cost_model(
             break
         nbytes *= 4
     samples = C.broadcast_object({k.value: v for k, v in samples.items()}, src=0)
+    fit_s, fitted_at = C.broadcast_object((time.perf_counter() - t_start, _utc(time.time())), src=0)
     model = fit_cost_model(samples, meta={"backend": comm.backend, "world_size": comm.world_size,
-                                          "source": "measured", "sizes": len(samples["RS"])})
+                                          "source": "measured", "sizes": len(samples["RS"]),
+                                          "fit_s": fit_s, "fitted_at": fitted_at})
     good = all(ab.r2 is None or ab.r2 >= 0.5 for ab in (model.rs, model.ag, model.ar))
     if path is not None and comm.rank == 0 and good:  # never cache a poor fit
         path.parent.mkdir(parents=True, exist_ok=True)

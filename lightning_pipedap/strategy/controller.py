@@ -59,8 +59,10 @@ class Effects(Protocol):
     def install_fixed(self) -> None:
         """Install the fixed (built-in) schedule over the traced order, final."""
 
-    def start_profiling(self) -> None:
-        """Install the profiling schedule and measure the cost model (first time only)."""
+    def start_profiling(self) -> Optional[dict[str, float]]:
+        """Install the profiling schedule and measure the cost model (first time only); returns the seconds
+        spent on named parts (``{"alpha_beta": 0.02, "contention": 0.7}``, see :meth:`Controller.account`)
+        or None."""
 
     def take_profile_step(self, t_step_end: float) -> Optional[int]:
         """Keep this sync step's profile; the number of profiled steps so far, None if it was not profiled."""
@@ -195,6 +197,20 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
     return best, medians, notes
 
 
+def describe_startup(startup: dict[str, float], digits: int = 2) -> str:
+    """Every entry of :attr:`Controller.startup` in order, adding up to its ``total_s``:
+    ``"trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark 0.70 s, profile 3 steps 0.10 s, trials
+    40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals)."""
+    def steps(n: Any) -> str:
+        return f"{n} step{'' if n == 1 else 's'}"
+
+    items = [f"trace {steps(startup.get('trace_steps', 0))} {startup.get('trace_s', 0.0):.{digits}f} s"]
+    items += [f"{label} {startup[f'{k}_s']:.{digits}f} s" for k, label in Controller.PARTS if f"{k}_s" in startup]
+    items += [f"profile {steps(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s",
+              f"trials {steps(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
+    return ", ".join(items)
+
+
 class Controller:
     """Phase transitions of one fit (see the module docstring for the diagram).
 
@@ -228,9 +244,13 @@ class Controller:
         replans_done: re-plans triggered by drift.
         predictions: rank 0's predictions per candidate name (filled by the planner side).
         startup: time to steady state, filled when RUN is first reached: ``{"trace_s", "trace_steps",
-            "profile_s", "profile_steps", "trial_s", "trial_steps", "total_s", "total_steps"}`` (s, from
-            the controller's creation at set-up; profiling includes the α-β fit and the contention
-            measurement, trial the candidates' engine switches). Empty before.
+            "profile_s", "profile_steps", "trial_s", "trial_steps", "total_s", "total_steps"}`` plus one
+            ``"<part>_s"`` per part reported to :meth:`account` (``alpha_beta_s``, ``contention_s``,
+            ``helper_start_s``), in s from the controller's creation at set-up. The phases exclude the
+            parts, so ``total_s`` is the sum of the phases and parts; a phase holds everything else that
+            ran while it was current (Lightning's own work between steps; in profile, planning with the
+            compressor's cost measurement; in trials, the engine switches).
+            Empty before.
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
@@ -269,6 +289,20 @@ class Controller:
         self._phase_steps = 0
         self._spent: dict[str, float] = {}
 
+    #: start-up parts reported by :meth:`account`, in the order of the start-up line, with their label
+    PARTS = (("helper_start", "compression helper start"), ("alpha_beta", "α-β model"),
+             ("contention", "contention benchmark"))
+
+    def account(self, parts: Optional[dict[str, float]]) -> None:
+        """Count ``parts`` (``name -> seconds`` spent inside the current phase: ``helper_start``,
+        ``alpha_beta``, ``contention``) as their own entries of :attr:`startup` instead of the phase's.
+        Ignored after steady state is reached (a re-plan's α-β work is not start-up)."""
+        if self.startup or not parts:
+            return
+        for name, seconds in parts.items():
+            self._spent[f"{name}_s"] = self._spent.get(f"{name}_s", 0.0) + seconds
+            self._t_phase += seconds  # the phase's clock skips the part
+
     def _leave(self, new: Phase) -> None:
         """Account the time and steps of the phase being left (until RUN is first reached)."""
         if not self.startup:
@@ -280,14 +314,12 @@ class Controller:
             if new is Phase.RUN:
                 out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0)
                        for k in ("trace", "profile", "trial") for u in ("s", "steps")}
-                out["total_s"] = out["trace_s"] + out["profile_s"] + out["trial_s"]
+                out.update({f"{k}_s": self._spent[f"{k}_s"] for k, _ in self.PARTS if f"{k}_s" in self._spent})
+                out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
                 out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
                 self.startup = out
-                self.effects.info(
-                    f"pipedap: steady state after {out['total_steps']} steps, {out['total_s']:.2f} s since set-up "
-                    f"(trace {out['trace_steps']} steps {out['trace_s']:.2f} s, profile {out['profile_steps']} steps "
-                    f"{out['profile_s']:.2f} s incl. the α-β fit, trials {out['trial_steps']} steps "
-                    f"{out['trial_s']:.2f} s)")
+                self.effects.info(f"pipedap: steady state after {out['total_steps']} steps, {out['total_s']:.2f} s "
+                                  f"since set-up: {describe_startup(out)}")
         self.phase = new
 
     # ------------------------------------------------------------------ transitions
@@ -313,7 +345,7 @@ class Controller:
         if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
             self.effects.adopt_trace()
             if self.planned:
-                self.effects.start_profiling()
+                self.account(self.effects.start_profiling())
                 self._leave(Phase.PROFILE)
             else:
                 self.effects.install_fixed()
@@ -569,6 +601,6 @@ class Controller:
                           f"{self.replan_margin:.0%}): re-planning")
         self.replans_done += 1
         self.effects.flush()
-        self.effects.start_profiling()
+        self.account(self.effects.start_profiling())
         self._leave(Phase.PROFILE)
 

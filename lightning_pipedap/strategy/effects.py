@@ -56,11 +56,12 @@ class RunEffects:
         rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression), cfg.wire_dtype != "fp32"),
                    rt.owners, final=True)
 
-    def start_profiling(self) -> None:
-        """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group."""
+    def start_profiling(self) -> dict[str, float]:
+        """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group;
+        returns the seconds of the α-β model and the contention benchmark (start-up accounting)."""
         rt = self.rt
         rt.install(rt.order, rt.builtin(rt.order, "allreduce"), rt.owners)
-        rt.planning.start([rt.params[i] for i in rt.order], rt.owners)
+        return rt.planning.start([rt.params[i] for i in rt.order], rt.owners)
 
     def take_profile_step(self, t_step_end: float) -> Optional[int]:
         rt = self.rt

@@ -43,7 +43,7 @@ import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.failure import exit_on_lost_peer
-from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
+from lightning_pipedap.strategy.refusals import group_timeout, refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.resume import ResumeState
 
@@ -92,7 +92,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         compression: ``None`` (compression is not available under Fabric).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
             process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``; ``timeout`` of
-            the default group defaults to ``wait_timeout_s``.
+            the default group: a ``datetime.timedelta`` or a number of seconds (converted), default
+            ``wait_timeout_s``; another type is a ``TypeError`` at construction.
 
     Raises:
         ValueError: an option out of range (see ``PipeDAPConfig``), ``defer_update`` not in
@@ -135,7 +136,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = None,
+        timeout: Optional[Union[timedelta, float]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -153,7 +154,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend,
-                         timeout=timeout or timedelta(seconds=self.config.wait_timeout_s), start_method=start_method)
+                         timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s), start_method=start_method)
         self._backward_sync_control = _PipeDAPBackwardSyncControl(self)
         self._optimizers: list[Optimizer] = []
         self._step_open = False  # a grad-enabled forward ran since the last optimizer step

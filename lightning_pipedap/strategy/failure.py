@@ -56,7 +56,7 @@ class CollectivesOffAfterFailure:
         if rt is not None and rt.engine is not None:
             rt.engine.close(abort=True)
         if exception is not None and not isinstance(exception, (SystemExit, KeyboardInterrupt)):
-            # on every rank, so each rank's own log file (Hydra: <job>_rank<r>.log / train_ddp_process_<r>.log) has it
+            # on every rank, so each rank's own log file (train_ddp_process_<r>.log, [rank r]-prefixed) has it
             log.error("pipedap: rank %s failed; collectives of the default group are skipped from now on",
                       getattr(self, "global_rank", "?"), exc_info=exception)
 

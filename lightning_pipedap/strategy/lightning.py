@@ -45,7 +45,7 @@ from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
 from lightning_pipedap.strategy.results import RunResults
-from lightning_pipedap.strategy.refusals import refuse_kwargs, refuse_self_communicating, register_names
+from lightning_pipedap.strategy.refusals import group_timeout, refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.resume import ResumeState, add_to_checkpoint, install_plan
 
 
@@ -75,8 +75,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             copy of the gradients, as DDP's option of that name).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
-            bounds the default group's collectives (Lightning's barriers and broadcasts) and defaults
-            to ``wait_timeout_s``
+            bounds the default group's collectives (Lightning's barriers and broadcasts): a
+            ``datetime.timedelta`` or a number of seconds (converted), default ``wait_timeout_s``
             (``start_method="spawn"`` is what the ``"pipedap_spawn"`` name selects).
 
     Raises:
@@ -85,7 +85,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             ``nonfinite`` not one of its choices, ``check_params_every_n_steps`` not None or >= 1; at
             set-up: world size 1, a model without trainable parameters, parameters or strategy options
             (schedule, compression method/kwargs/mode, ...) that differ between ranks (on every rank,
-            naming the first difference), sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU.
+            naming the first difference), sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU;
+            a ``timeout`` that is not positive.
         NonFiniteGradientError: ``nonfinite="raise"`` and a step's averaged gradients hold NaN/inf
             (every rank, naming the step, bucket and first parameter).
         ParameterDivergenceError: ``check_params_every_n_steps`` found a parameter that differs between
@@ -93,7 +94,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         RuntimeError: during training, when a forward read a parameter while its update was
             pending (a data-dependent path the trace and the guard steps did not see); the message
             names the parameter.
-        TypeError: DDP-only keyword arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...).
+        TypeError: DDP-only keyword arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...); a
+            ``timeout`` that is neither a ``timedelta`` nor a number of seconds.
     """
 
     strategy_name = "pipedap"
@@ -135,7 +137,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         checkpoint_io: Optional[CheckpointIO] = None,
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = None,
+        timeout: Optional[Union[timedelta, float]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **kwargs: Any,
     ) -> None:
@@ -146,7 +148,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout or timedelta(seconds=self.config.wait_timeout_s), start_method=start_method)
+                         timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s), start_method=start_method)
         self._resume = ResumeState()
         self._aborted = False
         self._orig_clip: Optional[Callable] = None

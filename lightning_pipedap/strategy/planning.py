@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -19,7 +20,7 @@ import torch
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
 from lightning_pipedap.plan.candidates import trial_candidates, wire16_everywhere
-from lightning_pipedap.probe.alpha_beta import measure_cost_model
+from lightning_pipedap.probe.alpha_beta import describe_origin, measure_cost_model
 from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
 from lightning_pipedap.strategy.config import PLANNED, PipeDAPConfig
@@ -64,6 +65,8 @@ class Planning:
         self.layer_of_module: dict[int, list[int]] = {}
         self.cost_model: Optional[CostModel] = None
         self.raw_cost_model: Optional[CostModel] = None  # the α-β fit before calibration (rank 0)
+        #: where the α-β model came from, in words (:func:`~lightning_pipedap.probe.alpha_beta.describe_origin`)
+        self.cost_model_origin: Optional[str] = None
         self.compression_cost: Optional[Any] = None
         self.profile: Optional[dict] = None
         self.predictions: dict[str, dict[str, float]] = {}
@@ -72,9 +75,15 @@ class Planning:
         self._profile_busy: list[float] = []
 
     # ------------------------------------------------------------------ profiling steps
-    def start(self, params: list[torch.Tensor], owners: list[Any]) -> None:
-        """Layers from the owners (engine order), the α-β model (once per fit), the contention (once)."""
+    def start(self, params: list[torch.Tensor], owners: list[Any]) -> dict[str, float]:
+        """Layers from the owners (engine order), the α-β model (once per fit), the contention (once).
+
+        Returns:
+            Seconds spent here on the α-β model (``"alpha_beta"``: fit, cache read or file) and the
+            contention benchmark (``"contention"``), for the start-up accounting; a part not done now is absent.
+        """
         cfg = self.config
+        spent: dict[str, float] = {}
         self.layers = group_layers([id(o) if o is not None else None for o in owners])
         self.layer_of_param = [k for k, layer in enumerate(self.layers) for _ in layer]
         self.layer_of_module = {}
@@ -82,30 +91,41 @@ class Planning:
             if owners[layer[0]] is not None:
                 self.layer_of_module.setdefault(id(owners[layer[0]]), []).append(k)
         if self.cost_model is None:
+            t0 = time.perf_counter()
             if isinstance(cfg.cost_model, str):
                 self.cost_model = load_cost_model(cfg.cost_model)
+                self.cost_model_origin = f"α-β model loaded from cost_model={cfg.cost_model}"
             elif cfg.cost_model is not None:
                 self.cost_model = cfg.cost_model
+                self.cost_model_origin = "α-β model given as cost_model="
             else:
                 largest = max(p.numel() * p.element_size() for p in params)
                 self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
                                                      use_cache=cfg.cost_model_cache)
+                self.cost_model_origin = describe_origin(self.cost_model.meta)
+            spent["alpha_beta"] = time.perf_counter() - t0
+            self._log_cost_model()
         if cfg.model_contention and self.measured.contention is None and not cfg.compression:
             from lightning_pipedap.probe.slowdown import measure_contention  # noqa: PLC0415
 
+            t0 = time.perf_counter()
             c = measure_contention(self.comm, self.device, nbytes=8 << 20, repeats=5, timeout_s=cfg.wait_timeout_s)
+            spent["contention"] = time.perf_counter() - t0
             self.measured.contention = c
-            self.info(describe_contention(c))
+            self.info(describe_contention(c) + f" (measured in {spent['contention']:.2f} s)")
+        self._profiled, self._t_updates, self._profile_busy = [], [], []
+        return spent
+
+    def _log_cost_model(self) -> None:
+        """Log the α-β model, where it came from (fitted now, the cache, a file), and warn on a poor fit."""
         cm = self.cost_model
         poor = [k for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)) if ab.r2 is not None and ab.r2 < 0.5]
         if poor:
             self.warn(f"pipedap: the α-β fit of {poor} is poor (R² < 0.5; typical on an uncontended loopback where "
                       "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False "
                       "to re-measure.")
-        self.info("pipedap: α-β model " + ", ".join(
-            f"{k} α={ab.alpha_s * 1e6:.0f} µs β={ab.beta_s_per_byte * 1e9 / 8:.3f} ns/bit "
-            f"R²={ab.r2 if ab.r2 is None else round(ab.r2, 4)}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
-        self._profiled, self._t_updates, self._profile_busy = [], [], []
+        self.info(f"pipedap: {self.cost_model_origin}: " + ", ".join(
+            f"{k} {ab.describe()}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
 
     def recorder(self) -> StepRecorder:
         """A recorder for one profiling step."""
@@ -217,8 +237,8 @@ class Planning:
                                             threads=cfg.compression_threads if process else None)
             self.compression_cost = cost
             self.info(f"pipedap: compression cost of {cost.method}: {cost.alpha_c_s * 1e6:.0f} µs + "
-                      f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/byte ({cost.post_share:.0%} after the collective, "
-                      f"R²={cost.meta.get('r2')}), payload via {cost.collective} x{cost.rounds}")
+                      f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/B ({cost.post_share:.0%} after the collective, "
+                      f"R²={_r2(cost.meta.get('r2'))}), payload via {cost.collective} x{cost.rounds}")
         schedule = planner(profile, self.cost_model, self.world_size, compression=cost)
         self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
                   f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
@@ -251,6 +271,11 @@ class Planning:
             return False
         self.cost_model = self.cost_model.scaled(alpha_factor=ratio, beta_factor=ratio)
         return True
+
+
+def _r2(r2: Any) -> str:
+    """R² for a log line: 4 decimals, or ``n/a``."""
+    return f"{r2:.4f}" if isinstance(r2, (int, float)) else "n/a"
 
 
 def describe_contention(c: Any) -> str:

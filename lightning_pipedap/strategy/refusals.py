@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
+from datetime import timedelta
 from typing import Any, Callable, Mapping, Optional
 
 #: DDP keyword arguments that do not apply, and why
@@ -48,6 +50,37 @@ def refuse_kwargs(owner: str, init: Callable[..., Any], bad: list[str],
 
     detail = "; ".join(f"{k}: {why(k)}" for k in bad)
     raise TypeError(f"{owner} got unsupported keyword arguments {bad} ({detail}); valid arguments: {', '.join(valid)}")
+
+
+def group_timeout(owner: str, timeout: Any, wait_timeout_s: float) -> timedelta:
+    """The default process group's ``timeout`` from the ``timeout`` argument of ``owner`` (a class name).
+
+    Args:
+        owner: the class name, for the message.
+        timeout: None (then ``wait_timeout_s``), a :class:`datetime.timedelta`, or a number of seconds
+            (an ``int`` or ``float`` > 0, converted to a ``timedelta``; ``bool`` is not a number here).
+        wait_timeout_s: the strategy's ``wait_timeout_s`` (seconds), the default.
+
+    Returns:
+        The timeout as a positive :class:`datetime.timedelta`.
+
+    Raises:
+        TypeError: ``timeout`` is of another type (naming the value and the accepted types).
+        ValueError: ``timeout`` is not positive or not finite.
+    """
+    if timeout is None:
+        return timedelta(seconds=wait_timeout_s)
+    if isinstance(timeout, timedelta):
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"{owner}: timeout={timeout!r} must be positive (a datetime.timedelta or seconds > 0)")
+        return timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"{owner}: timeout={timeout!r} must be a finite number of seconds > 0 "
+                             "(or a datetime.timedelta)")
+        return timedelta(seconds=float(timeout))
+    raise TypeError(f"{owner}: timeout={timeout!r} ({type(timeout).__name__}) is not accepted; valid: None "
+                    "(= wait_timeout_s), a datetime.timedelta, or a number of seconds (int or float > 0)")
 
 
 def refuse_self_communicating(optimizers: list) -> None:

@@ -8,6 +8,8 @@ constructor calls :meth:`RunResults._init_run_state` once it has its options.
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any, Callable, Optional
 
 import torch
@@ -83,6 +85,9 @@ class RunResults:
                                 self.root_device, self._measured, resume, M.info, M.warn, self.update_counts,
                                 self._records, lambda: self._timeline_enabled)
         rt.start_heartbeat(on_lost_peer)
+        M.every_rank(f"pipedap: rank {self.global_rank} of {self.world_size} set up on {socket.gethostname()} "
+                     f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors, "
+                     f"schedule {self.config.schedule})")
         # forward pre-hooks are prepended (legacy weight_norm recomputes `weight` in a pre-hook, which must see
         # the updated values) and not put inside compiled regions, whose hooks dynamo would trace (their
         # parameters are updated before training_step)
@@ -106,7 +111,8 @@ class RunResults:
     replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
     installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
     startup = _FromRun("startup", {}, "Time to steady state of the last fit: seconds and steps in trace, profile "
-                       "(with the α-β fit) and trials, and their totals ({} until the plan runs).")
+                       "and trials, seconds of the α-β model, the contention benchmark and the compression "
+                       "helper's start, and their totals ({} until the plan runs).")
 
     def what_ran(self) -> dict[str, Any]:
         """What the last fit ran, as plain JSON-able data (for result files and summaries).
@@ -119,6 +125,10 @@ class RunResults:
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
         ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
+        ``cost_model_origin`` (where the α-β model came from, in words: ``"cached α-β model from <path>
+        (fitted <time>)"``, ``"α-β model fitted on the live group in 2.1 s"``, ``"α-β model loaded from
+        cost_model=<file>"``;
+        None without a planned schedule),
         ``plan_selection`` (in words: ``"finished (4 of 4 candidates measured)"``, ``"unfinished (3 of 5
         candidates measured, ...)"`` when the fit ended while (re-)planning or measuring candidates, ``"not
         run (...)"``), ``plan_selection_status`` (``"finished"``, ``"unfinished"``, ``"not run"``; None
@@ -146,6 +156,7 @@ class RunResults:
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
             "replans": self.replans_done, "startup": dict(self.startup),
+            "cost_model_origin": getattr(getattr(rt, "planning", None), "cost_model_origin", None),
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,

@@ -157,7 +157,11 @@ class Runtime:
         self.nonfinite.step_of = lambda: self.step_of()
         self._params_checked_at = 0
         #: the compression helper for the whole fit (started now, given a layout per final schedule)
-        self.pipe = start_compression_helper(config, device, rank) if config.compression else None
+        self.pipe = None
+        if config.compression:
+            t0 = time.perf_counter()
+            self.pipe = start_compression_helper(config, device, rank)
+            self.controller.account({"helper_start": time.perf_counter() - t0})
 
     def start_heartbeat(self, on_stale: Callable[[str], None]) -> None:
         """Liveness of the peers (:class:`~lightning_pipedap.engine.collectives.Heartbeat`) with the

@@ -1,0 +1,57 @@
+"""Each rank's own log file carries that rank's pipedap messages, ``[rank r]``-prefixed, under one file name
+in a single run and in a sweep (they used to stay empty: every message was rank-0-only)."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+import lightning_pipedap.strategy.messages as M
+from lightning_pipedap.app.train import LogToJobDir
+
+
+@pytest.fixture
+def as_rank(monkeypatch):
+    def set_rank(r: int) -> None:
+        monkeypatch.setattr(rank_zero_only, "rank", r, raising=False)
+    return set_rank
+
+
+def test_another_rank_logs_its_warnings_errors_and_set_up_line_to_its_own_file(tmp_path, as_rank):
+    cb = LogToJobDir(str(tmp_path), "train")
+    trainer = SimpleNamespace(global_rank=1)
+    as_rank(1)
+    cb.setup(trainer, None, "fit")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # rank 1 issues no Python warning (rank 0 does, once)
+            M.every_rank("pipedap: rank 1 of 2 set up on h (pid 7)")
+            M.info("pipedap: schedule dear: 1 buckets: RS0 AG0")  # the plan: rank 0 only
+            M.warn("pipedap: something rank 1 saw")
+        M.log.error("pipedap: rank %s failed", 1)
+    finally:
+        cb.teardown(trainer, None, "fit")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["train_ddp_process_1.log"]  # Lightning's name for a popen rank's Hydra log, not train_rank1.log
+    lines = [line.split(" - ", 1)[1] for line in (tmp_path / files[0]).read_text().splitlines()]
+    assert lines == ["[rank 1] pipedap: rank 1 of 2 set up on h (pid 7)", "[rank 1] pipedap: something rank 1 saw",
+                     "[rank 1] pipedap: rank 1 failed"]
+
+
+def test_rank_zero_messages_are_unchanged(tmp_path, as_rank, caplog):
+    as_rank(0)
+    cb = LogToJobDir(str(tmp_path), "train")
+    cb.setup(SimpleNamespace(global_rank=0), None, "fit")
+    try:
+        with caplog.at_level(logging.INFO, logger="lightning_pipedap"), pytest.warns(UserWarning, match="careful"):
+            M.info("pipedap: schedule dear")
+            M.warn("pipedap: careful")
+    finally:
+        cb.teardown(SimpleNamespace(global_rank=0), None, "fit")
+    assert [r.getMessage() for r in caplog.records if r.name == "lightning_pipedap"] == [
+        "pipedap: schedule dear", "pipedap: careful"]
+    assert [p.name for p in tmp_path.iterdir()] == ["train.log"]
