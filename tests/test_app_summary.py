@@ -100,3 +100,24 @@ def test_the_sweep_table_flags_a_speedup_from_an_unfinished_selection(tmp_path):
     md = open(paths["md"]).read()
     assert "| 1.5 (selection unfinished) |" in md
     assert "Job(s) #1: the fit ended during measured plan selection" in md
+
+
+def test_the_summary_says_which_steps_the_iteration_time_covers():
+    ran = {"installed": {"name": "optimal"}, "buckets": 4, "plan_selection": "finished (4 of 4 candidates measured)",
+           "plan_selection_status": "finished"}
+    text = format_summary(_res(ran, iteration_ms=9.6, iteration_steps=37, iteration_from_step=147, startup_steps=145,
+                               startup_s=2.04, warmup_steps=5))
+    assert ("iteration time  9.60 ms median of 37 steady-state steps (from step 147, after 145 start-up steps in "
+            "2.0 s)") in text
+    ddp = format_summary(_res(None, strategy="ddp", schedule=None, iteration_ms=12.0, iteration_steps=178,
+                              iteration_from_step=5, startup_steps=None, warmup_steps=5))
+    assert "iteration time  12.00 ms median of 178 steps (after 5 warm-up steps)" in ddp
+
+
+def test_the_summary_has_no_iteration_time_when_the_fit_ended_before_steady_state():
+    _, ran = _what_ran(_replanned_mid_trial())
+    note = "the fit ended before steady state (during the strategy's start-up: trace, profiling, trials)"
+    text = format_summary(_res(ran, iteration_ms=None, iteration_steps=0, iteration_from_step=None,
+                               iteration_note=note))
+    assert f"iteration time  n/a: {note}; no steady-state time (train longer)" in text
+    assert "ms median" not in text

@@ -174,7 +174,12 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s: float) -> dict[str, Any]:
     """The job's results (written to ``results.json``): metrics from ``trainer.callback_metrics``,
-    iteration time and energy from the measure callbacks' ``measure_summary.json`` (when present)."""
+    iteration time and energy from the measure callbacks' ``measure_summary.json`` (when present).
+
+    ``iteration_ms`` is :class:`~lightning_pipedap.measure.SpeedupMonitor`'s median over steady-state steps
+    (ms): ``iteration_steps`` steps from step ``iteration_from_step`` of the fit (pipedap: after its
+    ``startup_steps`` start-up steps, ``startup_s`` seconds, and 2 settling steps; ``warmup_steps`` in any case); None with ``iteration_note``
+    saying why when the fit ended before steady state."""
     metrics = _scalar_metrics(trainer)
     measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
     name, schedule = strategy_label(cfg)
@@ -196,6 +201,13 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "val_acc": metrics.get("val/acc"),
         "val_loss": metrics.get("val/loss"),
         "iteration_ms": None if it_s is None else 1000.0 * float(it_s),
+        # which steps the median covers (SpeedupMonitor: steady state only, after the strategy's start-up)
+        "iteration_steps": measure.get("iteration_steps"),
+        "iteration_from_step": measure.get("steady_from_step"),
+        "iteration_note": measure.get("iteration_note"),
+        "warmup_steps": measure.get("warmup_steps"),
+        "startup_steps": measure.get("startup_steps"),
+        "startup_s": measure.get("startup_s"),
         "throughput_samples_per_s": measure.get("throughput_samples_per_s"),
         "energy_J_per_step": measure.get("energy_J_per_step"),
         "energy_J_per_sample": measure.get("energy_J_per_sample"),
@@ -218,6 +230,25 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
 
 def _fmt(v: Any, spec: str, unit: str = "") -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{unit}"
+
+
+def iteration_text(res: dict[str, Any]) -> str:
+    """The summary's iteration time: the median (ms), which steps it covers, throughput; or why there is none
+    (the fit ended before steady state)."""
+    if res.get("iteration_ms") is None:
+        if res.get("iteration_note"):
+            return f"n/a: {res['iteration_note']}; no steady-state time (train longer)"
+        return "n/a"
+    it = f"{res['iteration_ms']:.2f} ms median"
+    n, first = res.get("iteration_steps"), res.get("iteration_from_step")
+    if n is not None and res.get("startup_steps") is not None and first:
+        it += (f" of {n} steady-state steps (from step {first}, after {res['startup_steps']} start-up steps in "
+               f"{_fmt(res.get('startup_s'), '.1f', ' s')})")
+    elif n is not None:
+        it += f" of {n} steps (after {res.get('warmup_steps', '?')} warm-up steps)"
+    if res.get("throughput_samples_per_s"):
+        it += f", {res['throughput_samples_per_s']:.0f} samples/s"
+    return it
 
 
 def format_summary(res: dict[str, Any]) -> str:
@@ -247,17 +278,17 @@ def format_summary(res: dict[str, Any]) -> str:
     if res.get("energy_J_per_step") is not None:
         per_sample = _fmt(res.get("energy_J_per_sample"), ".3g")
         energy = f"{res['energy_J_per_step']:.3g} J/step, {per_sample} J/sample ({res.get('energy_kind')})"
-    it = _fmt(res.get("iteration_ms"), ".2f", " ms median")
-    if res.get("throughput_samples_per_s"):
-        it += f", {res['throughput_samples_per_s']:.0f} samples/s"
+    it = iteration_text(res)
     lines = [
         f"strategy        {res['strategy']}{sched}, {res['processes']} process(es), {res['accelerator']}",
         f"val/acc         {_fmt(res.get('val_acc'), '.4f')}   val/loss {_fmt(res.get('val_loss'), '.4f')}",
         f"iteration time  {it}",
         *([f"compression     {ran['compression_note']}"] if ran.get("compression_note") else []),
-        *([f"plan selection  {ran['plan_selection']}: the fit ended before a candidate was chosen, so the "
-           f"iteration time mixes candidates under measurement ({ran.get('ran_at_end')} ran last); train longer, or "
-           "lower plan_trials / trial_rounds"] if unfinished else []),
+        *([f"plan selection  {ran['plan_selection']}: the fit ended before a candidate was chosen ("
+           f"{ran.get('ran_at_end')} ran last)"
+           + (", so the steady-state iteration time includes the re-plan's measurement steps"
+              if res.get("iteration_ms") is not None else "")
+           + "; train longer, or lower plan_trials / trial_rounds"] if unfinished else []),
         *([("candidates      " if not unfinished else "earlier choice  ")
            + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
                        + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]

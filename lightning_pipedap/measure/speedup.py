@@ -46,7 +46,8 @@ class SpeedupMonitor(Callback):
     intervals after the warm-up are kept apart (:attr:`startup_intervals_s`) and logged as
     ``speed/startup_step_time_ms``; they are never in the iteration time, throughput or speedups. A fit
     that ends before steady state has no iteration time: the summary says so (``iteration_s`` None,
-    ``steady_state`` False) instead of reporting start-up steps.
+    ``steady_state`` False) instead of reporting start-up steps. (Steps of a later drift re-plan, profiling
+    and trials again, are in steady state by this rule; ``strategy.replans_done`` counts re-plans.)
 
     Every ``window_steps`` steady-state intervals, global rank 0 logs
 
@@ -66,10 +67,11 @@ class SpeedupMonitor(Callback):
 
     At the end of the fit, global rank 0 merges into the summary file: ``iteration_s`` (median steady-state
     interval, s, averaged over ranks; None before steady state), ``iteration_steps`` (steady-state intervals
-    in that median, rank 0), ``steady_from_step`` (first timed step: 0 without a start-up, else
-    ``total_steps + SETTLE_STEPS``; None when the fit ended before steady state), ``startup_steps`` (start-up
+    in that median, rank 0), ``steady_from_step`` (the first timed step, 0-based: at least ``total_steps + SETTLE_STEPS``
+    after a start-up and ``warmup_steps`` in any case; None when the fit ended before steady state), ``startup_steps`` (start-up
     steps of the strategy, ``startup["total_steps"]``, None without one), ``startup_s`` (their seconds),
-    ``steady_state`` (whether any steady-state interval was timed) and, with known batch sizes,
+    ``steady_state`` (whether any steady-state interval was timed), ``warmup_steps`` (this monitor's),
+    ``iteration_note`` (why there is no ``iteration_s``, else None) and, with known batch sizes,
     ``samples_per_step`` and ``throughput_samples_per_s``.
 
     Args:
@@ -112,7 +114,7 @@ class SpeedupMonitor(Callback):
         self.history: list[dict[str, float]] = []
         self.intervals_s: list[float] = []  # post-warm-up steady-state intervals of this rank (s)
         self.startup_intervals_s: list[float] = []  # post-warm-up intervals of the strategy's start-up (s)
-        self.steady_from: Optional[int] = None  # first steady-state step of the last fit (None: not reached)
+        self.steady_from: Optional[int] = None  # first timed steady-state step of the last fit (None: not reached)
         self._step = 0  # steps started in this fit
         self._window: list[float] = []
         self._startup_window: list[float] = []
@@ -156,7 +158,8 @@ class SpeedupMonitor(Callback):
                 if len(self._startup_window) >= self.window_steps:
                     self._log_startup_window(trainer)
             elif self._seen > self.warmup_steps:
-                self.steady_from = steady
+                if self.steady_from is None:
+                    self.steady_from = self._step - 2  # the first timed steady-state step
                 self._window.append(now - self._last)
                 self.intervals_s.append(now - self._last)
                 if self._last_samples is None:
@@ -217,6 +220,7 @@ class SpeedupMonitor(Callback):
         startup = getattr(trainer.strategy, "startup", None) if not isinstance(trainer.strategy, str) else None
         summary: dict[str, Any] = {
             "iteration_steps": len(self.intervals_s), "steady_from_step": self.steady_from,
+            "warmup_steps": self.warmup_steps,
             "startup_steps": int(startup["total_steps"]) if startup else None,
             "startup_s": float(startup["total_s"]) if startup else None,
             "steady_state": have > trainer.world_size - 0.5,
