@@ -40,7 +40,7 @@ class SpeedupMonitor(Callback):
 
     *Steady state.* A strategy with a start-up (pipedap: trace, profiling and measured plan selection,
     exposed as ``strategy.startup``, ``{"total_steps", "total_s", ...}`` once the chosen schedule runs) is
-    timed only from step ``startup["total_steps"] + SETTLE_STEPS`` of the fit (0-based; the steps that
+    timed only from optimizer step ``startup["total_steps"] + SETTLE_STEPS`` of the fit (0-based; the steps that
     install the chosen candidate settle first, as ``benchmarks/step_overhead.py`` does); a strategy without
     ``startup`` (Lightning's ``ddp``, single device) is in steady state from its first step. The start-up
     intervals after the warm-up are kept apart (:attr:`startup_intervals_s`) and logged as
@@ -150,9 +150,11 @@ class SpeedupMonitor(Callback):
         self._step += 1
         if self._last is not None:
             self._seen += 1
-            # (the interval that ends now is the previous step's, index self._step - 2; identical on every rank)
+            # (the interval that ends now is the previous batch's, index self._step - 2, identical on every rank;
+            # the strategy counts optimizer steps: accumulate_grad_batches batches each)
             steady = steady_from_step(trainer.strategy)
-            if self._seen > self.warmup_steps and (steady is None or self._step - 2 < steady):
+            accumulate = int(getattr(trainer, "accumulate_grad_batches", 1) or 1)
+            if self._seen > self.warmup_steps and (steady is None or (self._step - 2) // accumulate < steady):
                 self.startup_intervals_s.append(now - self._last)
                 self._startup_window.append(now - self._last)
                 if len(self._startup_window) >= self.window_steps:
