@@ -121,3 +121,36 @@ def test_the_summary_has_no_iteration_time_when_the_fit_ended_before_steady_stat
                                iteration_note=note))
     assert f"iteration time  n/a: {note}; no steady-state time (train longer)" in text
     assert "ms median" not in text
+
+
+def test_the_summary_lists_the_numbers_the_choice_was_made_on():
+    # the fresh-user run: over all windows torch_ddp (chosen) looked slower; the confirmation decided
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None, "plan_selection": "finished (3 of 3 candidates measured)",
+           "plan_selection_status": "finished", "candidates": [
+               {"name": "optimal", "measured_s": 0.0125, "deciding_s": 0.0125, "decided_in": "first pass",
+                "chosen": False},
+               {"name": "dear@25MiB", "measured_s": 0.0101, "deciding_s": 0.0100, "decided_in": "confirmation",
+                "chosen": False},
+               {"name": "torch_ddp", "measured_s": 0.0111, "deciding_s": 0.0096, "decided_in": "confirmation",
+                "chosen": True}]}
+    text = format_summary(_res(ran))
+    assert ("candidates      optimal 12.5 ms, dear@25MiB 10.0 ms, torch_ddp 9.6 ms (chosen); decided on the "
+            "confirmation rounds of dear@25MiB and torch_ddp (the others on the first pass); median of all windows: "
+            "optimal 12.5 ms, dear@25MiB 10.1 ms, torch_ddp 11.1 ms") in text
+    md = what_ran_markdown(ran)
+    assert "| torch_ddp | n/a | 9.60 | confirmation | 11.10 | yes |" in md
+
+
+def test_what_ran_lists_deciding_and_all_window_medians():
+    from tests.test_strategy_controller import _ctl, _drive_windows, _start_trial  # noqa: PLC0415
+
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.20, 0.30, 0.18, 0.22])  # b wins the first pass; torch_ddp the confirmation
+    _, ran = _what_ran(ctl, running="torch_ddp")
+    got = [(c["name"], round(c["deciding_s"], 6), round(c["measured_s"], 6), c["decided_in"], c["chosen"])
+           for c in ran["candidates"]]
+    assert got == [("b", 0.22, 0.21, "confirmation", False), ("torch_ddp", 0.18, 0.24, "confirmation", True)]
+    json.dumps(ran)

@@ -251,6 +251,23 @@ def iteration_text(res: dict[str, Any]) -> str:
     return it
 
 
+def _ms(seconds: Optional[float]) -> str:
+    return _fmt(seconds and 1e3 * seconds, ".1f", " ms")
+
+
+def candidates_text(cands: list[dict[str, Any]]) -> str:
+    """The measured candidates with the numbers the choice was made on (``deciding_s``; results without it:
+    ``measured_s``), the chosen one marked; after a confirmation also which rounds decided and each
+    candidate's median over all its windows (``measured_s``), which can order them differently."""
+    text = ", ".join(f"{c['name']} {_ms(c.get('deciding_s', c.get('measured_s')))}" + (" (chosen)" if c["chosen"] else "")
+                     for c in cands)
+    confirmed = [c["name"] for c in cands if c.get("decided_in") == "confirmation"]
+    if confirmed:
+        text += (f"; decided on the confirmation rounds of {' and '.join(confirmed)} (the others on the first pass); "
+                 "median of all windows: " + ", ".join(f"{c['name']} {_ms(c.get('measured_s'))}" for c in cands))
+    return text
+
+
 def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
@@ -289,9 +306,7 @@ def format_summary(res: dict[str, Any]) -> str:
            + (", so the steady-state iteration time includes the re-plan's measurement steps"
               if res.get("iteration_ms") is not None else "")
            + "; train longer, or lower plan_trials / trial_rounds"] if unfinished else []),
-        *([("candidates      " if not unfinished else "earlier choice  ")
-           + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
-                       + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]
+        *([("candidates      " if not unfinished else "earlier choice  ") + candidates_text(ran["candidates"])]
           if ran.get("candidates") else []),
         *(["measured so far " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
                                            for c in ran["unfinished_candidates"] if c.get("measured_s") is not None)]
@@ -386,8 +401,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def what_ran_markdown(ran: dict[str, Any]) -> str:
-    """Markdown of the strategy's ``what_ran()``: the installed schedule, the measured candidates (ms) and the
-    time to steady state."""
+    """Markdown of the strategy's ``what_ran()``: the installed schedule, the measured candidates (ms: the median
+    the choice was made on, which rounds decided, the median of all windows) and the time to steady state."""
     inst = ran.get("installed") or {}
     lines = [f"**configured** `{ran.get('schedule')}`, **installed** `{inst.get('name', 'none')}`"
              + (f", {ran['buckets']} buckets ({ran.get('compressed_buckets', 0)} compressed)"
@@ -399,10 +414,12 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                      + (f"; `{ran.get('ran_at_end')}` ran at the end (no candidate chosen; the table is the last "
                         "finished selection)" if ran.get("plan_selection_status") == "unfinished" else ""))
     if ran.get("candidates"):
-        lines += ["", "| candidate | predicted (ms) | measured (ms) | chosen |", "|---|---|---|---|"]
+        lines += ["", "| candidate | predicted (ms) | deciding (ms) | decided in | all windows (ms) | chosen |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {c['name']} | {_fmt(c.get('predicted_s') and 1e3 * c['predicted_s'], '.2f')} | "
-                  f"{_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | {'yes' if c.get('chosen') else ''} |"
-                  for c in ran["candidates"]]
+                  f"{_fmt(c.get('deciding_s', c.get('measured_s')) and 1e3 * c.get('deciding_s', c.get('measured_s')), '.2f')} | "
+                  f"{c.get('decided_in') or ''} | {_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | "
+                  f"{'yes' if c.get('chosen') else ''} |" for c in ran["candidates"]]
     st = ran.get("startup") or {}
     if st:
         lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s (trace {st['trace_steps']}, "

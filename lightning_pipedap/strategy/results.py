@@ -97,7 +97,7 @@ class RunResults:
 
     trial_results = _FromRun("trial_results", [], "Measured plan selection of the last finished selection (kept "
                              "across a re-plan the fit did not finish): one dict per candidate (name, describe, "
-                             "steps_s, predicted_s, measured_s, chosen, predictions).")
+                             "steps_s, predicted_s, measured_s, deciding_s, decided_in, chosen, predictions).")
     predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
     predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
     measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
@@ -117,7 +117,10 @@ class RunResults:
         chosen; None before one ran), ``buckets`` (None for ``torch_ddp``) and
         ``compressed_buckets`` (counts), ``compression`` (the configured method), ``compression_note``
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
-        ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
+        ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s (median of all its
+        windows, s), deciding_s (the median the choice was made on, s: the confirmation windows' for the two
+        candidates a confirmation compared, else measured_s), decided_in (``"first pass"`` /
+        ``"confirmation"``), windows_s, chosen),
         ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
         ``plan_selection`` (in words: ``"finished (4 of 4 candidates measured)"``, ``"unfinished (3 of 5
         candidates measured, ...)"`` when the fit ended while (re-)planning or measuring candidates, ``"not
@@ -142,7 +145,8 @@ class RunResults:
             "buckets": None if getattr(final, "buckets", None) is None else len(final.buckets),
             "compressed_buckets": compressed,
             "compression": method, "compression_note": note,
-            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s", "chosen")}
+            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "deciding_s", "decided_in",
+                                                  "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
             "replans": self.replans_done, "startup": dict(self.startup),
