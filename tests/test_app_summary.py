@@ -154,3 +154,14 @@ def test_what_ran_lists_deciding_and_all_window_medians():
            for c in ran["candidates"]]
     assert got == [("b", 0.22, 0.21, "confirmation", False), ("torch_ddp", 0.18, 0.24, "confirmation", True)]
     json.dumps(ran)
+
+
+def test_the_summary_says_a_speedup_came_from_ddps_reducer():
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None, "plan_selection": "finished (3 of 3 candidates measured)",
+           "plan_selection_status": "finished"}
+    text = format_summary(_res(ran, speedup_vs_reference=1.013))
+    assert "speedup         1.013x vs the reference run (installed torch_ddp: DDP's reducer, not a pipedap schedule)" \
+        in text
+    ran["installed"] = {"name": "optimal"}
+    ran["buckets"] = 4
+    assert "DDP's reducer" not in format_summary(_res(ran, speedup_vs_reference=1.2))

@@ -15,6 +15,15 @@ Speedup of a job = median iteration time of the DDP job(s) with the same other o
 overrides except ``strategy``/``scheduler`` ones) divided by the job's median iteration time;
 DDP jobs therefore show about 1.0, and jobs without a matching DDP job show nothing.
 
+Iteration times are :class:`~lightning_pipedap.measure.SpeedupMonitor`'s steady-state medians
+(``results.json``'s ``iteration_ms``: after a pipedap job's start-up of trace, profiling and trials), so a
+speedup compares the schedules that ran, not their start-up.
+
+Column ``installed`` names the schedule a pipedap job ran at the end (``results.json``'s
+``pipedap.installed.name``). When measured plan selection installed ``torch_ddp`` (PyTorch's DDP reducer),
+the Markdown table marks its speedup ``(torch_ddp: DDP's reducer)``: it is DDP against DDP. The CSV keeps
+``speedup_vs_ddp`` numeric; its ``installed`` column says the same.
+
 Column ``plan_selection`` says whether a pipedap job's measured plan selection finished
 (``results.json``'s ``pipedap.plan_selection``). A job whose fit ended with selection unfinished
 ran candidates under measurement, not a chosen plan: the Markdown table marks its speedup
@@ -36,8 +45,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 #: Columns of the CSV and Markdown tables, in order.
-COLUMNS = ("job", "strategy", "schedule", "plan_selection", "overrides", "processes", "val_acc", "iteration_ms",
-           "speedup_vs_ddp", "energy_J_per_step", "energy_kind", "fit_s")
+COLUMNS = ("job", "strategy", "schedule", "installed", "plan_selection", "overrides", "processes", "val_acc",
+           "iteration_ms", "speedup_vs_ddp", "energy_J_per_step", "energy_kind", "fit_s")
+#: the measured-selection candidate that hands the model to PyTorch's DDP reducer (no pipedap engine)
+DDP_REDUCER = "torch_ddp"
 _STRATEGY_KEYS = ("strategy", "scheduler")
 
 
@@ -131,6 +142,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         out.append({
             "job": r.get("job_num"), "strategy": r.get("strategy"), "schedule": r.get("schedule") or "",
+            "installed": ((r.get("pipedap") or {}).get("installed") or {}).get("name") or "",
             "plan_selection": (r.get("pipedap") or {}).get("plan_selection") or "",
             "overrides": " ".join(r.get("overrides", [])), "processes": r.get("processes"),
             "val_acc": r.get("val_acc"), "iteration_ms": r.get("iteration_ms"),
@@ -160,16 +172,24 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         v = _cell(r[c])
         if c == "speedup_vs_ddp" and v and _unfinished(r):
             v += " (selection unfinished)"
+        elif c == "speedup_vs_ddp" and v and r.get("installed") == DDP_REDUCER:
+            v += f" ({DDP_REDUCER}: DDP's reducer)"
         return v.replace("|", "\\|")
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, c) for c in COLUMNS) + " |" for r in rows]
     flagged = [str(r["job"]) for r in rows if _unfinished(r)]
     if flagged:
-        lines += ["", f"Job(s) {', '.join('#' + j for j in flagged)}: the fit ended during measured plan selection, "
-                      "so the iteration time mixes candidate schedules under measurement and no plan was chosen; "
-                      "their speedup is not that of a chosen plan (train longer, or lower plan_trials / "
-                      "trial_rounds)."]
+        lines += ["", f"Job(s) {', '.join('#' + j for j in flagged)}: the fit ended during measured plan selection "
+                      "and no plan was chosen for the schedule running at the end: without an earlier selection there "
+                      "is no steady-state iteration time; after one (a re-plan) the steady-state time includes the "
+                      "re-plan's measurement steps. Their speedup is not that of a chosen plan (train longer, or "
+                      "lower plan_trials / trial_rounds)."]
+    reducer = [str(r["job"]) for r in rows if r.get("installed") == DDP_REDUCER and r.get("speedup_vs_ddp") is not None]
+    if reducer:
+        lines += ["", f"Job(s) {', '.join('#' + j for j in reducer)}: measured plan selection installed "
+                      f"`{DDP_REDUCER}`, PyTorch's own DDP reducer (no pipedap schedule), so the speedup compares DDP "
+                      "with DDP."]
     return "\n".join(lines) + "\n"
 
 

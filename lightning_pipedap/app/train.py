@@ -289,6 +289,8 @@ def format_summary(res: dict[str, Any]) -> str:
         sched += ")"
     if res.get("speedup_vs_reference") is not None:
         speed = f"{res['speedup_vs_reference']:.3f}x vs the reference run"
+        if (ran.get("installed") or {}).get("name") == "torch_ddp" and not unfinished:
+            speed += " (installed torch_ddp: DDP's reducer, not a pipedap schedule)"
     else:
         speed = "n/a in a single run: sweep `-m strategy=ddp,pipedap` for speedup vs DDP"
     energy = "n/a (callbacks.energy not enabled)"
