@@ -194,7 +194,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
-    """PNG with one bar panel per quantity (iteration time, speedup, energy when present)."""
+    """PNG with one bar panel per quantity (iteration time, speedup, energy when present); a pipedap job's label
+    names the installed schedule when it differs from the configured one (``#1 pipedap/optimal -> torch_ddp``)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -203,7 +204,8 @@ def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
     panels = [("iteration_ms", "median iteration time (ms)"), ("speedup_vs_ddp", "speedup vs DDP"),
               ("energy_J_per_step", "energy per step (J)")]
     panels = [p for p in panels if any(r[p[0]] is not None for r in rows)] or panels[:1]
-    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}" for r in rows]
+    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
+              + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else "") for r in rows]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         vals = [r[key] if r[key] is not None else 0.0 for r in rows]
