@@ -109,6 +109,9 @@ def test_the_summary_says_which_steps_the_iteration_time_covers():
                                startup_s=2.04, warmup_steps=5))
     assert ("iteration time  9.60 ms median of 37 steady-state steps (from step 147, after 145 start-up steps in "
             "2.0 s)") in text
+    replanned = format_summary(_res(ran, iteration_ms=9.6, iteration_steps=37, iteration_from_step=147,
+                                    startup_steps=145, startup_s=2.04, warmup_steps=5, replan_steps=40))
+    assert "(from step 147, after 145 start-up steps in 2.0 s; 40 steps of a drift re-plan left out)" in replanned
     ddp = format_summary(_res(None, strategy="ddp", schedule=None, iteration_ms=12.0, iteration_steps=178,
                               iteration_from_step=5, startup_steps=None, warmup_steps=5))
     assert "iteration time  12.00 ms median of 178 steps (after 5 warm-up steps)" in ddp

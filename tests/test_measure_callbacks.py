@@ -339,6 +339,34 @@ def test_speedup_fit_ending_before_steady_state_reports_no_iteration_time(tmp_pa
     assert mon.startup_intervals_s == pytest.approx([1.0, 1.0, 1.0])
 
 
+def test_speedup_leaves_out_the_steps_of_a_drift_replan(tmp_path):
+    from lightning_pipedap.strategy.controller import Phase  # noqa: PLC0415
+
+    # the phase each step start sees: start-up (trace, profile, 2 trials), run from step 4 (start-up: 4 steps),
+    # a drift re-plan seen at step 10 (profile, 2 trials), run again from step 13
+    seen = ([Phase.TRACE, Phase.PROFILE, Phase.TRIAL, Phase.TRIAL] + [Phase.RUN] * 6
+            + [Phase.PROFILE, Phase.TRIAL, Phase.TRIAL] + [Phase.RUN] * 6)
+    steady = {6, 7, 8, 15, 16, 17}  # start-up + 2 settling; re-plan steps 9..14 (up to 3 steps after run again)
+    gaps = [0.1 if i in steady else 1.0 for i in range(len(seen) - 1)]
+    starts = [sum(gaps[:k]) for k in range(len(seen))]
+    mon = SpeedupMonitor(warmup_steps=0, window_steps=100, clock=ListClock(starts),
+                         summary_file=str(tmp_path / "s.json"))
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    tr.strategy = StartupStrategy()
+    for step, phase in enumerate(seen):
+        tr.strategy.phase = phase
+        if step == 4:
+            tr.strategy.startup = {"total_steps": 4, "total_s": 1.0}
+        mon.on_train_batch_start(tr, None, batch, step)
+    assert mon.intervals_s == pytest.approx([0.1] * 6)  # the old code also timed the 6 re-plan steps (1.0 s)
+    assert mon.startup_intervals_s == pytest.approx([1.0] * 6)
+    assert mon.replan_intervals_s == pytest.approx([1.0] * 6)
+    mon.on_train_end(tr, None)
+    summary = read_summary(str(tmp_path / "s.json"))
+    assert summary["iteration_s"] == pytest.approx(0.1) and summary["replan_steps"] == 6
+    assert summary["iteration_steps"] == 6 and summary["steady_from_step"] == 6
+
+
 def test_speedup_strategy_without_startup_is_steady_from_the_first_step():
     assert steady_from_step("ddp") == 0
     assert steady_from_step(FakeTrainer.strategy) == 0

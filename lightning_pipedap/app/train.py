@@ -178,7 +178,8 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
 
     ``iteration_ms`` is :class:`~lightning_pipedap.measure.SpeedupMonitor`'s median over steady-state steps
     (ms): ``iteration_steps`` steps from step ``iteration_from_step`` of the fit (pipedap: after its
-    ``startup_steps`` start-up steps, ``startup_s`` seconds, and 2 settling steps; ``warmup_steps`` in any case); None with ``iteration_note``
+    ``startup_steps`` start-up steps, ``startup_s`` seconds, and 2 settling steps; ``warmup_steps`` in any case;
+    ``replan_steps`` steps of a drift re-plan left out); None with ``iteration_note``
     saying why when the fit ended before steady state."""
     metrics = _scalar_metrics(trainer)
     measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
@@ -208,6 +209,7 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "warmup_steps": measure.get("warmup_steps"),
         "startup_steps": measure.get("startup_steps"),
         "startup_s": measure.get("startup_s"),
+        "replan_steps": measure.get("replan_steps"),
         "throughput_samples_per_s": measure.get("throughput_samples_per_s"),
         "energy_J_per_step": measure.get("energy_J_per_step"),
         "energy_J_per_sample": measure.get("energy_J_per_sample"),
@@ -243,7 +245,8 @@ def iteration_text(res: dict[str, Any]) -> str:
     n, first = res.get("iteration_steps"), res.get("iteration_from_step")
     if n is not None and res.get("startup_steps") is not None and first:
         it += (f" of {n} steady-state steps (from step {first}, after {res['startup_steps']} start-up steps in "
-               f"{_fmt(res.get('startup_s'), '.1f', ' s')})")
+               f"{_fmt(res.get('startup_s'), '.1f', ' s')}"
+               + (f"; {res['replan_steps']} steps of a drift re-plan left out" if res.get("replan_steps") else "") + ")")
     elif n is not None:
         it += f" of {n} steps (after {res.get('warmup_steps', '?')} warm-up steps)"
     if res.get("throughput_samples_per_s"):

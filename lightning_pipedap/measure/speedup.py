@@ -46,8 +46,10 @@ class SpeedupMonitor(Callback):
     intervals after the warm-up are kept apart (:attr:`startup_intervals_s`) and logged as
     ``speed/startup_step_time_ms``; they are never in the iteration time, throughput or speedups. A fit
     that ends before steady state has no iteration time: the summary says so (``iteration_s`` None,
-    ``steady_state`` False) instead of reporting start-up steps. (Steps of a later drift re-plan, profiling
-    and trials again, are in steady state by this rule; ``strategy.replans_done`` counts re-plans.)
+    ``steady_state`` False) instead of reporting start-up steps. A strategy that also exposes ``phase``
+    (pipedap) is timed only from ``SETTLE_STEPS + 2`` step starts after it last entered ``run``, so the
+    profiling and trial steps of a drift re-plan (and the settling after it) are left out too
+    (:attr:`replan_intervals_s`, counted as ``replan_steps`` in the summary).
 
     Every ``window_steps`` steady-state intervals, global rank 0 logs
 
@@ -71,6 +73,7 @@ class SpeedupMonitor(Callback):
     after a start-up and ``warmup_steps`` in any case; None when the fit ended before steady state), ``startup_steps`` (start-up
     steps of the strategy, ``startup["total_steps"]``, None without one), ``startup_s`` (their seconds),
     ``steady_state`` (whether any steady-state interval was timed), ``warmup_steps`` (this monitor's),
+    ``replan_steps`` (intervals left out for a drift re-plan after the start-up),
     ``iteration_note`` (why there is no ``iteration_s``, else None) and, with known batch sizes,
     ``samples_per_step`` and ``throughput_samples_per_s``.
 
@@ -114,6 +117,8 @@ class SpeedupMonitor(Callback):
         self.history: list[dict[str, float]] = []
         self.intervals_s: list[float] = []  # post-warm-up steady-state intervals of this rank (s)
         self.startup_intervals_s: list[float] = []  # post-warm-up intervals of the strategy's start-up (s)
+        self.replan_intervals_s: list[float] = []  # intervals of a drift re-plan after the start-up (s)
+        self._run_streak = 0  # consecutive step starts that saw the strategy's phase "run"
         self.steady_from: Optional[int] = None  # first timed steady-state step of the last fit (None: not reached)
         self._step = 0  # steps started in this fit
         self._window: list[float] = []
@@ -141,13 +146,14 @@ class SpeedupMonitor(Callback):
                                  "throughput_samples_per_s")
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        self._step, self._last, self._seen, self.steady_from = 0, None, 0, None
-        self.intervals_s, self.startup_intervals_s = [], []
+        self._step, self._last, self._seen, self.steady_from, self._run_streak = 0, None, 0, None, 0
+        self.intervals_s, self.startup_intervals_s, self.replan_intervals_s = [], [], []
         self._window, self._window_samples, self._startup_window = [], [], []
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         now = self._clock()
         self._step += 1
+        replanning = self._replanning(trainer.strategy)  # (every step start counts towards the run streak)
         if self._last is not None:
             self._seen += 1
             # (the interval that ends now is the previous batch's, index self._step - 2, identical on every rank;
@@ -159,6 +165,8 @@ class SpeedupMonitor(Callback):
                 self._startup_window.append(now - self._last)
                 if len(self._startup_window) >= self.window_steps:
                     self._log_startup_window(trainer)
+            elif self._seen > self.warmup_steps and replanning:
+                self.replan_intervals_s.append(now - self._last)
             elif self._seen > self.warmup_steps:
                 if self.steady_from is None:
                     self.steady_from = self._step - 2  # the first timed steady-state step
@@ -172,6 +180,18 @@ class SpeedupMonitor(Callback):
                     self._log_window(trainer)
         self._last = now
         self._last_samples = self.batch_size if self.batch_size is not None else batch_size_of(batch)
+
+    def _replanning(self, strategy: Any) -> bool:
+        """Whether the interval ending now belongs to a strategy phase other than a settled run: the strategy
+        exposes ``phase`` (pipedap's :class:`~lightning_pipedap.strategy.controller.Phase`) and fewer than
+        ``SETTLE_STEPS + 2`` consecutive step starts (this one included) saw it in ``run``, the same distance
+        from entering ``run`` as ``startup["total_steps"] + SETTLE_STEPS`` after the start-up. Excludes the
+        profiling and trial steps of a drift re-plan; False for a strategy without ``phase``."""
+        phase = None if isinstance(strategy, str) else getattr(strategy, "phase", None)
+        if phase is None:
+            return False
+        self._run_streak = self._run_streak + 1 if getattr(phase, "value", phase) == "run" else 0
+        return self._run_streak < SETTLE_STEPS + 2
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
         self._last = None
@@ -222,7 +242,7 @@ class SpeedupMonitor(Callback):
         startup = getattr(trainer.strategy, "startup", None) if not isinstance(trainer.strategy, str) else None
         summary: dict[str, Any] = {
             "iteration_steps": len(self.intervals_s), "steady_from_step": self.steady_from,
-            "warmup_steps": self.warmup_steps,
+            "warmup_steps": self.warmup_steps, "replan_steps": len(self.replan_intervals_s),
             "startup_steps": int(startup["total_steps"]) if startup else None,
             "startup_s": float(startup["total_s"]) if startup else None,
             "steady_state": have > trainer.world_size - 0.5,
