@@ -205,7 +205,8 @@ def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
               ("energy_J_per_step", "energy per step (J)")]
     panels = [p for p in panels if any(r[p[0]] is not None for r in rows)] or panels[:1]
     labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
-              + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else "") for r in rows]
+              + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else "")
+              for r in rows]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         vals = [r[key] if r[key] is not None else 0.0 for r in rows]

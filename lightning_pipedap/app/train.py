@@ -246,7 +246,8 @@ def iteration_text(res: dict[str, Any]) -> str:
     if n is not None and res.get("startup_steps") is not None and first:
         it += (f" of {n} steady-state steps (from step {first}, after {res['startup_steps']} start-up steps in "
                f"{_fmt(res.get('startup_s'), '.1f', ' s')}"
-               + (f"; {res['replan_steps']} steps of a drift re-plan left out" if res.get("replan_steps") else "") + ")")
+               + (f"; {res['replan_steps']} steps of a drift re-plan left out" if res.get("replan_steps") else "")
+               + ")")
     elif n is not None:
         it += f" of {n} steps (after {res.get('warmup_steps', '?')} warm-up steps)"
     if res.get("throughput_samples_per_s"):
@@ -258,12 +259,16 @@ def _ms(seconds: Optional[float]) -> str:
     return _fmt(seconds and 1e3 * seconds, ".1f", " ms")
 
 
+def _deciding_s(c: dict[str, Any]) -> Optional[float]:
+    """A candidate's time the choice was made on (s): ``deciding_s``, else ``measured_s`` (older results)."""
+    return c.get("deciding_s", c.get("measured_s"))
+
+
 def candidates_text(cands: list[dict[str, Any]]) -> str:
     """The measured candidates with the numbers the choice was made on (``deciding_s``; results without it:
     ``measured_s``), the chosen one marked; after a confirmation also which rounds decided and each
     candidate's median over all its windows (``measured_s``), which can order them differently."""
-    text = ", ".join(f"{c['name']} {_ms(c.get('deciding_s', c.get('measured_s')))}" + (" (chosen)" if c["chosen"] else "")
-                     for c in cands)
+    text = ", ".join(f"{c['name']} {_ms(_deciding_s(c))}" + (" (chosen)" if c["chosen"] else "") for c in cands)
     confirmed = [c["name"] for c in cands if c.get("decided_in") == "confirmation"]
     if confirmed:
         text += (f"; decided on the confirmation rounds of {' and '.join(confirmed)} (the others on the first pass); "
@@ -422,7 +427,7 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
         lines += ["", "| candidate | predicted (ms) | deciding (ms) | decided in | all windows (ms) | chosen |",
                   "|---|---|---|---|---|---|"]
         lines += [f"| {c['name']} | {_fmt(c.get('predicted_s') and 1e3 * c['predicted_s'], '.2f')} | "
-                  f"{_fmt(c.get('deciding_s', c.get('measured_s')) and 1e3 * c.get('deciding_s', c.get('measured_s')), '.2f')} | "
+                  f"{_fmt(_deciding_s(c) and 1e3 * _deciding_s(c), '.2f')} | "
                   f"{c.get('decided_in') or ''} | {_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | "
                   f"{'yes' if c.get('chosen') else ''} |" for c in ran["candidates"]]
     st = ran.get("startup") or {}

@@ -40,8 +40,8 @@ class SpeedupMonitor(Callback):
 
     *Steady state.* A strategy with a start-up (pipedap: trace, profiling and measured plan selection,
     exposed as ``strategy.startup``, ``{"total_steps", "total_s", ...}`` once the chosen schedule runs) is
-    timed only from optimizer step ``startup["total_steps"] + SETTLE_STEPS`` of the fit (0-based; the steps that
-    install the chosen candidate settle first, as ``benchmarks/step_overhead.py`` does); a strategy without
+    timed only from optimizer step ``startup["total_steps"] + SETTLE_STEPS`` of the fit (0-based; the steps
+    that install the chosen candidate settle first, as ``benchmarks/step_overhead.py`` does); a strategy without
     ``startup`` (Lightning's ``ddp``, single device) is in steady state from its first step. The start-up
     intervals after the warm-up are kept apart (:attr:`startup_intervals_s`) and logged as
     ``speed/startup_step_time_ms``; they are never in the iteration time, throughput or speedups. A fit
@@ -69,9 +69,10 @@ class SpeedupMonitor(Callback):
 
     At the end of the fit, global rank 0 merges into the summary file: ``iteration_s`` (median steady-state
     interval, s, averaged over ranks; None before steady state), ``iteration_steps`` (steady-state intervals
-    in that median, rank 0), ``steady_from_step`` (the first timed step, 0-based: at least ``total_steps + SETTLE_STEPS``
-    after a start-up and ``warmup_steps`` in any case; None when the fit ended before steady state), ``startup_steps`` (start-up
-    steps of the strategy, ``startup["total_steps"]``, None without one), ``startup_s`` (their seconds),
+    in that median, rank 0), ``steady_from_step`` (the first timed step, 0-based: at least
+    ``total_steps + SETTLE_STEPS`` after a start-up and ``warmup_steps`` in any case; None when the fit ended
+    before steady state), ``startup_steps`` (start-up steps of the strategy, ``startup["total_steps"]``, None
+    without one), ``startup_s`` (their seconds),
     ``steady_state`` (whether any steady-state interval was timed), ``warmup_steps`` (this monitor's),
     ``replan_steps`` (intervals left out for a drift re-plan after the start-up),
     ``iteration_note`` (why there is no ``iteration_s``, else None) and, with known batch sizes,

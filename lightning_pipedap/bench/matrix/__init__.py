@@ -96,7 +96,8 @@ from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTime
                                                    comm_only, plan_record, quiet_worker)
 
 __all__ = [
-    "BASE_STRATEGIES", "COMPRESS_SEP", "DDP_REDUCER", "COMPRESSOR_KWARGS", "DDP_HOOKS", "DEFAULT_COMPRESSORS", "DEFAULT_PIPEDAP",
+    "BASE_STRATEGIES", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS", "DEFAULT_COMPRESSORS",
+    "DEFAULT_PIPEDAP",
     "HIDDEN_NOTE", "INLINE_SUFFIX", "LINKS", "MD_BEGIN", "MD_END", "MODELS", "NICE_SUFFIX", "PIPEDAP_PREFIX",
     "PLAN_TRIALS", "POWERSGD_ONE_BUCKET_MB", "POWERSGD_RANK", "POWERSGD_START", "PRESETS", "QUICK_DDP_WARMUP",
     "QUICK_PLAN_TRIALS", "QUICK_STRATEGIES", "QUICK_TRIAL_STEPS", "REFERENCE", "SIZES", "TRIAL_STEPS",
@@ -106,7 +107,8 @@ __all__ = [
     "format_compression_table", "format_text_report", "format_trials_table", "format_variants_table",
     "hidden_share", "installed_note", "lower_bound_s", "machine_description", "main", "make_module", "median_step_s",
     "parse_args", "parse_bucket_list", "parse_choice_list", "parse_compressors", "parse_ranks",
-    "parse_strategies", "parse_strategy", "pipedap_schedules", "plan_record", "plan_trials", "quick_line", "quiet_worker",
+    "parse_strategies", "parse_strategy", "pipedap_schedules", "plan_record", "plan_trials", "quick_line",
+    "quiet_worker",
     "ratio_to_bound", "render_markdown", "replace_marked_section", "run_cell", "speedup", "summarize_compression",
     "uncompressed_name", "valid_strategies", "write_chart",
 ]

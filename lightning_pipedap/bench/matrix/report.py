@@ -129,8 +129,9 @@ def format_text_report(c: CellResult) -> str:
                      + (f" [vs ddp{installed_note(v)}: measured selection installed DDP's own reducer]"
                         if v.ran_ddp_reducer else ""))
         for t in v.trials:
-            lines.append(f"      candidate {t['name']:24s} measured {_ms(t.get('deciding_s', t['measured_s']), 1):>6s} ms, "
-                         f"predicted {_ms(t['predicted_s'], 1):>6s} ms{'  <- chosen' if t['chosen'] else ''}"
+            deciding = _ms(t.get("deciding_s", t["measured_s"]), 1)
+            lines.append(f"      candidate {t['name']:24s} measured {deciding:>6s} ms, predicted "
+                         f"{_ms(t['predicted_s'], 1):>6s} ms{'  <- chosen' if t['chosen'] else ''}"
                          + (f" (confirmation rounds; all windows {_ms(t['measured_s'], 1)} ms)"
                             if t.get("decided_in") == "confirmation" else ""))
     for name, why in c.skipped.items():
