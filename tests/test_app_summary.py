@@ -168,3 +168,20 @@ def test_the_summary_says_a_speedup_came_from_ddps_reducer():
     ran["installed"] = {"name": "optimal"}
     ran["buckets"] = 4
     assert "DDP's reducer" not in format_summary(_res(ran, speedup_vs_reference=1.2))
+
+
+def test_the_summary_says_why_a_slower_looking_candidate_was_chosen():
+    from tests.test_strategy_controller import _ctl, _drive_windows, _start_trial  # noqa: PLC0415
+
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.19, 0.20])  # b 5 % faster: DDP's reducer is kept (margin 10 %), no confirmation
+    _, ran = _what_ran(ctl, running="torch_ddp")
+    assert ran["selection_notes"] == ["b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%: chose "
+                                      "torch_ddp"]
+    text = format_summary(_res(ran))
+    assert "candidates      b 190.0 ms, torch_ddp 200.0 ms (chosen)\n" in text
+    assert "why             b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%: chose torch_ddp" in text
+    assert "why: b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%" in what_ran_markdown(ran)

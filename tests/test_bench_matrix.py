@@ -499,6 +499,8 @@ def test_plan_record_reads_the_strategy_attributes():
         "α-β model scaled by 1.20 (measured / predicted communication of the profiling steps)",
         "contention: communication 1.50 and compute 1.25 extra slowdown while they overlap",
         "measured candidates (the medians the choice was made on): optimal 9.0 ms; dear@25MiB 4.0 ms (chosen)"]
+    noted = SimpleNamespace(**{**vars(s), "what_ran": lambda: {"selection_notes": ["confirmation: a 1 ms, b 2 ms"]}})
+    assert M.plan_record(noted)[-1] == "why: confirmation: a 1 ms, b 2 ms"
     confirmed = SimpleNamespace(**{**vars(s), "trial_results": [
         {"name": "dear@25MiB", "measured_s": 0.0101, "deciding_s": 0.0100, "decided_in": "confirmation", "chosen": False},
         {"name": "torch_ddp", "measured_s": 0.0111, "deciding_s": 0.0096, "decided_in": "confirmation", "chosen": True}]})

@@ -318,6 +318,8 @@ def format_summary(res: dict[str, Any]) -> str:
            + "; train longer, or lower plan_trials / trial_rounds"] if unfinished else []),
         *([("candidates      " if not unfinished else "earlier choice  ") + candidates_text(ran["candidates"])]
           if ran.get("candidates") else []),
+        *([f"why             {'; '.join(ran['selection_notes'])}"] if ran.get("candidates") and ran.get("selection_notes")
+          else []),
         *(["measured so far " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
                                            for c in ran["unfinished_candidates"] if c.get("measured_s") is not None)]
           if unfinished and any(c.get("measured_s") is not None for c in ran.get("unfinished_candidates") or [])
@@ -430,6 +432,8 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                   f"{_fmt(_deciding_s(c) and 1e3 * _deciding_s(c), '.2f')} | "
                   f"{c.get('decided_in') or ''} | {_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | "
                   f"{'yes' if c.get('chosen') else ''} |" for c in ran["candidates"]]
+        if ran.get("selection_notes"):
+            lines += ["", "why: " + "; ".join(ran["selection_notes"])]
     st = ran.get("startup") or {}
     if st:
         lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s (trace {st['trace_steps']}, "

@@ -227,6 +227,9 @@ class Controller:
             ``predictions[name]``); kept across a re-plan
             until the next selection finishes (see :meth:`plan_selection` for one left unfinished).
         selections: ``trial_results`` of every finished selection of this fit, oldest first.
+        selection_notes: why the last finished selection chose as it did, in words (:func:`choose_candidate`'s
+            notes: a confirmation's numbers, DDP's reducer kept within its margin, ties within noise, candidates
+            below the physical floor); kept with ``trial_results``.
         predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
         replans_done: re-plans triggered by drift.
         predictions: rank 0's predictions per candidate name (filled by the planner side).
@@ -252,6 +255,7 @@ class Controller:
         self.trial: Optional[Trial] = None
         self.trial_results: list[dict[str, Any]] = []
         self.selections: list[list[dict[str, Any]]] = []
+        self.selection_notes: list[str] = []
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
         #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection)
         self.how = "trace"
@@ -413,6 +417,7 @@ class Controller:
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
         self.selections.append(self.trial_results)
+        self.selection_notes = list(notes)
         self.how = "selected"
         confirmed = tr.confirm is not None
         self.effects.info("pipedap: measured candidates (lower-quartile step of each window; the median the choice "

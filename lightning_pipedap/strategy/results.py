@@ -120,7 +120,8 @@ class RunResults:
         ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s (median of all its
         windows, s), deciding_s (the median the choice was made on, s: the confirmation windows' for the two
         candidates a confirmation compared, else measured_s), decided_in (``"first pass"`` /
-        ``"confirmation"``), windows_s, chosen),
+        ``"confirmation"``), windows_s, chosen), ``selection_notes`` (why that selection chose as it did, in
+        words: the controller's ``selection_notes``),
         ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
         ``plan_selection`` (in words: ``"finished (4 of 4 candidates measured)"``, ``"unfinished (3 of 5
         candidates measured, ...)"`` when the fit ended while (re-)planning or measuring candidates, ``"not
@@ -149,6 +150,7 @@ class RunResults:
                                                   "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+            "selection_notes": list(rt.controller.selection_notes) if rt is not None else [],
             "replans": self.replans_done, "startup": dict(self.startup),
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,

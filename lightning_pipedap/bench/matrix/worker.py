@@ -165,7 +165,7 @@ def _ddp_with_comm_hook(name: str) -> CommHookDDPStrategy:
 def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     """What a pipedap strategy reports about its plan after a fit, one line per item, from its own
     attributes: the installed schedule, the predicted and no-overlap iteration times, the calibration of
-    the α-β model, the measured contention, the measured candidates, the re-plans and, when the fit ended
+    the α-β model, the measured contention, the measured candidates and why one was chosen, the re-plans and, when the fit ended
     during plan selection, that selection and the schedule that ran at the end (items it does not have are
     left out)."""
     lines = []
@@ -191,6 +191,8 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     if strategy.replans_done:
         lines.append(f"re-plans: {strategy.replans_done}")
     ran = strategy.what_ran()
+    if strategy.trial_results and ran.get("selection_notes"):
+        lines.append("why: " + "; ".join(ran["selection_notes"]))
     if ran.get("plan_selection_status") == "unfinished":
         lines.append(f"plan selection {ran['plan_selection']}: {ran['ran_at_end']} ran at the end, not a chosen "
                      "candidate")
