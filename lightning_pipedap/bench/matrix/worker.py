@@ -165,9 +165,9 @@ def _ddp_with_comm_hook(name: str) -> CommHookDDPStrategy:
 def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     """What a pipedap strategy reports about its plan after a fit, one line per item, from its own
     attributes: the installed schedule, the predicted and no-overlap iteration times, the calibration of
-    the α-β model, the measured contention, the measured candidates and why one was chosen, the re-plans and, when the fit ended
-    during plan selection, that selection and the schedule that ran at the end (items it does not have are
-    left out)."""
+    the α-β model, the measured contention, the measured candidates and why one was chosen, the re-plans
+    and, when the fit ended during plan selection, that selection and the schedule that ran at the end
+    (items it does not have are left out)."""
     lines = []
     if strategy.installed_schedule is not None:
         lines.append(f"schedule {strategy.installed_schedule}")
