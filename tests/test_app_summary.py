@@ -69,6 +69,8 @@ def test_the_summary_says_selection_was_unfinished_instead_of_installed():
     assert ("(schedule optimal -> plan selection unfinished (1 of 2 candidates measured, 1 of 2 windows, after "
             "re-plan 1), b ran at the end)") in text
     assert "plan selection  unfinished (1 of 2 candidates measured" in text
+    assert ("(b ran last), so the iteration time is that of the schedule before the re-plan (the re-plan's profiling "
+            "and trial steps are left out)") in text
     assert "earlier choice  a 300.0 ms, b 100.0 ms (chosen)" in text
     assert "measured so far a 500.0 ms" in text
     md = what_ran_markdown(ran)

@@ -182,9 +182,10 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     if flagged:
         lines += ["", f"Job(s) {', '.join('#' + j for j in flagged)}: the fit ended during measured plan selection "
                       "and no plan was chosen for the schedule running at the end: without an earlier selection there "
-                      "is no steady-state iteration time; after one (a re-plan) the steady-state time includes the "
-                      "re-plan's measurement steps. Their speedup is not that of a chosen plan (train longer, or "
-                      "lower plan_trials / trial_rounds)."]
+                      "is no steady-state iteration time; after one (a drift re-plan) the iteration time is that of "
+                      "the schedule before the re-plan, whose measurement steps are left out. Their speedup is not "
+                      "that of a plan chosen for the end of the fit (train longer, or lower plan_trials / "
+                      "trial_rounds)."]
     reducer = [str(r["job"]) for r in rows if r.get("installed") == DDP_REDUCER and r.get("speedup_vs_ddp") is not None]
     if reducer:
         lines += ["", f"Job(s) {', '.join('#' + j for j in reducer)}: measured plan selection installed "

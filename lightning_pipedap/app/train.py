@@ -313,8 +313,8 @@ def format_summary(res: dict[str, Any]) -> str:
         *([f"compression     {ran['compression_note']}"] if ran.get("compression_note") else []),
         *([f"plan selection  {ran['plan_selection']}: the fit ended before a candidate was chosen ("
            f"{ran.get('ran_at_end')} ran last)"
-           + (", so the steady-state iteration time includes the re-plan's measurement steps"
-              if res.get("iteration_ms") is not None else "")
+           + (", so the iteration time is that of the schedule before the re-plan (the re-plan's profiling and "
+              "trial steps are left out)" if res.get("iteration_ms") is not None else "")
            + "; train longer, or lower plan_trials / trial_rounds"] if unfinished else []),
         *([("candidates      " if not unfinished else "earlier choice  ") + candidates_text(ran["candidates"])]
           if ran.get("candidates") else []),
