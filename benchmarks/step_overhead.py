@@ -41,11 +41,11 @@ MIN_MEASURED = 20
 def _steady(strategy: object) -> int | None:
     """The first step index of steady state: 0 for Lightning's ``"ddp"``; for pipedap the steps of its start-up
     (trace, profiling, trials: ``strategy.startup``) plus 2 (the step that installs the chosen candidate settles);
-    None while pipedap's start-up is not over."""
-    if isinstance(strategy, str) or not hasattr(strategy, "startup"):  # (Lightning's DDP: no start-up phases)
-        return 0
-    startup = getattr(strategy, "startup", None)
-    return int(startup["total_steps"]) + 2 if startup else None
+    None while pipedap's start-up is not over. The rule SpeedupMonitor (the app's iteration time) uses:
+    :func:`lightning_pipedap.measure.speedup.steady_from_step`."""
+    from lightning_pipedap.measure.speedup import steady_from_step
+
+    return steady_from_step(strategy)
 
 
 def _job(args: argparse.Namespace) -> None:

@@ -69,6 +69,8 @@ def test_the_summary_says_selection_was_unfinished_instead_of_installed():
     assert ("(schedule optimal -> plan selection unfinished (1 of 2 candidates measured, 1 of 2 windows, after "
             "re-plan 1), b ran at the end)") in text
     assert "plan selection  unfinished (1 of 2 candidates measured" in text
+    assert ("(b ran last), so the iteration time is that of the schedule before the re-plan (the re-plan's profiling "
+            "and trial steps are left out)") in text
     assert "earlier choice  a 300.0 ms, b 100.0 ms (chosen)" in text
     assert "measured so far a 500.0 ms" in text
     md = what_ran_markdown(ran)
@@ -117,3 +119,88 @@ def test_the_sweep_table_flags_a_speedup_from_an_unfinished_selection(tmp_path):
     md = open(paths["md"]).read()
     assert "| 1.5 (selection unfinished) |" in md
     assert "Job(s) #1: the fit ended during measured plan selection" in md
+
+
+def test_the_summary_says_which_steps_the_iteration_time_covers():
+    ran = {"installed": {"name": "optimal"}, "buckets": 4, "plan_selection": "finished (4 of 4 candidates measured)",
+           "plan_selection_status": "finished"}
+    text = format_summary(_res(ran, iteration_ms=9.6, iteration_steps=37, iteration_from_step=147, startup_steps=145,
+                               startup_s=2.04, warmup_steps=5))
+    assert ("iteration time  9.60 ms median of 37 steady-state steps (from step 147, after 145 start-up steps in "
+            "2.0 s)") in text
+    replanned = format_summary(_res(ran, iteration_ms=9.6, iteration_steps=37, iteration_from_step=147,
+                                    startup_steps=145, startup_s=2.04, warmup_steps=5, replan_steps=40))
+    assert "(from step 147, after 145 start-up steps in 2.0 s; 40 steps of a drift re-plan left out)" in replanned
+    ddp = format_summary(_res(None, strategy="ddp", schedule=None, iteration_ms=12.0, iteration_steps=178,
+                              iteration_from_step=5, startup_steps=None, warmup_steps=5))
+    assert "iteration time  12.00 ms median of 178 steps (after 5 warm-up steps)" in ddp
+
+
+def test_the_summary_has_no_iteration_time_when_the_fit_ended_before_steady_state():
+    _, ran = _what_ran(_replanned_mid_trial())
+    note = "the fit ended before steady state (during the strategy's start-up: trace, profiling, trials)"
+    text = format_summary(_res(ran, iteration_ms=None, iteration_steps=0, iteration_from_step=None,
+                               iteration_note=note))
+    assert f"iteration time  n/a: {note}; no steady-state time (train longer)" in text
+    assert "ms median" not in text
+
+
+def test_the_summary_lists_the_numbers_the_choice_was_made_on():
+    # the fresh-user run: over all windows torch_ddp (chosen) looked slower; the confirmation decided
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None, "plan_selection": "finished (3 of 3 candidates measured)",
+           "plan_selection_status": "finished", "candidates": [
+               {"name": "optimal", "measured_s": 0.0125, "deciding_s": 0.0125, "decided_in": "first pass",
+                "chosen": False},
+               {"name": "dear@25MiB", "measured_s": 0.0101, "deciding_s": 0.0100, "decided_in": "confirmation",
+                "chosen": False},
+               {"name": "torch_ddp", "measured_s": 0.0111, "deciding_s": 0.0096, "decided_in": "confirmation",
+                "chosen": True}]}
+    text = format_summary(_res(ran))
+    assert ("candidates      optimal 12.5 ms, dear@25MiB 10.0 ms, torch_ddp 9.6 ms (chosen); decided on the "
+            "confirmation rounds of dear@25MiB and torch_ddp (the others on the first pass); median of all windows: "
+            "optimal 12.5 ms, dear@25MiB 10.1 ms, torch_ddp 11.1 ms") in text
+    md = what_ran_markdown(ran)
+    assert "| torch_ddp | n/a | 9.60 | confirmation | 11.10 | yes |" in md
+
+
+def test_what_ran_lists_deciding_and_all_window_medians():
+    from tests.test_strategy_controller import _ctl, _drive_windows, _start_trial  # noqa: PLC0415
+
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.20, 0.30, 0.18, 0.22])  # b wins the first pass; torch_ddp the confirmation
+    _, ran = _what_ran(ctl, running="torch_ddp")
+    got = [(c["name"], round(c["deciding_s"], 6), round(c["measured_s"], 6), c["decided_in"], c["chosen"])
+           for c in ran["candidates"]]
+    assert got == [("b", 0.22, 0.21, "confirmation", False), ("torch_ddp", 0.18, 0.24, "confirmation", True)]
+    json.dumps(ran)
+
+
+def test_the_summary_says_a_speedup_came_from_ddps_reducer():
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None, "plan_selection": "finished (3 of 3 candidates measured)",
+           "plan_selection_status": "finished"}
+    text = format_summary(_res(ran, speedup_vs_reference=1.013))
+    assert "speedup         1.013x vs the reference run (installed torch_ddp: DDP's reducer, not a pipedap schedule)" \
+        in text
+    ran["installed"] = {"name": "optimal"}
+    ran["buckets"] = 4
+    assert "DDP's reducer" not in format_summary(_res(ran, speedup_vs_reference=1.2))
+
+
+def test_the_summary_says_why_a_slower_looking_candidate_was_chosen():
+    from tests.test_strategy_controller import _ctl, _drive_windows, _start_trial  # noqa: PLC0415
+
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.19, 0.20])  # b 5 % faster: DDP's reducer is kept (margin 10 %), no confirmation
+    _, ran = _what_ran(ctl, running="torch_ddp")
+    assert ran["selection_notes"] == ["b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%: chose "
+                                      "torch_ddp"]
+    text = format_summary(_res(ran))
+    assert "candidates      b 190.0 ms, torch_ddp 200.0 ms (chosen)\n" in text
+    assert "why             b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%: chose torch_ddp" in text
+    assert "why: b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%" in what_ran_markdown(ran)

@@ -59,3 +59,29 @@ def test_empty_sweep_writes_nothing(tmp_path):
 def test_markdown_escapes_pipes():
     rows = table_rows([{"job_num": 0, "strategy": "ddp", "overrides": ["a=x|y"], "iteration_ms": None}])
     assert "a=x\\|y" in markdown_table(rows)
+
+
+def test_a_speedup_from_ddps_reducer_says_so(tmp_path):
+    """A pipedap job whose measured selection installed torch_ddp: the Markdown speedup names DDP's reducer,
+    the CSV stays numeric with the schedule in its own column."""
+    root = str(tmp_path)
+    _job(root, 0, "ddp", None, ["strategy=ddp"], 10.1)
+    _job(root, 1, "pipedap", "optimal", ["strategy=pipedap"], 10.0)
+    _job(root, 2, "pipedap", "dear", ["strategy=pipedap", "scheduler=dear"], 5.05)
+    for num, name in ((1, "torch_ddp"), (2, "dear")):
+        path = os.path.join(root, str(num), "results.json")
+        with open(path) as f:
+            res = json.load(f)
+        res["pipedap"] = {"installed": {"name": name}, "plan_selection": "finished (4 of 4 candidates measured)"}
+        with open(path, "w") as f:
+            json.dump(res, f)
+    paths = write_summary(root, tensorboard=False)
+    with open(paths["csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["installed"] for r in rows] == ["", "torch_ddp", "dear"]
+    assert [round(float(r["speedup_vs_ddp"]), 3) for r in rows] == [1.0, 1.01, 2.0]
+    md = open(paths["md"]).read()
+    assert "| torch_ddp | finished (4 of 4 candidates measured) |" in md
+    assert "| 1.01 (torch_ddp: DDP's reducer) |" in md
+    assert "| 2 |" in md and "2 (torch_ddp" not in md
+    assert "Job(s) #1: measured plan selection installed `torch_ddp`, PyTorch's own DDP reducer" in md

@@ -105,6 +105,39 @@ def test_tables_show_the_computed_numbers():
     assert "lower bound 550 ms" in text and "pipedap-optimal" in text
 
 
+def _torch_ddp_cell():
+    trials = [{"name": "dear@25MiB", "describe": "dear@25MiB: 1 buckets", "predicted_s": 0.0095, "measured_s": 0.0101,
+               "deciding_s": 0.0100, "decided_in": "confirmation", "chosen": False},
+              {"name": "torch_ddp", "describe": "torch_ddp: DDP's reducer", "predicted_s": None, "measured_s": 0.0111,
+               "deciding_s": 0.0096, "decided_in": "confirmation", "chosen": True}]
+    return _cell(variants=[M.VariantResult("ddp", 0.9, 20, energy_J=18.0),
+                           M.VariantResult("pipedap-optimal", 0.81, 20, trials=trials, installed="torch_ddp")])
+
+
+def test_a_speedup_from_ddps_reducer_says_so():
+    c = _torch_ddp_cell()
+    row = next(line for line in M.format_variants_table([c]).splitlines() if "pipedap-optimal" in line)
+    assert "| 1.11 (torch_ddp: DDP's reducer) |" in row
+    text = M.format_text_report(c)
+    line = next(x for x in text.splitlines() if x.strip().startswith("pipedap-optimal"))
+    assert "1.11" in line and "[vs ddp (torch_ddp: DDP's reducer): measured selection installed DDP's own reducer]" in line
+    assert ("candidate torch_ddp                measured    9.6 ms, predicted      – ms  <- chosen (confirmation rounds; "
+            "all windows 11.1 ms)") in text
+    assert M.quick_line(c, "pipedap-optimal").startswith("speedup_vs_ddp=1.11 ratio_to_bound=1.47 installed=torch_ddp "
+                                                         "(DDP's reducer")
+    # results written before `installed` existed: the chosen trial candidate says it
+    old = M.CellResult.from_dict(dataclasses.asdict(c))
+    old.variants[1].installed = ""
+    assert old.variants[1].ran_ddp_reducer and "(torch_ddp: DDP's reducer)" in M.format_variants_table([old])
+    trials = M.format_trials_table([c])
+    assert "| 9.6 (confirmation) | yes |" in trials
+    # a pipedap schedule: no mark, the installed name in the quick line
+    plain = _cell()
+    plain.variants[1].installed = "optimal"
+    assert M.quick_line(plain, "pipedap-optimal") == "speedup_vs_ddp=1.50 ratio_to_bound=1.09 installed=optimal"
+    assert "DDP's reducer" not in M.format_variants_table([plain]) + M.format_text_report(plain)
+
+
 def _stats(compress_s, wait_s, payload, dense):
     from lightning_pipedap.engine.compressed import CompressionStats
 
@@ -397,8 +430,8 @@ def test_trials_table_and_cpu_aware_bound():
                      variants=[M.VariantResult(name="pipedap-optimal", iter_s=0.5, steps=3, trials=trials)])
     table = M.format_trials_table([c]).splitlines()
     assert len(table) == 4
-    assert table[2] == "| mlp uncapped 2r | pipedap-optimal | `optimal: 2 buckets: AR1 AR0` | 500 | 625 | -20.0% |  |"
-    assert table[3].endswith("| 550 | 500 | +10.0% | yes |")
+    assert table[2] == "| mlp uncapped 2r | pipedap-optimal | `optimal: 2 buckets: AR1 AR0` | 500 | 625 | -20.0% | 625.0 |  |"
+    assert table[3].endswith("| 550 | 500 | +10.0% | 500.0 | yes |")
     assert c.cpu_bound_s == pytest.approx(0.58)  # max(compute + all-reduce CPU, communication)
     assert M.CellResult.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))).variants[0].trials == trials
     c.allreduce_cpu_s = None
@@ -465,7 +498,15 @@ def test_plan_record_reads_the_strategy_attributes():
         "schedule dear@25MiB: 1 buckets: RS0 AG0", "predicted iteration 4.7 ms", "no-overlap iteration 5.2 ms",
         "α-β model scaled by 1.20 (measured / predicted communication of the profiling steps)",
         "contention: communication 1.50 and compute 1.25 extra slowdown while they overlap",
-        "measured candidates: optimal 9.0 ms; dear@25MiB 4.0 ms (chosen)"]
+        "measured candidates (the medians the choice was made on): optimal 9.0 ms; dear@25MiB 4.0 ms (chosen)"]
+    noted = SimpleNamespace(**{**vars(s), "what_ran": lambda: {"selection_notes": ["confirmation: a 1 ms, b 2 ms"]}})
+    assert M.plan_record(noted)[-1] == "why: confirmation: a 1 ms, b 2 ms"
+    confirmed = SimpleNamespace(**{**vars(s), "trial_results": [
+        {"name": "dear@25MiB", "measured_s": 0.0101, "deciding_s": 0.0100, "decided_in": "confirmation", "chosen": False},
+        {"name": "torch_ddp", "measured_s": 0.0111, "deciding_s": 0.0096, "decided_in": "confirmation", "chosen": True}]})
+    assert M.plan_record(confirmed)[-1] == (
+        "measured candidates (the medians the choice was made on): dear@25MiB 10.0 ms [confirmation; all windows "
+        "10.1 ms]; torch_ddp 9.6 ms [confirmation; all windows 11.1 ms] (chosen)")
     fresh = SimpleNamespace(installed_schedule=None, predicted_iteration_s=None, no_overlap_time_s=None,
                             calibration_ratio=1.0, contention=None, trial_results=[], replans_done=0,
                             what_ran=lambda: {"plan_selection_status": None})

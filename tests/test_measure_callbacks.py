@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipedap.measure import CommTimeline, EnergyMonitor, SpeedupMonitor
+from lightning_pipedap.measure.speedup import SETTLE_STEPS, steady_from_step
 from lightning_pipedap.measure._common import batch_size_of
 from lightning_pipedap.measure.summary import read_summary
 from lightning_pipedap.measure.timeline import OpRecord
@@ -281,6 +282,98 @@ def test_speedup_discards_intervals_across_validation_and_epochs():
     for _ in range(2):
         mon.on_train_batch_start(tr, None, batch, 0)  # 9, 9.25 -> interval 0.25
     assert mon.intervals_s == pytest.approx([1.0, 1.0, 0.5, 0.25])
+
+
+class StartupStrategy:
+    """A strategy with a start-up, as pipedap's: ``startup`` is {} until the chosen schedule runs."""
+
+    root_device = torch.device("cpu")
+
+    def __init__(self):
+        self.startup = {}
+
+    @staticmethod
+    def reduce(t, reduce_op="sum"):
+        return t
+
+
+def test_speedup_times_only_steady_state_after_a_startup(tmp_path):
+    # 12 steps; the strategy's start-up is over after 4 steps (startup set at step 3's start), so steady state
+    # starts at step 4 + SETTLE_STEPS = 6: intervals of steps 1..5 (after 1 warm-up) are start-up, 6..10 steady
+    starts = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 6.1, 6.3, 6.4, 6.6, 6.7]
+    mon = SpeedupMonitor(warmup_steps=1, window_steps=3, clock=ListClock(starts),
+                         summary_file=str(tmp_path / "s.json"))
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    tr.strategy = StartupStrategy()
+    for step in range(12):
+        if step == 3:
+            tr.strategy.startup = {"total_steps": 4, "total_s": 3.5}
+        mon.on_train_batch_start(tr, None, batch, step)
+    assert mon.startup_intervals_s == pytest.approx([1.0] * 5)  # steps 1..5 (step 0 is the warm-up)
+    assert mon.intervals_s == pytest.approx([0.1, 0.2, 0.1, 0.2, 0.1])  # steps 6..10 only
+    assert mon.history[0] == pytest.approx({"speed/startup_step_time_ms": 1000.0})
+    assert [h["speed/iteration_time_ms"] for h in mon.history if "speed/iteration_time_ms" in h] \
+        == pytest.approx([100.0])  # (window 0.1, 0.2, 0.1): no start-up interval in the tag
+    mon.on_train_end(tr, None)
+    summary = read_summary(str(tmp_path / "s.json"))
+    assert summary["iteration_s"] == pytest.approx(0.1)  # the old code: median over 1.0 x5 and 0.1/0.2 -> 0.2
+    assert summary["iteration_steps"] == 5
+    assert summary["steady_from_step"] == 6
+    assert summary["startup_steps"] == 4 and summary["startup_s"] == pytest.approx(3.5)
+    assert summary["steady_state"] is True
+
+
+def test_speedup_fit_ending_before_steady_state_reports_no_iteration_time(tmp_path):
+    mon = SpeedupMonitor(warmup_steps=1, window_steps=100, clock=ListClock([0.0, 1.0, 2.0, 3.0, 4.0]),
+                         summary_file=str(tmp_path / "s.json"))
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    tr.strategy = StartupStrategy()  # start-up never over (the fit ends in the trials)
+    for step in range(5):
+        mon.on_train_batch_start(tr, None, batch, step)
+    with pytest.warns(UserWarning, match="before steady state"):
+        mon.on_train_end(tr, None)
+    summary = read_summary(str(tmp_path / "s.json"))
+    assert summary["iteration_s"] is None and summary["steady_state"] is False
+    assert summary["iteration_steps"] == 0 and summary["steady_from_step"] is None
+    assert "before steady state" in summary["iteration_note"]
+    assert mon.startup_intervals_s == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_speedup_leaves_out_the_steps_of_a_drift_replan(tmp_path):
+    from lightning_pipedap.strategy.controller import Phase  # noqa: PLC0415
+
+    # the phase each step start sees: start-up (trace, profile, 2 trials), run from step 4 (start-up: 4 steps),
+    # a drift re-plan seen at step 10 (profile, 2 trials), run again from step 13
+    seen = ([Phase.TRACE, Phase.PROFILE, Phase.TRIAL, Phase.TRIAL] + [Phase.RUN] * 6
+            + [Phase.PROFILE, Phase.TRIAL, Phase.TRIAL] + [Phase.RUN] * 6)
+    steady = {6, 7, 8, 15, 16, 17}  # start-up + 2 settling; re-plan steps 9..14 (up to 3 steps after run again)
+    gaps = [0.1 if i in steady else 1.0 for i in range(len(seen) - 1)]
+    starts = [sum(gaps[:k]) for k in range(len(seen))]
+    mon = SpeedupMonitor(warmup_steps=0, window_steps=100, clock=ListClock(starts),
+                         summary_file=str(tmp_path / "s.json"))
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    tr.strategy = StartupStrategy()
+    for step, phase in enumerate(seen):
+        tr.strategy.phase = phase
+        if step == 4:
+            tr.strategy.startup = {"total_steps": 4, "total_s": 1.0}
+        mon.on_train_batch_start(tr, None, batch, step)
+    assert mon.intervals_s == pytest.approx([0.1] * 6)  # the old code also timed the 6 re-plan steps (1.0 s)
+    assert mon.startup_intervals_s == pytest.approx([1.0] * 6)
+    assert mon.replan_intervals_s == pytest.approx([1.0] * 6)
+    mon.on_train_end(tr, None)
+    summary = read_summary(str(tmp_path / "s.json"))
+    assert summary["iteration_s"] == pytest.approx(0.1) and summary["replan_steps"] == 6
+    assert summary["iteration_steps"] == 6 and summary["steady_from_step"] == 6
+
+
+def test_speedup_strategy_without_startup_is_steady_from_the_first_step():
+    assert steady_from_step("ddp") == 0
+    assert steady_from_step(FakeTrainer.strategy) == 0
+    s = StartupStrategy()
+    assert steady_from_step(s) is None
+    s.startup = {"total_steps": 145, "total_s": 2.0}
+    assert steady_from_step(s) == 145 + SETTLE_STEPS == 147
 
 
 def test_batch_size_of_nested_batches():

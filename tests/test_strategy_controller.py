@@ -413,6 +413,37 @@ def test_a_winner_over_ddps_reducer_is_confirmed_in_more_rounds_and_a_burst_does
     assert _installs(fx) == ["b", "torch_ddp", "b", "torch_ddp", "b", "torch_ddp", "b", "torch_ddp"]
 
 
+def test_trial_results_carry_the_numbers_the_choice_was_made_on():
+    """After a confirmation the median of all windows can make the chosen candidate look slower (b 0.21 s,
+    torch_ddp 0.24 s, torch_ddp chosen); ``deciding_s`` holds the confirmation medians that decided (b 0.22 s,
+    torch_ddp 0.18 s) and, for a candidate out in the first pass, its first-pass median."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 0.8), Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=1)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.40, 0.20, 0.30])  # first pass: b beats torch_ddp by 33 % -> confirmation
+    assert ctl.trial.confirm == (1, 2, 1)
+    _drive_windows(ctl, clock, [0.18, 0.22])  # (order: torch_ddp, b) torch_ddp faster: kept
+    assert ctl.phase is Phase.RUN
+    res = {r["name"]: r for r in ctl.trial_results}
+    assert res["torch_ddp"]["chosen"] and not res["b"]["chosen"]
+    assert res["b"]["measured_s"] == pytest.approx(0.21) and res["torch_ddp"]["measured_s"] == pytest.approx(0.24)
+    assert res["b"]["deciding_s"] == pytest.approx(0.22) and res["torch_ddp"]["deciding_s"] == pytest.approx(0.18)
+    assert res["a"]["deciding_s"] == pytest.approx(0.40) == res["a"]["measured_s"]
+    assert [r["decided_in"] for r in ctl.trial_results] == ["first pass", "confirmation", "confirmation"]
+    info = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "info" and "measured candidates" in c[1]]
+    assert "torch_ddp 180.0 ms [confirmation, all windows 240.0 ms] (predicted 1000.0 ms) <- chosen" in info[0]
+
+
+def test_without_confirmation_the_deciding_numbers_are_the_medians_of_all_windows():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("c", 1.0)], profiled=(1,))
+    ctl = _trial(fx, clock, {"b": [0.20, 0.24], "c": [0.30, 0.36]}, rounds=2)
+    assert [r["deciding_s"] for r in ctl.trial_results] == [pytest.approx(0.22), pytest.approx(0.33)]
+    assert [r["deciding_s"] for r in ctl.trial_results] == [r["measured_s"] for r in ctl.trial_results]
+    assert {r["decided_in"] for r in ctl.trial_results} == {"first pass"}
+
+
 def test_a_confirmed_winner_over_ddps_reducer_is_kept():
     ctl, fx, clock = _b_against_ddp(rounds=1)
     _drive_windows(ctl, clock, [0.20, 0.30, 0.30, 0.20])  # (order: b, ddp | ddp, b)

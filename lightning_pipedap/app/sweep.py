@@ -15,6 +15,15 @@ Speedup of a job = median iteration time of the DDP job(s) with the same other o
 overrides except ``strategy``/``scheduler`` ones) divided by the job's median iteration time;
 DDP jobs therefore show about 1.0, and jobs without a matching DDP job show nothing.
 
+Iteration times are :class:`~lightning_pipedap.measure.SpeedupMonitor`'s steady-state medians
+(``results.json``'s ``iteration_ms``: after a pipedap job's start-up of trace, profiling and trials), so a
+speedup compares the schedules that ran, not their start-up.
+
+Column ``installed`` names the schedule a pipedap job ran at the end (``results.json``'s
+``pipedap.installed.name``). When measured plan selection installed ``torch_ddp`` (PyTorch's DDP reducer),
+the Markdown table marks its speedup ``(torch_ddp: DDP's reducer)``: it is DDP against DDP. The CSV keeps
+``speedup_vs_ddp`` numeric; its ``installed`` column says the same.
+
 Column ``plan_selection`` says whether a pipedap job's measured plan selection finished
 (``results.json``'s ``pipedap.plan_selection``). A job whose fit ended with selection unfinished
 ran candidates under measurement, not a chosen plan: the Markdown table marks its speedup
@@ -36,8 +45,10 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 #: Columns of the CSV and Markdown tables, in order.
-COLUMNS = ("job", "strategy", "schedule", "plan_selection", "overrides", "processes", "val_acc", "iteration_ms",
-           "speedup_vs_ddp", "energy_J_per_step", "energy_kind", "fit_s")
+COLUMNS = ("job", "strategy", "schedule", "installed", "plan_selection", "overrides", "processes", "val_acc",
+           "iteration_ms", "speedup_vs_ddp", "energy_J_per_step", "energy_kind", "fit_s")
+#: the measured-selection candidate that hands the model to PyTorch's DDP reducer (no pipedap engine)
+DDP_REDUCER = "torch_ddp"
 _STRATEGY_KEYS = ("strategy", "scheduler")
 
 
@@ -131,6 +142,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in rows:
         out.append({
             "job": r.get("job_num"), "strategy": r.get("strategy"), "schedule": r.get("schedule") or "",
+            "installed": ((r.get("pipedap") or {}).get("installed") or {}).get("name") or "",
             "plan_selection": (r.get("pipedap") or {}).get("plan_selection") or "",
             "overrides": " ".join(r.get("overrides", [])), "processes": r.get("processes"),
             "val_acc": r.get("val_acc"), "iteration_ms": r.get("iteration_ms"),
@@ -160,21 +172,31 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         v = _cell(r[c])
         if c == "speedup_vs_ddp" and v and _unfinished(r):
             v += " (selection unfinished)"
+        elif c == "speedup_vs_ddp" and v and r.get("installed") == DDP_REDUCER:
+            v += f" ({DDP_REDUCER}: DDP's reducer)"
         return v.replace("|", "\\|")
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(cell(r, c) for c in COLUMNS) + " |" for r in rows]
     flagged = [str(r["job"]) for r in rows if _unfinished(r)]
     if flagged:
-        lines += ["", f"Job(s) {', '.join('#' + j for j in flagged)}: the fit ended during measured plan selection, "
-                      "so the iteration time mixes candidate schedules under measurement and no plan was chosen; "
-                      "their speedup is not that of a chosen plan (train longer, or lower plan_trials / "
+        lines += ["", f"Job(s) {', '.join('#' + j for j in flagged)}: the fit ended during measured plan selection "
+                      "and no plan was chosen for the schedule running at the end: without an earlier selection there "
+                      "is no steady-state iteration time; after one (a drift re-plan) the iteration time is that of "
+                      "the schedule before the re-plan, whose measurement steps are left out. Their speedup is not "
+                      "that of a plan chosen for the end of the fit (train longer, or lower plan_trials / "
                       "trial_rounds)."]
+    reducer = [str(r["job"]) for r in rows if r.get("installed") == DDP_REDUCER and r.get("speedup_vs_ddp") is not None]
+    if reducer:
+        lines += ["", f"Job(s) {', '.join('#' + j for j in reducer)}: measured plan selection installed "
+                      f"`{DDP_REDUCER}`, PyTorch's own DDP reducer (no pipedap schedule), so the speedup compares DDP "
+                      "with DDP."]
     return "\n".join(lines) + "\n"
 
 
 def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
-    """PNG with one bar panel per quantity (iteration time, speedup, energy when present)."""
+    """PNG with one bar panel per quantity (iteration time, speedup, energy when present); a pipedap job's label
+    names the installed schedule when it differs from the configured one (``#1 pipedap/optimal -> torch_ddp``)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -183,7 +205,9 @@ def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
     panels = [("iteration_ms", "median iteration time (ms)"), ("speedup_vs_ddp", "speedup vs DDP"),
               ("energy_J_per_step", "energy per step (J)")]
     panels = [p for p in panels if any(r[p[0]] is not None for r in rows)] or panels[:1]
-    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}" for r in rows]
+    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
+              + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else "")
+              for r in rows]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), squeeze=False)
     for ax, (key, title) in zip(axes[0], panels):
         vals = [r[key] if r[key] is not None else 0.0 for r in rows]

@@ -182,7 +182,13 @@ def _read_json(path: str) -> dict[str, Any]:
 
 def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s: float) -> dict[str, Any]:
     """The job's results (written to ``results.json``): metrics from ``trainer.callback_metrics``,
-    iteration time and energy from the measure callbacks' ``measure_summary.json`` (when present)."""
+    iteration time and energy from the measure callbacks' ``measure_summary.json`` (when present).
+
+    ``iteration_ms`` is :class:`~lightning_pipedap.measure.SpeedupMonitor`'s median over steady-state steps
+    (ms): ``iteration_steps`` steps from step ``iteration_from_step`` of the fit (pipedap: after its
+    ``startup_steps`` start-up steps, ``startup_s`` seconds, and 2 settling steps; ``warmup_steps`` in any case;
+    ``replan_steps`` steps of a drift re-plan left out); None with ``iteration_note``
+    saying why when the fit ended before steady state."""
     metrics = _scalar_metrics(trainer)
     measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
     name, schedule = strategy_label(cfg)
@@ -204,6 +210,14 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "val_acc": metrics.get("val/acc"),
         "val_loss": metrics.get("val/loss"),
         "iteration_ms": None if it_s is None else 1000.0 * float(it_s),
+        # which steps the median covers (SpeedupMonitor: steady state only, after the strategy's start-up)
+        "iteration_steps": measure.get("iteration_steps"),
+        "iteration_from_step": measure.get("steady_from_step"),
+        "iteration_note": measure.get("iteration_note"),
+        "warmup_steps": measure.get("warmup_steps"),
+        "startup_steps": measure.get("startup_steps"),
+        "startup_s": measure.get("startup_s"),
+        "replan_steps": measure.get("replan_steps"),
         "throughput_samples_per_s": measure.get("throughput_samples_per_s"),
         "energy_J_per_step": measure.get("energy_J_per_step"),
         "energy_J_per_sample": measure.get("energy_J_per_sample"),
@@ -228,6 +242,48 @@ def _fmt(v: Any, spec: str, unit: str = "") -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:{spec}}{unit}"
 
 
+def iteration_text(res: dict[str, Any]) -> str:
+    """The summary's iteration time: the median (ms), which steps it covers, throughput; or why there is none
+    (the fit ended before steady state)."""
+    if res.get("iteration_ms") is None:
+        if res.get("iteration_note"):
+            return f"n/a: {res['iteration_note']}; no steady-state time (train longer)"
+        return "n/a"
+    it = f"{res['iteration_ms']:.2f} ms median"
+    n, first = res.get("iteration_steps"), res.get("iteration_from_step")
+    if n is not None and res.get("startup_steps") is not None and first:
+        it += (f" of {n} steady-state steps (from step {first}, after {res['startup_steps']} start-up steps in "
+               f"{_fmt(res.get('startup_s'), '.1f', ' s')}"
+               + (f"; {res['replan_steps']} steps of a drift re-plan left out" if res.get("replan_steps") else "")
+               + ")")
+    elif n is not None:
+        it += f" of {n} steps (after {res.get('warmup_steps', '?')} warm-up steps)"
+    if res.get("throughput_samples_per_s"):
+        it += f", {res['throughput_samples_per_s']:.0f} samples/s"
+    return it
+
+
+def _ms(seconds: Optional[float]) -> str:
+    return _fmt(seconds and 1e3 * seconds, ".1f", " ms")
+
+
+def _deciding_s(c: dict[str, Any]) -> Optional[float]:
+    """A candidate's time the choice was made on (s): ``deciding_s``, else ``measured_s`` (older results)."""
+    return c.get("deciding_s", c.get("measured_s"))
+
+
+def candidates_text(cands: list[dict[str, Any]]) -> str:
+    """The measured candidates with the numbers the choice was made on (``deciding_s``; results without it:
+    ``measured_s``), the chosen one marked; after a confirmation also which rounds decided and each
+    candidate's median over all its windows (``measured_s``), which can order them differently."""
+    text = ", ".join(f"{c['name']} {_ms(_deciding_s(c))}" + (" (chosen)" if c["chosen"] else "") for c in cands)
+    confirmed = [c["name"] for c in cands if c.get("decided_in") == "confirmation"]
+    if confirmed:
+        text += (f"; decided on the confirmation rounds of {' and '.join(confirmed)} (the others on the first pass); "
+                 "median of all windows: " + ", ".join(f"{c['name']} {_ms(c.get('measured_s'))}" for c in cands))
+    return text
+
+
 def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
@@ -249,27 +305,29 @@ def format_summary(res: dict[str, Any]) -> str:
         sched += ")"
     if res.get("speedup_vs_reference") is not None:
         speed = f"{res['speedup_vs_reference']:.3f}x vs the reference run"
+        if (ran.get("installed") or {}).get("name") == "torch_ddp" and not unfinished:
+            speed += " (installed torch_ddp: DDP's reducer, not a pipedap schedule)"
     else:
         speed = "n/a in a single run: sweep `-m strategy=ddp,pipedap` for speedup vs DDP"
     energy = "n/a (callbacks.energy not enabled)"
     if res.get("energy_J_per_step") is not None:
         per_sample = _fmt(res.get("energy_J_per_sample"), ".3g")
         energy = f"{res['energy_J_per_step']:.3g} J/step, {per_sample} J/sample ({res.get('energy_kind')})"
-    it = _fmt(res.get("iteration_ms"), ".2f", " ms median")
-    if res.get("throughput_samples_per_s"):
-        it += f", {res['throughput_samples_per_s']:.0f} samples/s"
+    it = iteration_text(res)
     lines = [
         f"strategy        {res['strategy']}{sched}, {res['processes']} process(es), {res['accelerator']}",
         f"val/acc         {_fmt(res.get('val_acc'), '.4f')}   val/loss {_fmt(res.get('val_loss'), '.4f')}",
         f"iteration time  {it}",
         *([f"compression     {ran['compression_note']}"] if ran.get("compression_note") else []),
-        *([f"plan selection  {ran['plan_selection']}: the fit ended before a candidate was chosen, so the "
-           f"iteration time mixes candidates under measurement ({ran.get('ran_at_end')} ran last); train longer, or "
-           "lower plan_trials / trial_rounds"] if unfinished else []),
-        *([("candidates      " if not unfinished else "earlier choice  ")
-           + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
-                       + (" (chosen)" if c["chosen"] else "") for c in ran["candidates"])]
+        *([f"plan selection  {ran['plan_selection']}: the fit ended before a candidate was chosen ("
+           f"{ran.get('ran_at_end')} ran last)"
+           + (", so the iteration time is that of the schedule before the re-plan (the re-plan's profiling and "
+              "trial steps are left out)" if res.get("iteration_ms") is not None else "")
+           + "; train longer, or lower plan_trials / trial_rounds"] if unfinished else []),
+        *([("candidates      " if not unfinished else "earlier choice  ") + candidates_text(ran["candidates"])]
           if ran.get("candidates") else []),
+        *([f"why             {'; '.join(ran['selection_notes'])}"] if ran.get("candidates") and ran.get("selection_notes")
+          else []),
         *(["measured so far " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
                                            for c in ran["unfinished_candidates"] if c.get("measured_s") is not None)]
           if unfinished and any(c.get("measured_s") is not None for c in ran.get("unfinished_candidates") or [])
@@ -363,8 +421,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 
 def what_ran_markdown(ran: dict[str, Any]) -> str:
-    """Markdown of the strategy's ``what_ran()``: the installed schedule, the measured candidates (ms) and the
-    time to steady state."""
+    """Markdown of the strategy's ``what_ran()``: the installed schedule, the measured candidates (ms: the median
+    the choice was made on, which rounds decided, the median of all windows) and the time to steady state."""
     inst = ran.get("installed") or {}
     lines = [f"**configured** `{ran.get('schedule')}`, **installed** `{inst.get('name', 'none')}`"
              + (f", {ran['buckets']} buckets ({ran.get('compressed_buckets', 0)} compressed)"
@@ -376,10 +434,14 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                      + (f"; `{ran.get('ran_at_end')}` ran at the end (no candidate chosen; the table is the last "
                         "finished selection)" if ran.get("plan_selection_status") == "unfinished" else ""))
     if ran.get("candidates"):
-        lines += ["", "| candidate | predicted (ms) | measured (ms) | chosen |", "|---|---|---|---|"]
+        lines += ["", "| candidate | predicted (ms) | deciding (ms) | decided in | all windows (ms) | chosen |",
+                  "|---|---|---|---|---|---|"]
         lines += [f"| {c['name']} | {_fmt(c.get('predicted_s') and 1e3 * c['predicted_s'], '.2f')} | "
-                  f"{_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | {'yes' if c.get('chosen') else ''} |"
-                  for c in ran["candidates"]]
+                  f"{_fmt(_deciding_s(c) and 1e3 * _deciding_s(c), '.2f')} | "
+                  f"{c.get('decided_in') or ''} | {_fmt(c.get('measured_s') and 1e3 * c['measured_s'], '.2f')} | "
+                  f"{'yes' if c.get('chosen') else ''} |" for c in ran["candidates"]]
+        if ran.get("selection_notes"):
+            lines += ["", "why: " + "; ".join(ran["selection_notes"])]
     st = ran.get("startup") or {}
     if st:
         lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s: {describe_startup(st)}"]

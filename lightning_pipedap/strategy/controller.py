@@ -237,9 +237,15 @@ class Controller:
         sync_steps: sync steps since TRACE began.
         trial: the :class:`Trial` in progress (TRIAL only).
         trial_results: one dict per measured candidate of the last *finished* selection (name, describe,
-            predicted_s, measured_s, chosen, steps_s, plus ``predictions[name]``); kept across a re-plan
+            predicted_s, measured_s (median of all its windows, s), deciding_s (the median the choice was made
+            on, s: of the confirmation windows for the two candidates a confirmation compared, else of all
+            windows), decided_in (``"first pass"`` or ``"confirmation"``), chosen, windows_s, steps_s, plus
+            ``predictions[name]``); kept across a re-plan
             until the next selection finishes (see :meth:`plan_selection` for one left unfinished).
         selections: ``trial_results`` of every finished selection of this fit, oldest first.
+        selection_notes: why the last finished selection chose as it did, in words (:func:`choose_candidate`'s
+            notes: a confirmation's numbers, DDP's reducer kept within its margin, ties within noise, candidates
+            below the physical floor); kept with ``trial_results``.
         predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
         replans_done: re-plans triggered by drift.
         predictions: rank 0's predictions per candidate name (filled by the planner side).
@@ -269,6 +275,7 @@ class Controller:
         self.trial: Optional[Trial] = None
         self.trial_results: list[dict[str, Any]] = []
         self.selections: list[list[dict[str, Any]]] = []
+        self.selection_notes: list[str] = []
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
         #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection)
         self.how = "trace"
@@ -429,20 +436,27 @@ class Controller:
             if self._confirm(tr, names, best, measured):
                 self._next_window(tr)
                 return
+            deciding, decided_in = list(measured), ["first pass"] * len(names)
         else:
-            best, measured, notes = self._confirmed(tr, names, windows, floor)
+            best, measured, deciding, notes = self._confirmed(tr, names, windows, floor)
+            decided_in = ["confirmation" if i in tr.confirm[:2] else "first pass" for i in range(len(names))]
         self.trial = None
         self.trial_results = [
             {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
+             "deciding_s": deciding[i], "decided_in": decided_in[i],
              "chosen": i == best, "windows_s": windows[i], "steps_s": tr.gaps_s[i],
              **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
         self.selections.append(self.trial_results)
+        self.selection_notes = list(notes)
         self.how = "selected"
-        self.effects.info("pipedap: measured candidates (lower-quartile step of each window, median over rounds): "
-                          + "; ".join(
-            f"{r['name']} {r['measured_s'] * 1e3:.1f} ms "
+        confirmed = tr.confirm is not None
+        self.effects.info("pipedap: measured candidates (lower-quartile step of each window; the median the choice "
+                          "was made on" + (", confirmation rounds for the two confirmed" if confirmed else "")
+                          + "): " + "; ".join(
+            f"{r['name']} {r['deciding_s'] * 1e3:.1f} ms "
+            + (f"[{r['decided_in']}, all windows {r['measured_s'] * 1e3:.1f} ms] " if confirmed else "")
             + (f"(predicted {r['predicted_s'] * 1e3:.1f} ms)" if r["predicted_s"] is not None else "(no prediction)")
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
         for note in notes:
@@ -473,16 +487,21 @@ class Controller:
         return True
 
     def _confirmed(self, tr: Trial, names: list[str], windows: list[list[float]],
-                   floor: Optional[float]) -> tuple[int, list[float], list[str]]:
+                   floor: Optional[float]) -> tuple[int, list[float], list[float], list[str]]:
         """The choice after confirmation windows: between the first pass's winner and the preferred candidate,
-        from the confirmation windows only; medians over all windows for the results."""
+        from the confirmation windows only. Returns ``(chosen, median of all windows (s), deciding (s), notes)``:
+        ``deciding`` is the median of the confirmation windows for the two, of the first pass (their only
+        windows) for the others: the numbers the choice was made on."""
         assert tr.confirm is not None
         winner, pref, first = tr.confirm
         pair = [winner, pref]
         k, again, notes = choose_candidate([names[i] for i in pair], [windows[i][first:] for i in pair], floor)
         notes.insert(0, f"confirmation: {names[winner]} {again[0] * 1e3:.1f} ms, {names[pref]} "
                         f"{again[1] * 1e3:.1f} ms; chose {names[pair[k]]}")
-        return pair[k], [statistics.median(w) for w in windows], notes
+        measured = [statistics.median(w) for w in windows]
+        deciding = list(measured)
+        deciding[winner], deciding[pref] = again
+        return pair[k], measured, deciding, notes
 
     def _next_window(self, tr: Trial) -> None:
         nxt = tr.order[tr.window]

@@ -102,7 +102,7 @@ class RunResults:
 
     trial_results = _FromRun("trial_results", [], "Measured plan selection of the last finished selection (kept "
                              "across a re-plan the fit did not finish): one dict per candidate (name, describe, "
-                             "steps_s, predicted_s, measured_s, chosen, predictions).")
+                             "steps_s, predicted_s, measured_s, deciding_s, decided_in, chosen, predictions).")
     predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
     predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
     measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
@@ -123,7 +123,11 @@ class RunResults:
         chosen; None before one ran), ``buckets`` (None for ``torch_ddp``) and
         ``compressed_buckets`` (counts), ``compression`` (the configured method), ``compression_note``
         (why nothing is compressed when a method is configured and the plan compresses no bucket),
-        ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s, chosen),
+        ``candidates`` (one dict per measured trial candidate: name, predicted_s, measured_s (median of all its
+        windows, s), deciding_s (the median the choice was made on, s: the confirmation windows' for the two
+        candidates a confirmation compared, else measured_s), decided_in (``"first pass"`` /
+        ``"confirmation"``), windows_s, chosen), ``selection_notes`` (why that selection chose as it did, in
+        words: the controller's ``selection_notes``),
         ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
         ``cost_model_origin`` (where the α-β model came from, in words: ``"cached α-β model from <path>
         (fitted <time>)"``, ``"α-β model fitted on the live group in 2.1 s"``, ``"α-β model loaded from
@@ -152,9 +156,11 @@ class RunResults:
             "buckets": None if getattr(final, "buckets", None) is None else len(final.buckets),
             "compressed_buckets": compressed,
             "compression": method, "compression_note": note,
-            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s", "chosen")}
+            "candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "deciding_s", "decided_in",
+                                                  "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+            "selection_notes": list(rt.controller.selection_notes) if rt is not None else [],
             "replans": self.replans_done, "startup": dict(self.startup),
             "cost_model_origin": getattr(getattr(rt, "planning", None), "cost_model_origin", None),
             **self._selection_state(rt),

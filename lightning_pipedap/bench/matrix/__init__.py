@@ -54,7 +54,10 @@ communication, communication)``, is reported next to it (:func:`dependency_bound
 twice (before and after the strategies) and the bound uses the faster run.
 
 ``--quick`` runs only the headline cell (mlp, 1gbit, 2 ranks; ``ddp`` and ``pipedap-optimal``, 5 warm-up
-and 5 measured steps, one compute-only run) and prints ``speedup_vs_ddp=<x> ratio_to_bound=<y>`` last.
+and 5 measured steps, one compute-only run) and prints ``speedup_vs_ddp=<x> ratio_to_bound=<y> installed=<schedule>``
+last (:func:`~lightning_pipedap.bench.matrix.report.quick_line`), followed by ``(DDP's reducer: ...)`` when measured
+plan selection installed ``torch_ddp``: that speedup is DDP's own all-reduce, not a pipedap schedule. The tables mark
+such a speedup ``(torch_ddp: DDP's reducer)`` too.
 
 Per compressed pipedap variant, ``strategy.compression_stats()`` (per bucket, the last round) is sampled
 before every backward and at the end of training, so each round is counted once for the step that made it,
@@ -75,10 +78,11 @@ from lightning_pipedap.bench.matrix.driver import main, run_cell
 from lightning_pipedap.bench.matrix.models import BenchModule, build_net, first_layer_numel, make_module
 from lightning_pipedap.bench.matrix.report import (HIDDEN_NOTE, MD_BEGIN, MD_END, cell_label, format_cells_table,
                                                    format_compression_table, format_text_report, format_trials_table,
-                                                   format_variants_table, machine_description, render_markdown,
-                                                   replace_marked_section, write_chart)
-from lightning_pipedap.bench.matrix.results import (CellResult, CompressionSummary, VariantResult, combine,
-                                                    dependency_bound_s, hidden_share, lower_bound_s, median_step_s,
+                                                   format_variants_table, machine_description, quick_line,
+                                                   render_markdown, replace_marked_section, write_chart)
+from lightning_pipedap.bench.matrix.results import (DDP_REDUCER, CellResult, CompressionSummary, VariantResult, combine,
+                                                    dependency_bound_s, hidden_share, installed_note, lower_bound_s,
+                                                    median_step_s,
                                                     ratio_to_bound, speedup, summarize_compression)
 from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, COMPRESS_SEP, COMPRESSOR_KWARGS, DDP_HOOKS,
                                                  DEFAULT_COMPRESSORS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS, MODELS,
@@ -92,7 +96,8 @@ from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTime
                                                    comm_only, plan_record, quiet_worker)
 
 __all__ = [
-    "BASE_STRATEGIES", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_HOOKS", "DEFAULT_COMPRESSORS", "DEFAULT_PIPEDAP",
+    "BASE_STRATEGIES", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS", "DEFAULT_COMPRESSORS",
+    "DEFAULT_PIPEDAP",
     "HIDDEN_NOTE", "INLINE_SUFFIX", "LINKS", "MD_BEGIN", "MD_END", "MODELS", "NICE_SUFFIX", "PIPEDAP_PREFIX",
     "PLAN_TRIALS", "POWERSGD_ONE_BUCKET_MB", "POWERSGD_RANK", "POWERSGD_START", "PRESETS", "QUICK_DDP_WARMUP",
     "QUICK_PLAN_TRIALS", "QUICK_STRATEGIES", "QUICK_TRIAL_STEPS", "REFERENCE", "SIZES", "TRIAL_STEPS",
@@ -100,9 +105,10 @@ __all__ = [
     "VariantResult", "all_strategies", "build_net", "build_parser", "cell_label", "combine", "comm_only",
     "compressor_names", "dependency_bound_s", "extra_warmup_steps", "first_layer_numel", "format_cells_table",
     "format_compression_table", "format_text_report", "format_trials_table", "format_variants_table",
-    "hidden_share", "lower_bound_s", "machine_description", "main", "make_module", "median_step_s",
+    "hidden_share", "installed_note", "lower_bound_s", "machine_description", "main", "make_module", "median_step_s",
     "parse_args", "parse_bucket_list", "parse_choice_list", "parse_compressors", "parse_ranks",
-    "parse_strategies", "parse_strategy", "pipedap_schedules", "plan_record", "plan_trials", "quiet_worker",
+    "parse_strategies", "parse_strategy", "pipedap_schedules", "plan_record", "plan_trials", "quick_line",
+    "quiet_worker",
     "ratio_to_bound", "render_markdown", "replace_marked_section", "run_cell", "speedup", "summarize_compression",
     "uncompressed_name", "valid_strategies", "write_chart",
 ]

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help="headline cell only (mlp, 1gbit, 2 ranks: ddp vs pipedap-optimal, few steps); "
-                         "prints 'speedup_vs_ddp=<x> ratio_to_bound=<y>' last")
+                         "prints 'speedup_vs_ddp=<x> ratio_to_bound=<y> installed=<schedule>' last, marked when the "
+                         "schedule installed is torch_ddp (DDP's reducer)")
     ap.add_argument("--models", default="mlp", help=f"comma list of {', '.join(MODELS)} or 'all'")
     ap.add_argument("--links", default="1gbit,none", help=f"comma list of {', '.join(LINKS)} or 'all' ('none' = uncapped)")
     ap.add_argument("--ranks", default="2", help="comma list of rank counts (>= 2), e.g. 2,4")

@@ -13,7 +13,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from lightning_pipedap.bench.matrix.args import PROG, parse_args
-from lightning_pipedap.bench.matrix.report import (format_text_report, machine_description, render_markdown,
+from lightning_pipedap.bench.matrix.report import (format_text_report, machine_description, quick_line, render_markdown,
                                                    replace_marked_section, write_chart)
 from lightning_pipedap.bench.matrix.results import CellResult, combine
 from lightning_pipedap.bench.matrix.spec import (COMPRESS_SEP, COMPRESSOR_KWARGS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS,
@@ -138,7 +138,7 @@ def _run_matrix(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
                 _render_outputs(cells, meta, args)  # partial results survive a later failure
     if args.quick:
         c = cells[0]
-        print(f"speedup_vs_ddp={c.speedup(DEFAULT_PIPEDAP):.2f} ratio_to_bound={c.ratio(DEFAULT_PIPEDAP):.2f}")
+        print(quick_line(c, DEFAULT_PIPEDAP))
     return 0
 
 

@@ -8,7 +8,7 @@ import platform
 import subprocess
 from typing import Optional, Sequence
 
-from lightning_pipedap.bench.matrix.results import CellResult, ratio_to_bound, speedup
+from lightning_pipedap.bench.matrix.results import CellResult, installed_note, ratio_to_bound, speedup
 from lightning_pipedap.bench.matrix.spec import (PLAN_TRIALS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS,
                                                  REFERENCE, TRIAL_ROUNDS, TRIAL_STEPS, uncompressed_name)
 
@@ -22,6 +22,13 @@ def _ms(x: Optional[float], digits: int = 0) -> str:
 
 def _x(x: Optional[float]) -> str:
     return "–" if x is None else f"{x:.2f}"
+
+
+def _deciding(t: dict) -> str:
+    """A trial candidate's time the choice was made on (ms; ``deciding_s``, else ``measured_s`` for results
+    written before it existed), ``(confirmation)`` when the confirmation rounds decided."""
+    d = t.get("deciding_s", t.get("measured_s"))
+    return _ms(d, 1) + (" (confirmation)" if t.get("decided_in") == "confirmation" else "")
 
 
 def cell_label(c: CellResult) -> str:
@@ -43,7 +50,8 @@ def format_cells_table(cells: Sequence[CellResult]) -> str:
 
 
 def format_variants_table(cells: Sequence[CellResult]) -> str:
-    """Markdown table: one row per (cell, strategy) with iteration time, speedup vs ddp, ratio to bound,
+    """Markdown table: one row per (cell, strategy) with iteration time, speedup vs ddp (marked
+    ``(torch_ddp: DDP's reducer)`` when measured selection installed DDP's reducer), ratio to bound,
     estimated energy, the planner's prediction and the pipedap timeline columns."""
     rows = ["| cell | strategy | iter ms (median) | speedup vs ddp | / bound | / dep. bound | energy J/iter (estimate) "
             "| predicted ms | wait ms/iter | comm busy ms/iter | note |",
@@ -53,7 +61,8 @@ def format_variants_table(cells: Sequence[CellResult]) -> str:
         for v in c.variants:
             e = "–" if v.energy_J is None else f"{v.energy_J:.1f}"
             rd = _x(ratio_to_bound(v.iter_s, dep)) if dep else "–"
-            rows.append(f"| {cell_label(c)} | {v.name} | {_ms(v.iter_s)} | {_x(c.speedup(v.name))} | {_x(c.ratio(v.name))} "
+            rows.append(f"| {cell_label(c)} | {v.name} | {_ms(v.iter_s)} | {_x(c.speedup(v.name))}{installed_note(v)} "
+                        f"| {_x(c.ratio(v.name))} "
                         f"| {rd} | {e} | {_ms(v.predicted_s)} | {_ms(v.wait_s)} | {_ms(v.comm_busy_s)} | {v.note} |")
         for name, why in c.skipped.items():
             rows.append(f"| {cell_label(c)} | {name} | not run | | | | | | | | {why} |")
@@ -116,13 +125,30 @@ def format_text_report(c: CellResult) -> str:
         elif v.compression:
             comp = f" [{v.compression}]"
         lines.append(f"  {v.name:30s} {_ms(v.iter_s):>8s} {_x(c.speedup(v.name)):>7s} {_x(c.ratio(v.name)):>7s} "
-                     f"{_ms(v.predicted_s):>8s} {_ms(v.wait_s):>8s} {_ms(v.comm_busy_s):>8s} {e:>7s} {v.note}{comp}")
+                     f"{_ms(v.predicted_s):>8s} {_ms(v.wait_s):>8s} {_ms(v.comm_busy_s):>8s} {e:>7s} {v.note}{comp}"
+                     + (f" [vs ddp{installed_note(v)}: measured selection installed DDP's own reducer]"
+                        if v.ran_ddp_reducer else ""))
         for t in v.trials:
-            lines.append(f"      candidate {t['name']:24s} measured {_ms(t['measured_s']):>6s} ms, predicted "
-                         f"{_ms(t['predicted_s']):>6s} ms{'  <- chosen' if t['chosen'] else ''}")
+            deciding = _ms(t.get("deciding_s", t["measured_s"]), 1)
+            lines.append(f"      candidate {t['name']:24s} measured {deciding:>6s} ms, predicted "
+                         f"{_ms(t['predicted_s'], 1):>6s} ms{'  <- chosen' if t['chosen'] else ''}"
+                         + (f" (confirmation rounds; all windows {_ms(t['measured_s'], 1)} ms)"
+                            if t.get("decided_in") == "confirmation" else ""))
     for name, why in c.skipped.items():
         lines.append(f"  {name:30s} not run: {why}")
     return "\n".join(lines)
+
+
+def quick_line(c: CellResult, name: str) -> str:
+    """The last line of ``--quick``: ``speedup_vs_ddp=<x> ratio_to_bound=<y>`` of variant ``name``, then
+    ``installed=<schedule>`` for pipedap, with ``(DDP's reducer ...)`` when that is ``torch_ddp``."""
+    v = c.variant(name)
+    line = f"speedup_vs_ddp={_x(c.speedup(name))} ratio_to_bound={_x(c.ratio(name))}"
+    if v is not None and v.installed_name:
+        line += f" installed={v.installed_name}"
+        if v.ran_ddp_reducer:
+            line += " (DDP's reducer: the speedup is DDP's all-reduce against Lightning's ddp, not a pipedap schedule)"
+    return line
 
 
 def replace_marked_section(text: str, body: str) -> str:
@@ -194,10 +220,11 @@ def render_markdown(cells: Sequence[CellResult], meta: dict) -> str:
 
 
 def format_trials_table(cells: Sequence[CellResult]) -> str:
-    """Markdown table of every variant's measured plan selection: candidate, prediction, measured time,
-    prediction error, chosen; ``""`` when no variant ran trials."""
-    rows = ["| cell | strategy | candidate | predicted ms | measured ms | error | chosen |",
-            "|---|---|---|---:|---:|---:|---|"]
+    """Markdown table of every variant's measured plan selection: candidate, prediction, measured time (median
+    of all its windows), prediction error, the time the choice was made on (``deciding_s``, with
+    ``(confirmation)`` when the confirmation rounds decided), chosen; ``""`` when no variant ran trials."""
+    rows = ["| cell | strategy | candidate | predicted ms | measured ms | error | deciding ms | chosen |",
+            "|---|---|---|---:|---:|---:|---:|---|"]
     for c in cells:
         for v in c.variants:
             for t in v.trials:
@@ -205,7 +232,7 @@ def format_trials_table(cells: Sequence[CellResult]) -> str:
                 err = "–" if p is None else f"{(p / m - 1) * 100:+.1f}%"
                 d = t["describe"] if len(t["describe"]) <= 120 else t["describe"][:117] + "..."
                 rows.append(f"| {cell_label(c)} | {v.name} | `{d}` | {_ms(p)} | {_ms(m)} | {err} "
-                            f"| {'yes' if t['chosen'] else ''} |")
+                            f"| {_deciding(t)} | {'yes' if t['chosen'] else ''} |")
     return "\n".join(rows) if len(rows) > 2 else ""
 
 

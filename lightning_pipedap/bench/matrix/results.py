@@ -10,6 +10,9 @@ from typing import Any, Optional, Sequence
 
 from lightning_pipedap.bench.matrix.spec import REFERENCE
 
+#: the measured-selection candidate that hands the model to PyTorch's DDP reducer (no pipedap engine)
+DDP_REDUCER = "torch_ddp"
+
 
 @dataclass
 class VariantResult:
@@ -39,6 +42,8 @@ class VariantResult:
             ``contended_s``, ``contended_calibrated_s``).
         all_steps_ms: every start-to-start interval of the run, warm-up included, ms (rank 0), for
             looking at noise and at the warm-up phases (trace, profile, trials).
+        installed: pipedap: the name of the schedule installed at the end (``what_ran()["installed"]["name"]``:
+            ``"torch_ddp"`` when measured selection handed the model to DDP's own reducer); ``""`` otherwise.
     """
 
     name: str
@@ -58,6 +63,24 @@ class VariantResult:
     trials: list = field(default_factory=list)
     predictions: dict = field(default_factory=dict)
     all_steps_ms: list = field(default_factory=list)
+    installed: str = ""
+
+    @property
+    def installed_name(self) -> str:
+        """:attr:`installed`, or for results written without it the chosen trial candidate's name (``""``)."""
+        return self.installed or next((t["name"] for t in self.trials if t.get("chosen")), "")
+
+    @property
+    def ran_ddp_reducer(self) -> bool:
+        """Whether measured selection installed ``torch_ddp`` (DDP's reducer): the variant's speedup vs ``ddp``
+        is then DDP's own all-reduce against itself, not a pipedap schedule's."""
+        return self.installed_name == DDP_REDUCER
+
+
+def installed_note(v: VariantResult) -> str:
+    """``" (torch_ddp: DDP's reducer)"`` for a variant that ran DDP's reducer (:attr:`VariantResult.ran_ddp_reducer`),
+    else ``""``: appended to its speedup wherever one is shown."""
+    return f" ({DDP_REDUCER}: DDP's reducer)" if v.ran_ddp_reducer else ""
 
 
 @dataclass

@@ -165,9 +165,9 @@ def _ddp_with_comm_hook(name: str) -> CommHookDDPStrategy:
 def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     """What a pipedap strategy reports about its plan after a fit, one line per item, from its own
     attributes: the installed schedule, the predicted and no-overlap iteration times, the calibration of
-    the α-β model, the measured contention, the measured candidates, the re-plans and, when the fit ended
-    during plan selection, that selection and the schedule that ran at the end (items it does not have are
-    left out)."""
+    the α-β model, the measured contention, the measured candidates and why one was chosen, the re-plans
+    and, when the fit ended during plan selection, that selection and the schedule that ran at the end
+    (items it does not have are left out)."""
     lines = []
     if strategy.installed_schedule is not None:
         lines.append(f"schedule {strategy.installed_schedule}")
@@ -183,12 +183,16 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
         lines.append(f"contention: communication {c.comm_slowdown:.2f} and compute {c.compute_slowdown:.2f} "
                      "extra slowdown while they overlap")
     if strategy.trial_results:
-        lines.append("measured candidates: " + "; ".join(
-            f"{t['name']} {t['measured_s'] * 1e3:.1f} ms{' (chosen)' if t['chosen'] else ''}"
+        lines.append("measured candidates (the medians the choice was made on): " + "; ".join(
+            f"{t['name']} {t.get('deciding_s', t['measured_s']) * 1e3:.1f} ms"
+            + (f" [confirmation; all windows {t['measured_s'] * 1e3:.1f} ms]" if t.get("decided_in") == "confirmation"
+               else "") + (" (chosen)" if t["chosen"] else "")
             for t in strategy.trial_results))
     if strategy.replans_done:
         lines.append(f"re-plans: {strategy.replans_done}")
     ran = strategy.what_ran()
+    if strategy.trial_results and ran.get("selection_notes"):
+        lines.append("why: " + "; ".join(ran["selection_notes"]))
     if ran.get("plan_selection_status") == "unfinished":
         lines.append(f"plan selection {ran['plan_selection']}: {ran['ran_at_end']} ran at the end, not a chosen "
                      "candidate")
@@ -262,7 +266,8 @@ def _run_variant(spec: dict, name: str, ds: TensorDataset, world: int, bucket_mb
         return out
     plan = plan_record(strategy)
     out.update(predicted_s=strategy.predicted_iteration_s, plan=" | ".join(plan), trials=strategy.trial_results,
-               predictions=strategy.predictions)
+               predictions=strategy.predictions,
+               installed=(strategy.what_ran().get("installed") or {}).get("name") or "")
     if spec["timeline"]:
         out["wait_s"], out["comm_busy_s"] = _timeline_summary(timer.records, timer.starts[warmup], timer.starts[-1], n)
         if spec.get("timeline_dir") and int(os.environ.get("RANK", "0")) == 0:
