@@ -100,7 +100,9 @@ def test_measured_plan_selection_keeps_parity(parity_results):
     assert len(chosen) == 1
     if confirmed:  # decided between the two on the confirmation windows alone
         assert chosen[0] in confirmed
+        assert chosen[0]["deciding_s"] <= 1.10 * min(t["deciding_s"] for t in confirmed)
     else:  # the fastest, or a preferred one within the noise band (at most 10 %) of it
+        assert all(t["deciding_s"] == t["measured_s"] for t in trials)
         assert chosen[0]["measured_s"] <= 1.10 * min(t["measured_s"] for t in trials)
     assert res["installed"] == chosen[0]["describe"]  # every rank ends on the chosen candidate
 
