@@ -122,15 +122,21 @@ def test_resume_at_an_epoch_boundary_matches_ddp(parity_results):
 def test_torch_ddp_candidate_trains_exactly_as_ddp(parity_results):
     """When measured selection chooses DDP's reducer (forced here), the rest of the fit runs under it: the
     models equal DDP's, with accumulation, clipping, BatchNorm buffers, frozen and sometimes-unused
-    parameters (``find_unused_parameters`` is set from what the sync steps saw) and validation."""
+    parameters (``find_unused_parameters`` always: a parameter used only before step 12, ``unused_late``,
+    stopped the fit with DDP's "Expected to have finished reduction" when it was set from what the sync steps
+    saw) and validation. Under accumulation the candidate is left out (a switch falls inside the window, and
+    DDP's reducer would not see a parameter used only in the earlier micro-batches: ``unused_accumulate2`` was
+    0.0117 off DDP with it) and pipedap's own schedule keeps parity."""
     res = parity_results["torch_ddp_forced"]
     assert "error" not in res, res.get("error")
     for name, r in res.items():
         assert r["diff"] <= TOL, (name, r)
-        if name not in ("manual_optimization", "manual_two_optimizers"):  # (their plans stay in the warm-up here)
+        if name in ("accumulate2", "unused_accumulate2"):  # (not trialled under accumulation: switches fall
+            assert not r["installed"].startswith("torch_ddp"), (name, r)  # inside the window)
+        elif name not in ("manual_optimization", "manual_two_optimizers"):  # (their plans stay in the warm-up here)
             assert r["installed"].startswith("torch_ddp"), (name, r)
-    assert "find_unused_parameters" in res["unused_some_steps"]["installed"]
+    assert all("find_unused_parameters" in r["installed"] for r in res.values() if (r["installed"] or "").startswith("torch"))
     for name, r in res.items():  # (the strategy's gradient_as_bucket_view reaches DDP's reducer)
         assert ("gradient_as_bucket_view" in (r["installed"] or "")) == name.endswith("_view"), (name, r)
-    assert {"accumulate2_view", "unused_some_steps_view"} <= set(res)
-    assert "find_unused_parameters" not in res["batchnorm"]["installed"]
+    assert {"clip_norm_view", "unused_some_steps_view"} <= set(res)
+    assert {"unused_accumulate2", "unused_late"} <= set(res)

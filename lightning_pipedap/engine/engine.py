@@ -333,6 +333,11 @@ class CommEngine:
         parameter used in any micro-batch of the window and reduces its accumulated gradient)."""
         self._local.add(param_index)
 
+    def local_gradients(self) -> list[int]:
+        """The parameters (engine indices) recorded by :meth:`local_gradient` since the last communicating
+        backward: those an accumulation window has used so far, for an engine that replaces this one mid-window."""
+        return sorted(self._local)
+
     def finish_backward(self) -> None:
         """Mark every incomplete bucket ready. A parameter that got no gradient in this backward but one in a
         micro-batch before it (:meth:`local_gradient`) contributes its accumulated ``.grad``; the others

@@ -30,6 +30,7 @@ class RunEffects:
 
     def __init__(self, rt: "Runtime") -> None:
         self.rt = rt
+        self._said_accumulate = False  # (the torch_ddp candidate left out under accumulation: said once a fit)
 
     def info(self, message: str) -> None:
         """Log on rank 0."""
@@ -79,13 +80,24 @@ class RunEffects:
         rt.controller.predictions = rt.planning.predictions
         cfg = rt.config
         checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
+        # a candidate switch happens in the optimizer step, after the earlier micro-batches of an accumulation
+        # window ran under the previous reducer: DDP's reducer would not know which parameters they used
+        accumulate = getattr(getattr(rt.module, "_trainer", None), "accumulate_grad_batches", 1)
+        if rt.handover is not None and cfg.torch_ddp_candidate and accumulate > 1 and not self._said_accumulate:
+            self._said_accumulate = True
+            rt.info(f"pipedap: the torch_ddp candidate is not trialled with accumulate_grad_batches={accumulate}: "
+                    "candidates switch inside an accumulation window, and DDP's reducer would not see which "
+                    "parameters the earlier micro-batches used")
         if rt.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
-                and cfg.wire_dtype == "fp32" and not checks:  # (DDP's reducer sends fp32)
+                and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
-            unused = rt.saw_unused or any(o is None for o in rt.owners)
+            # find_unused_parameters always: which parameters get a gradient may change after these steps
+            # (a branch on global_step, a parameter used only in some micro-batches of an accumulation
+            # window), and DDP's reducer without it then stops the fit with "Expected to have finished
+            # reduction in the prior iteration"; pipedap's own paths need no flag for that
             schedules = [*schedules, TorchDDPCandidate(
-                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
+                cfg.bucket_cap_mb, True, None if same is None else schedules[same].predicted_iteration_s,
                 gradient_as_bucket_view=cfg.gradient_as_bucket_view)]
             no_overlap = [*no_overlap, no_overlap[same] if same is not None else max(no_overlap)]
         return schedules, no_overlap

@@ -30,8 +30,9 @@ class TorchDDPCandidate:
 
     Attributes:
         bucket_cap_mb: DDP's bucket size (MiB), the strategy's ``bucket_cap_mb``.
-        find_unused_parameters: set when a step so far left a trainable parameter without a gradient
-            (DDP then traverses the graph every step, as ``DDPStrategy(find_unused_parameters=True)``).
+        find_unused_parameters: DDP's option of that name (DDP then traverses the graph every step, as
+            ``DDPStrategy(find_unused_parameters=True)``); the strategy always sets it, since which parameters
+            get a gradient can change after the steps the trials see.
         predicted_iteration_s: the α-β prediction of the same WFBP schedule (s), None when unknown.
         gradient_as_bucket_view: DDP's option of that name, the strategy's ``gradient_as_bucket_view``
             (``.grad`` as views into DDP's buckets, so the reducer keeps no second copy either).

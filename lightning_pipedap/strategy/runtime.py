@@ -144,7 +144,6 @@ class Runtime:
         self.params = self.tset.collect()
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
-        self.saw_unused = False  # a sync step so far left a trainable parameter without a gradient
         self.hooks = ModelHooks(module)
         #: DDP's reducer for the rest of the fit, when the ``torch_ddp`` candidate runs
         #: (``set_model`` is given by the strategy: :meth:`enable_handover`)
@@ -242,6 +241,9 @@ class Runtime:
         ``final``: the schedule training runs with (compression, if configured, starts here; warm-up and
         profiling steps communicate uncompressed).
         """
+        # parameters that earlier micro-batches of this accumulation window used: the new engine reduces them
+        # too (a candidate switch comes in the optimizer step, after those micro-batches)
+        used_so_far = [self._engine_params[k] for k in self.engine.local_gradients()] if self.engine is not None else []
         self.close_engine()
         params = [self.params[i] for i in order]
         self._index_of = {id(p): k for k, p in enumerate(params)}
@@ -253,6 +255,10 @@ class Runtime:
             names = ", ".join(self.name_of(p) for p in self.engine.buckets[b].params[:3])
             self.say(f"view:{reason}", f"pipedap: gradient_as_bucket_view: bucket {b} ({names}, ...) keeps the copy "
                      f"path: {reason}")
+        for p in used_so_far:
+            k = self._index_of.get(id(p))
+            if k is not None:
+                self.engine.local_gradient(k)
         self.engine.timeline_enabled = self.timeline()
         self.engine.context = self.describe_step
         self.engine.peers = self.heartbeat.describe if self.heartbeat is not None else None
@@ -476,7 +482,6 @@ class Runtime:
         with torch.no_grad():
             for b in range(engine.num_buckets):
                 used = engine.used_flags(b)
-                self.saw_unused = self.saw_unused or not all(used)
                 write_back_grads(engine.wait_done(b), used)
         # (the reduced buckets are identical on every rank: every rank finds the same)
         self.nonfinite.verdict = self.nonfinite.scan(engine.buckets) if self.nonfinite.active else None
