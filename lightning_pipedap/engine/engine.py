@@ -133,12 +133,13 @@ class CommEngine:
         self.view_refusals: dict[int, str] = {}
         if bucket_view:
             for b in self.buckets:
-                reason = view_refusal(b, compressed=self._transports[b.index] is self.transport is not None,
+                reason = view_refusal(b, compressed=self.transport is not None and schedule.is_compressed(b.index),
                                       wire16=schedule.is_wire16(b.index))
                 if reason is None:
                     b.as_view = True
                 else:
                     self.view_refusals[b.index] = reason
+        self._view_buckets = [b for b in self.buckets if b.as_view]  # (attach_views runs before every backward)
         #: gradients copied into a bucket by :meth:`grad_ready` or :meth:`attach_views` (on the view path only
         #: a ``.grad`` that is not the view yet is copied, once)
         self.copies = 0
@@ -305,7 +306,7 @@ class CommEngine:
         Raises:
             EngineError: if the previous round does not finish within the timeout, or the worker failed.
         """
-        views = [b for b in self.buckets if b.as_view]
+        views = self._view_buckets
         if not views:
             return
         if not self._idle.is_set():
