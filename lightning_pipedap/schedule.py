@@ -10,6 +10,14 @@ Buckets are numbered in *forward order*: bucket 0 holds the parameters used firs
 pass, so its gradients are ready last in backward (WFBP order is ``B-1, ..., 0``). Parameters are
 named by their index in the model's ordered list of trainable parameters (``param_index``).
 
+**Tensor partitioning** (ByteScheduler, SOSP 2019; PipeDAP TETC 2025 §IV-C). A bucket holds *units*.
+Without ``Schedule.pieces`` unit ``u`` is parameter ``u``, whole. With it, unit ``u`` is the element
+range ``[start, stop)`` of one parameter, flattened: ``pieces[u] = (param, start, stop)``, so one large
+parameter can be split over several buckets (on element boundaries) and its communication pipelined
+with its neighbours'. A split parameter's gradient is complete for every piece at once (backward
+produces it whole); its optimizer update runs once, when the last of its buckets (in forward order)
+is applied, from the reduced pieces of all of them.
+
 Execution semantics (what the engine guarantees, DeAR ICDCS 2023 §III, PipeDAP TETC 2025 §IV):
 
 * ops run one at a time, in list order, identically on every rank;
@@ -40,7 +48,7 @@ from typing import Any, Mapping, Sequence
 #: ``format`` tag of :meth:`Schedule.to_dict`
 SCHEDULE_FORMAT = "lightning_pipedap.schedule"
 SCHEDULE_VERSION = 1
-_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s", "wire16")
+_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s", "wire16", "pieces")
 
 
 class OpKind(str, enum.Enum):
@@ -72,8 +80,8 @@ class Schedule:
     """Tensor fusion plus ordered op list for one iteration.
 
     Attributes:
-        buckets: ``buckets[b]`` is the tuple of parameter indices fused into bucket ``b``;
-            buckets are listed in forward order and partition the trainable parameters.
+        buckets: ``buckets[b]`` is the tuple of unit indices fused into bucket ``b`` (a unit is a parameter
+            index when ``pieces`` is None); buckets are listed in forward order and partition the units.
         ops: the ordered op list executed by the communication worker of every rank.
         name: the planner that produced it (``"allreduce"``, ``"dear"``, ...), for logs.
         predicted_iteration_s: the planner's predicted steady-state iteration time in seconds,
@@ -84,6 +92,10 @@ class Schedule:
         wire16: ``wire16[b]`` is True when bucket ``b``'s dense ops use the 16-bit wire format
             (``wire_dtype`` of the strategy), or ``None``: every bucket travels in its own dtype. A
             bucket is never both compressed and ``wire16``.
+        pieces: ``pieces[u] = (param, start, stop)``: unit ``u`` is elements ``[start, stop)`` of parameter
+            ``param`` flattened (a whole parameter is ``(param, 0, numel)``); or ``None``: unit ``u`` is
+            parameter ``u``. A parameter's pieces are consecutive, non-overlapping ranges from 0 to its numel,
+            listed in element order. A compressed bucket holds no piece of a split parameter.
 
     Raises:
         ValueError: from :meth:`validate` when the op list is not executable.
@@ -95,6 +107,27 @@ class Schedule:
     predicted_iteration_s: float | None = None
     compressed: tuple[bool, ...] | None = None
     wire16: tuple[bool, ...] | None = None
+    pieces: tuple[tuple[int, int, int], ...] | None = None
+
+    @property
+    def num_units(self) -> int:
+        """Number of units the buckets partition (``len(pieces)``, or the number of parameters named)."""
+        if self.pieces is not None:
+            return len(self.pieces)
+        return sum(len(b) for b in self.buckets)
+
+    def unit_param(self, u: int) -> int:
+        """The parameter index of unit ``u``."""
+        return u if self.pieces is None else self.pieces[u][0]
+
+    def split_params(self) -> dict[int, tuple[int, ...]]:
+        """``{param: (unit, ...)}`` for every parameter split into more than one piece (element order)."""
+        if self.pieces is None:
+            return {}
+        units: dict[int, list[int]] = {}
+        for u, (p, _, _) in enumerate(self.pieces):
+            units.setdefault(p, []).append(u)
+        return {p: tuple(us) for p, us in units.items() if len(us) > 1}
 
     def is_wire16(self, b: int) -> bool:
         """Whether bucket ``b`` travels in the 16-bit wire format (False for every bucket when ``wire16`` is None)."""
@@ -114,16 +147,21 @@ class Schedule:
         """Number of compressed buckets."""
         return 0 if self.compressed is None else sum(1 for c in self.compressed if c)
 
-    def validate(self, num_params: int | None = None) -> "Schedule":
+    def validate(self, num_params: int | None = None, numels: Sequence[int] | None = None) -> "Schedule":
         """Check that the schedule is executable; return ``self``.
 
-        Checks: buckets are non-empty and partition ``range(num_params)`` (when given); every
-        bucket is reduced exactly once, either by one ``AR`` or by one ``RS`` followed later
-        by one ``AG``; ``compressed``, when given, holds one bool per bucket.
+        Checks: buckets are non-empty and partition the units (``range(num_params)`` when ``pieces`` is None
+        and ``num_params`` is given); ``pieces``, when given, cover each of ``range(num_params)`` with
+        consecutive ranges from 0 (to ``numels[p]`` elements when ``numels`` is given) and no compressed
+        bucket holds a piece of a split parameter; every bucket is reduced exactly once, either by one ``AR``
+        or by one ``RS`` followed later by one ``AG``; ``compressed``, when given, holds one bool per bucket.
 
         Raises:
-            ValueError: naming the first offending bucket or op.
+            ValueError: naming the first offending bucket, piece or op.
         """
+        if self.pieces is not None:
+            self._validate_pieces(num_params, numels)
+            num_params = len(self.pieces)
         seen: set[int] = set()
         for b, params in enumerate(self.buckets):
             if not params:
@@ -135,8 +173,9 @@ class Schedule:
         if num_params is not None and seen != set(range(num_params)):
             missing = sorted(set(range(num_params)) - seen)
             extra = sorted(seen - set(range(num_params)))
+            what = "units (pieces)" if self.pieces is not None else "trainable parameters"
             raise ValueError(
-                f"buckets must partition the {num_params} trainable parameters; "
+                f"buckets must partition the {num_params} {what}; "
                 f"missing {missing[:10]}, out of range {extra[:10]}"
             )
         for key, flags, none in (("compressed", self.compressed, "nothing compressed"),
@@ -153,6 +192,12 @@ class Schedule:
         if both:
             raise ValueError(f"buckets {both[:10]} are flagged both compressed and wire16; a compressed bucket "
                              "sends its compressor's payload, so flag it one or the other")
+        if self.pieces is not None and self.compressed is not None:
+            split = {u for us in self.split_params().values() for u in us}
+            bad = [b for b, bk in enumerate(self.buckets) if self.is_compressed(b) and split.intersection(bk)]
+            if bad:
+                raise ValueError(f"compressed buckets {bad[:10]} hold pieces of a split parameter; a compressor "
+                                 "works on whole parameters, so keep split parameters in uncompressed buckets")
         state: dict[int, str] = {}
         for op in self.ops:
             if not 0 <= op.bucket < len(self.buckets):
@@ -171,13 +216,45 @@ class Schedule:
             raise ValueError(f"buckets {unfinished} are never fully reduced (need AR, or RS then AG)")
         return self
 
+    def _validate_pieces(self, num_params: int | None, numels: Sequence[int] | None) -> None:
+        pieces = self.pieces or ()
+        by_param: dict[int, list[tuple[int, int, int]]] = {}
+        for u, piece in enumerate(pieces):
+            if not (isinstance(piece, tuple) and len(piece) == 3 and all(_is_int(v) for v in piece)):
+                raise ValueError(f"pieces[{u}] must be a (param, start, stop) triple of ints, got {piece!r}")
+            p, start, stop = piece
+            if p < 0 or not 0 <= start < stop:
+                raise ValueError(f"pieces[{u}] = {piece}: need param >= 0 and 0 <= start < stop")
+            by_param.setdefault(p, []).append((start, stop, u))
+        if num_params is None:
+            num_params = len(numels) if numels is not None else (max(by_param) + 1 if by_param else 0)
+        if numels is not None and len(numels) != num_params:
+            raise ValueError(f"numels has {len(numels)} entries for {num_params} parameters")
+        missing = sorted(set(range(num_params)) - set(by_param))
+        extra = sorted(set(by_param) - set(range(num_params)))
+        if missing or extra:
+            raise ValueError(f"pieces must cover the {num_params} trainable parameters; "
+                             f"missing {missing[:10]}, out of range {extra[:10]}")
+        for p, ranges in by_param.items():
+            if [u for _, _, u in ranges] != sorted(u for _, _, u in ranges) or sorted(ranges) != ranges:
+                raise ValueError(f"the pieces of parameter {p} must be listed in element order")
+            end = 0
+            for start, stop, u in ranges:
+                if start != end:
+                    raise ValueError(f"pieces[{u}] of parameter {p} starts at element {start}; the previous piece "
+                                     f"ends at {end} (pieces are consecutive, non-overlapping ranges from 0)")
+                end = stop
+            if numels is not None and end != numels[p]:
+                raise ValueError(f"the pieces of parameter {p} end at element {end}; it has {numels[p]} elements")
+
     def to_dict(self) -> dict[str, Any]:
         """The schedule as plain JSON-able data (format ``lightning_pipedap.schedule`` version 1).
 
         Keys: ``format``, ``version``, ``name``; ``buckets`` (a list of index lists); ``ops`` (a list
         of ``[kind, bucket]`` pairs, kind ``"RS"``, ``"AG"`` or ``"AR"``); ``compressed`` (a list of
         bools, or ``None``); ``predicted_iteration_s`` (seconds, or ``None``); ``wire16`` (a list of
-        bools, or ``None``; left out by readers older than it, which then send every bucket in fp32).
+        bools, or ``None``; left out by readers older than it, which then send every bucket in fp32);
+        ``pieces`` (a list of ``[param, start, stop]`` triples, or ``None``: buckets name whole parameters).
         """
         return {
             "format": SCHEDULE_FORMAT, "version": SCHEDULE_VERSION, "name": self.name,
@@ -185,6 +262,7 @@ class Schedule:
             "compressed": None if self.compressed is None else list(self.compressed),
             "predicted_iteration_s": self.predicted_iteration_s,
             "wire16": None if self.wire16 is None else list(self.wire16),
+            "pieces": None if self.pieces is None else [list(pc) for pc in self.pieces],
         }
 
     @classmethod
@@ -218,16 +296,19 @@ class Schedule:
             predicted_iteration_s=_prediction_from(data.get("predicted_iteration_s")),
             compressed=_flags_from(data.get("compressed")),
             wire16=_flags_from(data.get("wire16"), "wire16"),
+            pieces=_pieces_from(data.get("pieces")),
         ).validate()
 
     def describe(self) -> str:
         """One line: name, bucket count and the op list, e.g. ``dear: 3 buckets: RS2 RS1 RS0 AG0 AG1 AG2``.
 
         Ops on compressed buckets carry a ``C`` prefix, ops on 16-bit wire buckets an ``H`` prefix, and
-        the counts follow the bucket count, e.g. ``optimal: 3 buckets (2 compressed): CAR2 CAR1 AR0``.
+        the counts follow the bucket count, e.g. ``optimal: 3 buckets (2 compressed): CAR2 CAR1 AR0``
+        (split parameters: ``(4 pieces of 2 split parameters)``).
         """
-        n, h = self.num_compressed, self.num_wire16
+        n, h, sp = self.num_compressed, self.num_wire16, self.split_params()
         counts = [f"{n} compressed"] * bool(n) + [f"{h} wire16"] * bool(h)
+        counts += [f"{sum(len(us) for us in sp.values())} pieces of {len(sp)} split parameters"] * bool(sp)
         head = f"{self.name}: {len(self.buckets)} buckets" + (f" ({', '.join(counts)})" if counts else "")
         return head + ": " + " ".join(("C" if self.is_compressed(o.bucket) else "H" if self.is_wire16(o.bucket) else "")
                                       + str(o) for o in self.ops)
@@ -257,6 +338,17 @@ def _ops_from(value: Any) -> tuple[Op, ...]:
                              f"got {op!r}")
         ops.append(Op(OpKind(op[0]), op[1]))
     return tuple(ops)
+
+
+def _pieces_from(value: Any) -> tuple[tuple[int, int, int], ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"pieces must be a list of [param, start, stop] triples or null, got {value!r}")
+    for u, pc in enumerate(value):
+        if not (isinstance(pc, (list, tuple)) and len(pc) == 3 and all(_is_int(v) for v in pc)):
+            raise ValueError(f"pieces[{u}] must be a [param, start, stop] triple of ints, got {pc!r}")
+    return tuple(tuple(pc) for pc in value)
 
 
 def _name_from(value: Any) -> str:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lightning_pipedap.plan import CostModel
-from lightning_pipedap.schedule import SCHEDULE_FORMAT, Op, OpKind, Schedule, builtin_schedule
+from lightning_pipedap.schedule import SCHEDULE_FORMAT, Op, OpKind, Schedule, allreduce_ops, builtin_schedule, dear_ops
 from lightning_pipedap.strategy.resume import PLAN_VERSION, plan_mismatch, plan_schedule, plan_state
 
 RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE
@@ -38,7 +38,7 @@ def test_to_dict_is_plain_data():
     assert PLANNED.to_dict() == {
         "format": SCHEDULE_FORMAT, "version": 1, "name": "optimal", "buckets": [[0, 1], [2], [3, 4]],
         "ops": [["RS", 2], ["AR", 1], ["RS", 0], ["AG", 0], ["AG", 2]], "compressed": [False, True, False],
-        "predicted_iteration_s": 0.012345678901234567, "wire16": None}
+        "predicted_iteration_s": 0.012345678901234567, "wire16": None, "pieces": None}
 
 
 def test_optional_keys_take_their_defaults():
@@ -114,3 +114,43 @@ def test_plan_schedule_without_a_schedule_names_the_missing_key():
     plan["final_schedule"]["ops"] = plan["final_schedule"]["ops"][:-1]  # AG2 missing
     with pytest.raises(ValueError, match=r"buckets \[2\] are never fully reduced"):
         plan_schedule(plan)
+
+
+# ---------------------------------------------------------------- tensor partitioning (pieces)
+_PIECES = ((0, 0, 10), (1, 0, 5), (1, 5, 9), (2, 0, 3))
+
+
+def test_pieces_round_trip_and_accessors():
+    s = Schedule(buckets=((0, 1), (2, 3)), ops=dear_ops(2), pieces=_PIECES).validate(3, [10, 9, 3])
+    assert Schedule.from_dict(s.to_dict()) == s
+    assert s.to_dict()["pieces"] == [[0, 0, 10], [1, 0, 5], [1, 5, 9], [2, 0, 3]]
+    assert s.split_params() == {1: (1, 2)}
+    assert s.num_units == 4 and [s.unit_param(u) for u in range(4)] == [0, 1, 1, 2]
+    assert "(2 pieces of 1 split parameters)" in s.describe()
+
+
+@pytest.mark.parametrize("pieces, numels, message", [
+    (((0, 0, 10), (1, 0, 5), (1, 6, 9), (2, 0, 3)), None, "starts at element 6; the previous piece ends at 5"),
+    (((0, 0, 10), (1, 5, 9), (1, 0, 5), (2, 0, 3)), None, "must be listed in element order"),
+    (_PIECES, [10, 10, 3], "end at element 9; it has 10 elements"),
+    (((0, 0, 10), (1, 0, 5), (1, 5, 9), (3, 0, 3)), None, "missing [2], out of range [3]"),
+    (((0, 0, 10), (1, 0, 5), (1, 5, 5), (2, 0, 3)), None, "0 <= start < stop"),
+])
+def test_bad_pieces_are_named(pieces, numels, message):
+    with pytest.raises(ValueError) as e:
+        Schedule(buckets=((0, 1), (2, 3)), ops=dear_ops(2), pieces=pieces).validate(3, numels)
+    assert message in str(e.value)
+
+
+def test_a_compressed_bucket_cannot_hold_a_piece():
+    with pytest.raises(ValueError, match=r"compressed buckets \[0\] hold pieces of a split parameter"):
+        Schedule(buckets=((0, 1), (2, 3)), ops=allreduce_ops(2), pieces=_PIECES, compressed=(True, False)).validate(3)
+    # a compressed bucket of whole parameters is fine next to split ones
+    Schedule(buckets=((0,), (1, 2, 3)), ops=allreduce_ops(2), pieces=_PIECES, compressed=(True, False)).validate(3)
+
+
+def test_pieces_from_dict_rejects_malformed_triples():
+    d = Schedule(buckets=((0, 1), (2, 3)), ops=dear_ops(2), pieces=_PIECES).to_dict()
+    d["pieces"][1] = [1, 0]
+    with pytest.raises(ValueError, match=r"pieces\[1\] must be a \[param, start, stop\] triple"):
+        Schedule.from_dict(d)
