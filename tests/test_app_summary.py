@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_pipedap.app.sweep import write_summary
-from lightning_pipedap.app.train import format_summary, what_ran_markdown
+from lightning_pipedap.app.train import format_summary, startup_cost_s, what_ran_markdown
 from lightning_pipedap.strategy import PipeDAPStrategy
 from lightning_pipedap.strategy.controller import Phase
 from tests.test_strategy_controller import Clock, FakeEffects, Sched, _trial
@@ -125,9 +125,12 @@ def test_the_summary_says_which_steps_the_iteration_time_covers():
     ran = {"installed": {"name": "optimal"}, "buckets": 4, "plan_selection": "finished (4 of 4 candidates measured)",
            "plan_selection_status": "finished"}
     text = format_summary(_res(ran, iteration_ms=9.6, iteration_steps=37, iteration_from_step=147, startup_steps=145,
-                               startup_s=2.04, warmup_steps=5))
+                               startup_s=2.04, warmup_steps=5, startup_cost_s=startup_cost_s(2.04, 145, 0.0096)))
+    # 2.04 s - 145 x 9.6 ms = 0.648 s over steady state; 0.648 / 300 s = 0.2%
     assert ("iteration time  9.60 ms median of 37 steady-state steps (from step 147, after 145 start-up steps in "
-            "2.0 s)") in text
+            "2.0 s, +0.6 s over steady state = 0.2% of a 5-minute run)") in text
+    assert startup_cost_s(2.04, 145, 0.0096) == pytest.approx(0.648)
+    assert startup_cost_s(None, 145, 0.0096) is None
     replanned = format_summary(_res(ran, iteration_ms=9.6, iteration_steps=37, iteration_from_step=147,
                                     startup_steps=145, startup_s=2.04, warmup_steps=5, replan_steps=40))
     assert "(from step 147, after 145 start-up steps in 2.0 s; 40 steps of a drift re-plan left out)" in replanned
