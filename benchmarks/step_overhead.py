@@ -145,6 +145,7 @@ def _job(args: argparse.Namespace) -> None:
         import pstats
 
         prof.disable()
+        prof.dump_stats(args.profile + ".pstats")  # (raw stats, for pstats or snakeviz)
         s = io.StringIO()
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("cumulative").print_stats("lightning_pipedap", 40)

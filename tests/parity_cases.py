@@ -426,7 +426,7 @@ TORCH_DDP_CASES = ("accumulate2", "clip_norm", "batchnorm", "frozen", "unused_so
 
 
 #: ... and with ``gradient_as_bucket_view=True`` (DDP's reducer then gets the option too)
-TORCH_DDP_VIEW_CASES = ("clip_norm", "unused_some_steps")
+TORCH_DDP_VIEW_CASES = ("clip_norm", "unused_some_steps", "unused_late")
 
 
 def run_torch_ddp_case() -> dict[str, Any]:
@@ -442,8 +442,19 @@ def run_torch_ddp_case() -> dict[str, Any]:
             return best, medians, notes
         return list(names).index("torch_ddp"), medians, notes
 
+    import logging  # noqa: PLC0415
+
+    class Said(logging.Handler):  # (pipedap's messages of one fit)
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
     out: dict[str, Any] = {}
     ctl.choose_candidate = forced
+    log = logging.getLogger("lightning_pipedap")
     try:
         runs = [(name, {}) for name in TORCH_DDP_CASES] + [(name, _VIEW) for name in TORCH_DDP_VIEW_CASES]
         for name, options in runs:
@@ -452,8 +463,15 @@ def run_torch_ddp_case() -> dict[str, Any]:
                         "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp")
             st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1,
                                  trial_window_s=0, **options)
-            res = train(model_name, model_kw, trainer_kw, st)
-            out[name + ("_view" if options else "")] = {"diff": max_diff(res, ref), "installed": st.installed_schedule}
+            said = Said()
+            log.addHandler(said)
+            try:
+                res = train(model_name, model_kw, trainer_kw, st)
+            finally:
+                log.removeHandler(said)
+            out[name + ("_view" if options else "")] = {
+                "diff": max_diff(res, ref), "installed": st.installed_schedule,
+                "stalled": [m for m in said.lines if "got no gradient" in m and "DDP's reducer" in m]}
     finally:
         ctl.choose_candidate = real
     return out

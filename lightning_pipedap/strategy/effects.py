@@ -92,12 +92,12 @@ class RunEffects:
                 and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
-            # find_unused_parameters always: which parameters get a gradient may change after these steps
-            # (a branch on global_step, a parameter used only in some micro-batches of an accumulation
-            # window), and DDP's reducer without it then stops the fit with "Expected to have finished
-            # reduction in the prior iteration"; pipedap's own paths need no flag for that
+            # find_unused_parameters (one more collective per step) only when a profiled step left a parameter
+            # without a gradient on some rank (identical on every rank: read from the reduced used-flags); a
+            # parameter that stops getting one later is handled by the handover (finish_stalled)
+            unused = rt.saw_unused or any(o is None for o in rt.owners)
             schedules = [*schedules, TorchDDPCandidate(
-                cfg.bucket_cap_mb, True, None if same is None else schedules[same].predicted_iteration_s,
+                cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
                 gradient_as_bucket_view=cfg.gradient_as_bucket_view)]
             no_overlap = [*no_overlap, no_overlap[same] if same is not None else max(no_overlap)]
         return schedules, no_overlap

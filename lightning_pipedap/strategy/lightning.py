@@ -285,6 +285,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self._rt is not None and self._rt.handed_over:
             super().pre_backward(closure_loss)
+            self._rt.handover.before_backward()  # type: ignore[union-attr]
         elif self._rt is not None:
             self._rt.before_backward()
 
@@ -309,6 +310,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if self._rt is not None and not self._rt.handed_over:
             self._rt.finish_backward()
             self._rt.nonfinite.raise_if_bad()  # (nonfinite="raise": every rank, the same step)
+        elif self._rt is not None:
+            self._rt.after_ddp_backward()  # (a stalled DDP reduction is finished before on_after_backward)
         closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
         self.post_backward(closure_loss)
         return closure_loss

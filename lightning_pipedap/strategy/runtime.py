@@ -144,6 +144,10 @@ class Runtime:
         self.params = self.tset.collect()
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
+        #: a trace or profiling step left a trainable parameter without a gradient on some rank (the reduced
+        #: used-flags count the ranks: identical on every rank); the ``torch_ddp`` candidate then gets
+        #: ``find_unused_parameters``
+        self.saw_unused = False
         self.hooks = ModelHooks(module)
         #: DDP's reducer for the rest of the fit, when the ``torch_ddp`` candidate runs
         #: (``set_model`` is given by the strategy: :meth:`enable_handover`)
@@ -187,6 +191,24 @@ class Runtime:
     def handed_over(self) -> bool:
         """Whether DDP's reducer synchronises the gradients now (the ``torch_ddp`` candidate)."""
         return self.handover is not None and self.handover.active
+
+    def after_ddp_backward(self) -> None:
+        """After a backward under DDP's reducer: when its reduction stalled (a parameter got no gradient and the
+        ``torch_ddp`` candidate runs without ``find_unused_parameters``), finish it as DDP with that option would
+        and continue with it (:meth:`TorchDDPHandover.finish_stalled`), before the optimizer step reads ``.grad``."""
+        h = self.handover
+        if h is None or not h.stalled():
+            return
+        unused = h.finish_stalled(self.comm)
+        assert h.candidate is not None
+        self.installed_schedule = h.candidate.describe()
+        names = ", ".join(self.name_of(p) for p in unused[:5]) + (", ..." if len(unused) > 5 else "")
+        trainer = getattr(self.module, "_trainer", None)
+        step = f"global step {trainer.global_step}" if trainer is not None else "a step"
+        self.say("ddp-stalled", f"pipedap: {'parameter(s) ' + names if unused else 'a parameter'} got no gradient in "
+                 f"{step} under DDP's reducer, which ran without find_unused_parameters (every "
+                 "parameter had one in the profiled steps); pipedap averaged this step's gradients as DDP with "
+                 "find_unused_parameters=True does, and DDP's reducer continues with that option")
 
     def trainable_signature(self) -> int:
         return self.tset.key(self.optimizers())
@@ -480,9 +502,13 @@ class Runtime:
         if self.timeline():
             self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
         with torch.no_grad():
+            profiling = self.controller.phase in (Phase.TRACE, Phase.PROFILE)
             for b in range(engine.num_buckets):
                 used = engine.used_flags(b)
-                write_back_grads(engine.wait_done(b), used)
+                bucket = engine.wait_done(b)
+                if profiling and not self.saw_unused:
+                    self.saw_unused = bool((bucket.flags < self.comm.world_size - 0.5).any())
+                write_back_grads(bucket, used)
         # (the reduced buckets are identical on every rank: every rank finds the same)
         self.nonfinite.verdict = self.nonfinite.scan(engine.buckets) if self.nonfinite.active else None
         self.sync_device()
