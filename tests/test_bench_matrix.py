@@ -537,3 +537,16 @@ def test_wire_suffix_selects_wire_dtype_and_its_uncompressed_counterpart():
     for bad in ("pipedap-optimal@fp16@fp16", "pipedap-optimal@fp8"):
         with pytest.raises(ValueError, match=r"valid: @nice<N> with N in 1\.\.19, @fp16, @bf16"):
             M.parse_strategy(bad)
+
+
+def test_part_suffix_selects_partition_mb_and_rejects_bad_values():
+    sp = M.parse_strategy("pipedap-optimal@part1")
+    assert (sp.family, sp.schedule, sp.partition_mb, sp.nice, sp.wire) == ("pipedap", "optimal", 1.0, 0, "fp32")
+    sp = M.parse_strategy("pipedap-dear@part0.5@nice3@bf16")
+    assert (sp.schedule, sp.partition_mb, sp.nice, sp.wire) == ("dear", 0.5, 3, "bf16")
+    assert M.parse_strategy("pipedap-optimal").partition_mb is None
+    for bad in ("pipedap-optimal@part0", "pipedap-optimal@part-1", "pipedap-optimal@partx", "pipedap-optimal@partnan"):
+        with pytest.raises(ValueError, match=r"valid: @part<MiB> with a number of MiB > 0"):
+            M.parse_strategy(bad)
+    with pytest.raises(ValueError, match=r"needs an uncompressed pipedap variant"):
+        M.parse_strategy("pipedap-optimal+fp16@part1")

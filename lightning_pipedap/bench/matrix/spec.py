@@ -40,6 +40,8 @@ COMPRESS_SEP = "+"
 INLINE_SUFFIX = ":inline"
 #: ``pipedap-...@nice<N>``: ``PipeDAPStrategy(train_thread_nice=N)`` (communication threads first)
 NICE_SUFFIX = "@nice"
+#: ``pipedap-...@part<MiB>``: ``PipeDAPStrategy(partition_mb=MiB)`` (tensor partitioning of layers larger than that)
+PART_SUFFIX = "@part"
 #: ``pipedap-...@fp16`` / ``@bf16``: ``PipeDAPStrategy(wire_dtype=...)`` (16-bit wire format of the ring)
 WIRE_SUFFIXES = ("@fp16", "@bf16")
 #: compressors that ``--strategies all`` pairs with the default schedule (``--compressors`` default)
@@ -98,6 +100,7 @@ class StrategySpec:
         mode: ``"process"`` (helper process, pipelined) or ``"inline"`` for compressed pipedap, else ``None``.
         nice: pipedap's ``train_thread_nice`` (``@nice<N>`` suffix), 0 = off.
         wire: pipedap's ``wire_dtype`` (``@fp16`` / ``@bf16`` suffix; ``"fp32"`` without).
+        partition_mb: pipedap's ``partition_mb`` (``@part<MiB>`` suffix), None = off.
     """
 
     name: str
@@ -107,6 +110,7 @@ class StrategySpec:
     mode: Optional[str] = None
     nice: int = 0
     wire: str = "fp32"
+    partition_mb: Optional[float] = None
 
     @property
     def compression(self) -> str:
@@ -128,14 +132,15 @@ def strategy_forms() -> str:
             f"(schedules: {', '.join(pipedap_schedules())}), {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>"
             f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
             f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19) and an uncompressed one in {' or '.join(WIRE_SUFFIXES)} "
-            f"(wire_dtype)")
+            f"(wire_dtype) or {PART_SUFFIX}<MiB> (partition_mb: split layers larger than that)")
 
 
 def parse_strategy(name: str) -> StrategySpec:
     """Take a strategy name apart: ``ddp``, ``ddp_tuned``, ``fsdp2``, ``ddp+fp16hook``, ``ddp+powersgdhook``,
     ``pipedap-<schedule>``, ``pipedap-<schedule>+<compressor>`` (helper process) or
     ``pipedap-<schedule>+<compressor>:inline``, each pipedap form optionally followed by ``@nice<N>``, an
-    uncompressed one also by ``@fp16`` or ``@bf16`` (``wire_dtype``), e.g. ``pipedap-optimal@fp16@nice5``.
+    uncompressed one also by ``@fp16`` or ``@bf16`` (``wire_dtype``) or ``@part<MiB>`` (``partition_mb``), e.g.
+    ``pipedap-optimal@fp16@nice5``, ``pipedap-optimal@part1``.
 
     Raises:
         ValueError: an unknown name, schedule, compressor or suffix; the message names the bad part
@@ -148,21 +153,39 @@ def parse_strategy(name: str) -> StrategySpec:
     if not name.startswith(PIPEDAP_PREFIX):
         raise ValueError(f"unknown strategy {name!r}; valid: {strategy_forms()} (or 'all')")
     rest, *suffixes = name[len(PIPEDAP_PREFIX):].split("@")
-    nice, wire = 0, "fp32"
+    nice, wire, part = 0, "fp32", None
     for text in suffixes:
         if "@" + text in WIRE_SUFFIXES and wire == "fp32":
             wire = text
             continue
+        if ("@" + text).startswith(PART_SUFFIX) and part is None:
+            part = _part_mb(name, text[len(PART_SUFFIX) - 1:])
+            continue
         digits = text[len(NICE_SUFFIX) - 1:] if text.startswith(NICE_SUFFIX[1:]) and not nice else ""
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
             raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19, "
-                             f"{', '.join(WIRE_SUFFIXES)} (each at most once)")
+                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0 (each at most once)")
         nice = int(digits)
     spec = _parse_pipedap(name, rest)
     if wire != "fp32" and spec.compressor is not None:
         raise ValueError(f"strategy {name!r}: a wire format suffix ({', '.join(WIRE_SUFFIXES)}) needs an uncompressed "
                          "pipedap variant (wire_dtype and compression exclude each other)")
-    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire)
+    if part is not None and spec.compressor is not None:
+        raise ValueError(f"strategy {name!r}: {PART_SUFFIX}<MiB> needs an uncompressed pipedap variant (the strategy "
+                         "does not partition with compression)")
+    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part)
+
+
+def _part_mb(name: str, text: str) -> float:
+    """The MiB of a ``@part<MiB>`` suffix (a number > 0)."""
+    try:
+        mb = float(text)
+    except ValueError:
+        mb = -1.0
+    if not mb > 0 or mb != mb or mb == float("inf"):
+        raise ValueError(f"bad suffix {PART_SUFFIX + text!r} in strategy {name!r}; valid: {PART_SUFFIX}<MiB> with a "
+                         "number of MiB > 0, e.g. @part1 or @part0.5")
+    return mb
 
 
 def _parse_pipedap(name: str, rest: str) -> StrategySpec:

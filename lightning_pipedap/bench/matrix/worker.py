@@ -237,6 +237,8 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
     trial_steps = spec.get("trial_steps", TRIAL_STEPS)
     comp = {} if sp.compressor is None else dict(compression=sp.compressor, compression_mode=sp.mode,
                                                   compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
+    if sp.partition_mb is not None:
+        comp["partition_mb"] = sp.partition_mb
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, wire_dtype=sp.wire,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
                                trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
