@@ -9,7 +9,8 @@ import pytest
 
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.partition import (
-    describe_partition, expand_pieces, is_split, layer_numels, partition_profile, piece_schedule_to_layers,
+    describe_partition, engine_period, expand_pieces, is_split, layer_numels, partition_profile,
+    piece_schedule_to_layers,
 )
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
@@ -251,3 +252,41 @@ def test_partitioned_shared_profile_plans_and_expands():
     big = [l for l in prof.layers if l.nbytes > 4 * 2**20]
     assert len(pp.layers) == len(prof.layers) + sum(math.ceil(l.nbytes / 2**22) - 1 for l in big)
     assert describe_partition(pmap, prof).startswith(f"{len(big)} layers split into ")
+
+
+# ---------------------------------------------------------------- the engine's update rule
+def test_engine_period_charges_a_split_layers_update_once_after_its_last_bucket():
+    # l0: 100 B, t_f 0.2, t_b 1; l1: 200 B (2 pieces of 100 B), t_f 1, t_b 1; t_update 0.3 s = 0.1 s per 100 B;
+    # alpha 0, beta 0.01 s/B. Buckets (l0, l1#0) and (l1#1,), ops AR0 AR1.
+    prof = ModelProfile("u", (LayerProfile.from_numel("l0", 25, 4, 0.2, 1.0),
+                              LayerProfile.from_numel("l1", 50, 4, 1.0, 1.0)), t_update=0.3)
+    cm = CostModel.from_allreduce(0.0, 0.01)
+    pp, pmap = partition_profile(prof, 100)
+    s = Schedule(((0, 1), (2,)), ops("AR0 AR1"))
+    # backward: l1 [0, 1], l0 [1, 2]; AR0 (200 B) [2, 4], AR1 (100 B) [4, 5]
+    # simulator: wait b0 -> 4, update 0.2 (l0 + l1#0) -> 4.2, l0 -> 4.4; wait b1 -> 5, update 0.1 -> 5.1, l1 -> 6.1
+    assert simulate(pp, cm, s).iteration_s == pytest.approx(6.1)
+    # engine: wait b0 -> 4, update 0.1 (l0 only) -> 4.1, l0 -> 4.3; wait b1 -> 5, l1's whole update 0.2 -> 5.2,
+    # l1 -> 6.2
+    assert engine_period(pp, pmap, cm, s) == pytest.approx(6.2)
+    # the same fusion without the split: 6.2 as well (the split buys nothing here once the update is honest)
+    assert simulate(prof, cm, Schedule(((0, 1),), ops("AR0"))).iteration_s == pytest.approx(2 + 3 + 0.3 + 1.2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_engine_period_equals_the_simulator_without_update_and_bounds_it_with(seed):
+    rng = random.Random(700 + seed)
+    prof = _random_profile(rng, rng.randint(1, 5), t_update=bool(seed % 2))
+    cm = CostModel.from_allreduce(rng.uniform(0, 0.3), rng.uniform(0, 1e-3), startup_sharing=rng.random())
+    pp, pmap = partition_profile(prof, rng.choice([300, 700]))
+    for name in PLANNERS:
+        for channels in (1, 2):
+            s = get_planner(name)(pp, cm, 1, channels=channels)
+            sim = simulate(pp, cm, s, channels=channels).iteration_s
+            exact = engine_period(pp, pmap, cm, s, channels=channels)
+            if prof.t_update == 0 or piece_schedule_to_layers(s, pmap) is not None:
+                assert exact == pytest.approx(sim, rel=1e-12, abs=1e-12)
+            else:
+                assert sim * (1 - 1e-12) <= exact <= sim + prof.t_update + 1e-12
+    with pytest.raises(ValueError, match=f"piece_map has {len(pmap) + 1} entries for {pp.num_layers} piece-layers"):
+        engine_period(pp, pmap + pmap[:1], cm, get_planner("wfbp")(pp, cm, 1))

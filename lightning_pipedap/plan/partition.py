@@ -26,11 +26,17 @@ A layer ``i`` of ``t_f``, ``t_b`` split into pieces ``i_0 .. i_{k-1}`` (forward 
   on the others, the walk waits for the buckets of ``i_0, i_1, ...`` in turn (each zero-time piece
   waits for its own bucket) and runs the layer's forward after the last of them: exactly "the layer
   starts when all its pieces are ready".
-* *Optimizer update*: the profile has one ``t_update`` for the whole model, which the evaluator already
-  shares among buckets by bytes (``t_update * bytes(b) / total bytes``); piece-layers carry their
-  share of the layer's bytes, so the update time is split by bytes with no change (the engine applies
-  a split parameter's update once, after its last bucket, which this share-by-bytes model charges
-  spread over the pieces' buckets; the total is the same).
+* *Optimizer update*: the profile has one ``t_update`` for the whole model, which the evaluator
+  shares among buckets by bytes (``t_update * bytes(b) / total bytes``, charged on the compute stream
+  at the bucket's first use in forward); piece-layers carry their share of the layer's bytes, so a
+  split layer's update is split by bytes over its pieces' buckets. The engine, however, updates a
+  split parameter once, when the last of its buckets is applied
+  (:mod:`lightning_pipedap.schedule`), so where a piece's bucket is used before the layer's last
+  bucket the evaluator charges part of that update too early and can be optimistic by at most the
+  split layers' update share ``t_update * bytes(split layers) / total bytes`` (exact when
+  ``t_update = 0``, as in the published profiles, or when a layer's pieces share one bucket).
+  :func:`engine_period` recomputes the iteration time with the engine's rule; the strategy compares
+  partitioned and unpartitioned plans with it.
 
 Hence a schedule over the partitioned profile in which every piece of a layer shares one bucket has
 the same simulated iteration time as the unpartitioned schedule with that layer in that bucket, and
@@ -52,11 +58,13 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
 from lightning_pipedap.schedule import Op, OpKind, Schedule, expand_layers
 
-__all__ = ["PieceMap", "describe_partition", "expand_pieces", "is_split", "layer_numels", "partition_profile",
-           "piece_schedule_to_layers"]
+__all__ = ["PieceMap", "describe_partition", "engine_period", "expand_pieces", "is_split", "layer_numels",
+           "partition_profile", "piece_schedule_to_layers"]
 
 #: ``piece_map[j] = (layer, start, stop)``: piece-layer ``j`` of the partitioned profile is elements
 #: ``[start, stop)`` of layer ``layer`` of the original profile (flattened); plain data (JSON-able as lists)
@@ -289,3 +297,66 @@ def expand_pieces(schedule: Schedule, piece_map: PieceMap, layers: Sequence[Sequ
 
     return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s, per_part(schedule.compressed),
                     per_part(schedule.wire16), tuple(order)).validate(num_params, numels)
+
+
+def engine_period(profile: ModelProfile, piece_map: PieceMap, cost_model: CostModel, schedule: Schedule, *,
+                  channels: int = 1) -> float:
+    """Steady-state iteration time (s) of a schedule over piece-layers with the engine's update rule.
+
+    Same model as :func:`~lightning_pipedap.plan.simulator.simulate` (backward, op list, next forward; see
+    that module), except for the optimizer update: the update share ``t_update * bytes / total bytes`` of a
+    layer kept whole is charged when its bucket is first used in forward (as the simulator does), that of
+    a *split* layer once, in full, when the last of its pieces' buckets is first used (the engine updates a
+    split parameter once, from all its reduced pieces). Equals ``simulate(...).iteration_s`` when
+    ``t_update = 0`` or when every split layer's pieces share one bucket; otherwise it is >= it (the
+    simulator charges part of the update earlier, see the module docstring).
+
+    Args:
+        profile: the partitioned profile (:func:`partition_profile`).
+        piece_map: its :data:`PieceMap`.
+        cost_model: op costs.
+        schedule: buckets of piece-layer indices and the op list (uncompressed; ``wire16`` honoured).
+        channels: 1 or 2.
+
+    Raises:
+        ValueError: the schedule is not executable on the profile, compresses a bucket, or ``piece_map``
+            does not have one entry per piece-layer.
+    """
+    if len(piece_map) != profile.num_layers:
+        raise ValueError(f"piece_map has {len(piece_map)} entries for {profile.num_layers} piece-layers")
+    if schedule.num_compressed:
+        raise ValueError("engine_period models uncompressed schedules only (partitioning is off with compression)")
+    schedule.validate(profile.num_layers)
+    ev = Evaluator(profile, cost_model, schedule.buckets, channels, wire16=schedule.wire16)
+    P, timings, _ = ev.run(schedule.ops)
+    shift = P - ev.t_backward  # iteration-origin frame -> backward-start frame
+    done = [0.0] * ev.B
+    for t in timings:
+        if t.op.kind is not OpKind.REDUCE_SCATTER:
+            done[t.op.bucket] = t.end - shift
+    total = profile.total_bytes
+    share = [profile.t_update * l.nbytes / total if total > 0 else 0.0 for l in profile.layers]
+    if total <= 0:
+        return P  # no bytes: the update is shared per bucket, nothing is split
+    bucket_of = {j: b for b, bk in enumerate(schedule.buckets) for j in bk}
+    pieces_of: dict[int, list[int]] = {}
+    for j, (k, _, _) in enumerate(piece_map):
+        pieces_of.setdefault(k, []).append(j)
+    split_buckets = {k: {bucket_of[j] for j in js} for k, js in pieces_of.items() if len(js) > 1}
+    split_share = {k: sum(share[j] for j in pieces_of[k]) for k in split_buckets}
+    whole_share = [0.0] * ev.B
+    for j, (k, _, _) in enumerate(piece_map):
+        if k not in split_buckets:
+            whole_share[bucket_of[j]] += share[j]
+    cur = ev.t_backward
+    waited: set[int] = set()
+    for j, layer in enumerate(profile.layers):
+        b = bucket_of[j]
+        if b not in waited:
+            waited.add(b)
+            cur = max(cur, done[b]) + whole_share[b]
+            for k, bs in split_buckets.items():
+                if b in bs and bs <= waited:
+                    cur += split_share[k]
+        cur += layer.t_f
+    return cur
