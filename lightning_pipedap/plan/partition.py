@@ -55,7 +55,9 @@ Nothing here imports ``torch`` or ``torch.distributed``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Sequence
 
 from lightning_pipedap.plan.cost_model import CostModel
@@ -63,8 +65,8 @@ from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
 from lightning_pipedap.schedule import Op, OpKind, Schedule, expand_layers
 
-__all__ = ["PieceMap", "describe_partition", "engine_period", "expand_pieces", "is_split", "layer_numels",
-           "partition_profile", "piece_schedule_to_layers"]
+__all__ = ["PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
+           "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
 
 #: ``piece_map[j] = (layer, start, stop)``: piece-layer ``j`` of the partitioned profile is elements
 #: ``[start, stop)`` of layer ``layer`` of the original profile (flattened); plain data (JSON-able as lists)
@@ -360,3 +362,83 @@ def engine_period(profile: ModelProfile, piece_map: PieceMap, cost_model: CostMo
                     cur += split_share[k]
         cur += layer.t_f
     return cur
+
+
+@dataclass(frozen=True)
+class PartitionChoice:
+    """What :func:`choose_partition` decided.
+
+    Attributes:
+        profile: the partitioned profile (the input profile itself when nothing was split).
+        piece_map: its :data:`PieceMap`.
+        schedule: the planner's schedule over the piece-layers, ``predicted_iteration_s`` from
+            :func:`engine_period` (s), named ``"<planner>+pieces<MiB>MiB"``; ``None`` when no layer was split.
+        unpartitioned_s: the unpartitioned plan's predicted iteration time (s).
+        partitioned_s: ``schedule``'s predicted iteration time (s), or ``None``.
+        keep: whether the partitioned plan is predicted faster by more than the margin.
+        line: the log line (both predictions in ms, what was split into how many pieces, the choice).
+    """
+
+    profile: ModelProfile
+    piece_map: PieceMap
+    schedule: Schedule | None
+    unpartitioned_s: float
+    partitioned_s: float | None
+    keep: bool
+    line: str
+
+
+def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: int, planner_name: str,
+                     unpartitioned: Schedule, piece_bytes: float, *, wire16: bool = False,
+                     margin: float = 0.01, channels: int = 1) -> PartitionChoice:
+    """Plan on the partitioned profile too, and say whether that plan beats ``unpartitioned`` by > ``margin``.
+
+    Args:
+        profile: the (unpartitioned) profile, layers in forward order.
+        cost_model: the α-β model planned with.
+        world_size: ranks.
+        planner_name: the planner (:func:`~lightning_pipedap.plan.planners.get_planner`) that made
+            ``unpartitioned``; it plans the partitioned profile the same way (with ``wire16``: ``optimal``
+            chooses the 16-bit wire format per bucket, the other planners get it on every bucket, as in
+            :mod:`~lightning_pipedap.plan.candidates`).
+        unpartitioned: its schedule over ``profile`` with ``predicted_iteration_s`` set (s).
+        piece_bytes: :func:`partition_profile`'s piece size (bytes > 0).
+        wire16: the 16-bit wire format is allowed.
+        margin: relative gain needed to keep the partitioned plan (0.01: 1%).
+        channels: communication channels of the model (1 or 2).
+
+    Returns:
+        A :class:`PartitionChoice`; ``keep`` iff ``partitioned_s < unpartitioned_s * (1 - margin)``, with
+        ``partitioned_s`` from :func:`engine_period` (the engine's update rule for split layers).
+
+    Raises:
+        ValueError: ``piece_bytes`` or the element counts as in :func:`partition_profile`; ``unpartitioned``
+            without a prediction; an unknown planner.
+    """
+    from lightning_pipedap.plan.candidates import wire16_everywhere  # noqa: PLC0415 (candidates imports planners)
+    from lightning_pipedap.plan.planners import get_planner  # noqa: PLC0415
+
+    if unpartitioned.predicted_iteration_s is None:
+        raise ValueError("unpartitioned has no predicted_iteration_s; give the planner's schedule (with its prediction)")
+    u = unpartitioned.predicted_iteration_s
+    pp, pmap = partition_profile(profile, piece_bytes)
+    mib = f"{piece_bytes / 2**20:g}"
+    if not is_split(pmap):
+        return PartitionChoice(profile, pmap, None, u, None, False,
+                               f"pipedap: partition_mb={mib}: no layer is larger than {mib} MiB, nothing to split; "
+                               f"predicted iteration {u * 1e3:.1f} ms unpartitioned ({unpartitioned.name})")
+    planner = get_planner(planner_name)
+    kw = {"wire16": True} if wire16 and planner_name == "optimal" else {}
+    s = planner(pp, cost_model, world_size, channels=channels, **kw)
+    if wire16 and planner_name != "optimal":
+        s = wire16_everywhere(pp, cost_model, s)
+    p = engine_period(pp, pmap, cost_model, s, channels=channels)
+    s = dataclasses.replace(s, name=f"{unpartitioned.name}+pieces{mib}MiB", predicted_iteration_s=p)
+    keep = p < u * (1.0 - margin)
+    merged = piece_schedule_to_layers(s, pmap) is not None
+    line = (f"pipedap: partition_mb={mib}: {describe_partition(pmap, profile)}; predicted iteration "
+            f"{p * 1e3:.1f} ms partitioned ({s.name}, {len(s.buckets)} buckets"
+            f"{', every layer whole in one bucket' if merged else ''}) vs {u * 1e3:.1f} ms unpartitioned "
+            f"({unpartitioned.name}, {len(unpartitioned.buckets)} buckets): keeping the "
+            + ("partitioned plan" if keep else f"unpartitioned plan (the gain is not over {margin:.0%})"))
+    return PartitionChoice(pp, pmap, s, u, p, keep, line)
