@@ -9,7 +9,7 @@ import pytest
 
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.partition import (
-    describe_partition, engine_period, expand_pieces, is_split, layer_numels, partition_profile,
+    choose_partition, describe_partition, engine_period, expand_pieces, is_split, layer_numels, partition_profile,
     piece_schedule_to_layers,
 )
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
@@ -290,3 +290,42 @@ def test_engine_period_equals_the_simulator_without_update_and_bounds_it_with(se
                 assert sim * (1 - 1e-12) <= exact <= sim + prof.t_update + 1e-12
     with pytest.raises(ValueError, match=f"piece_map has {len(pmap) + 1} entries for {pp.num_layers} piece-layers"):
         engine_period(pp, pmap + pmap[:1], cm, get_planner("wfbp")(pp, cm, 1))
+
+
+# ---------------------------------------------------------------- the choice the strategy makes
+def _hand_case():
+    prof = ModelProfile("h", (LayerProfile.from_numel("l0", 25, 4, 2.0, 0.5),
+                              LayerProfile.from_numel("l1", 76, 4, 0.5, 0.5)))
+    return prof, CostModel.from_allreduce(0.0, 0.01)
+
+
+def test_choose_partition_keeps_a_plan_faster_by_more_than_the_margin():
+    prof, cm = _hand_case()
+    u = get_planner("optimal")(prof, cm, 1)
+    c = choose_partition(prof, cm, 1, "optimal", u, 152)
+    assert c.keep and c.unpartitioned_s == pytest.approx(5.52) and c.partitioned_s == pytest.approx(5.04)
+    assert c.schedule.name == "optimal+pieces0.000144958MiB" and c.piece_map == ((0, 0, 25), (1, 0, 38), (1, 38, 76))
+    assert c.schedule.predicted_iteration_s == pytest.approx(5.04) and c.profile.num_layers == 3
+    assert "predicted iteration 5040.0 ms partitioned" in c.line and c.line.endswith("keeping the partitioned plan")
+    # a 10% margin: 5.04 is not below 5.52 * 0.9 = 4.968
+    c = choose_partition(prof, cm, 1, "optimal", u, 152, margin=0.10)
+    assert not c.keep and c.line.endswith("keeping the unpartitioned plan (the gain is not over 10%)")
+    # nothing larger than the piece size
+    c = choose_partition(prof, cm, 1, "optimal", u, 2**20)
+    assert (c.schedule, c.partitioned_s, c.keep, c.profile) == (None, None, False, prof)
+    assert c.line == ("pipedap: partition_mb=1: no layer is larger than 1 MiB, nothing to split; predicted "
+                      "iteration 5520.0 ms unpartitioned (optimal)")
+    with pytest.raises(ValueError, match="unpartitioned has no predicted_iteration_s"):
+        choose_partition(prof, cm, 1, "optimal", Schedule(((0, 1),), ops("AR0")), 152)
+
+
+@pytest.mark.parametrize("planner", ["optimal", "dear", "wfbp"])
+def test_choose_partition_with_the_16_bit_wire(planner):
+    prof, cm = _hand_case()
+    u = get_planner(planner)(prof, cm, 1)
+    c = choose_partition(prof, cm, 1, planner, u, 152, wire16=True)
+    s = c.schedule
+    if planner != "optimal":  # the fixed-idea planners send every bucket 16-bit
+        assert s.wire16 == (True,) * len(s.buckets)
+    assert c.partitioned_s == pytest.approx(simulate(c.profile, cm, s).iteration_s)
+    assert c.partitioned_s == pytest.approx(engine_period(c.profile, c.piece_map, cm, s))

@@ -154,9 +154,15 @@ class Planning:
             params: the trainable parameters in engine order.
             engine: the profiling engine (its busy-time prediction calibrates the α-β model).
 
+        With ``partition_mb`` set (planned schedules, no compression) rank 0 also plans on the profile with
+        every layer larger than ``partition_mb`` MiB split into pieces (:meth:`_plan_partitioned`); that
+        schedule comes first when it is predicted more than 1% faster than the planner's, else it is the last
+        trial candidate (with ``plan_trials > 1``) or left out. Its engine schedule has ``pieces``
+        (:func:`~lightning_pipedap.plan.partition.expand_pieces`).
+
         Returns:
-            Candidate engine schedules (the planner's first, with their predictions) and the no-overlap
-            time of each (compute + update + all-reduce of every bucket, s).
+            Candidate engine schedules (the planner's first, or the partitioned one, with their predictions)
+            and the no-overlap time of each (compute + update + all-reduce of every bucket, s).
         """
         cfg = self.config
         plan = None
