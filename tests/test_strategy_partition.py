@@ -28,6 +28,9 @@ def test_partition_mb_option_is_threaded_through_every_front_end():
         assert inspect.signature(cls.__init__).parameters["partition_mb"].default is None
     assert PipeDAPStrategyConf().partition_mb is None
     assert PipeDAPStrategy(partition_mb=2).config.partition_mb == 2.0
+    assert PipeDAPFabricStrategy(partition_mb=0.25).config.partition_mb == 0.25
+    with pytest.raises(ValueError, match="partition_mb must be None"):
+        PipeDAPFabricStrategy(partition_mb=-1)
     assert PipeDAPConfig(schedule="dear", partition_mb=4).ignored_options() == [
         "pipedap: partition_mb=4 not used: schedule 'dear' is fixed (only planned schedules are partitioned)"]
     assert PipeDAPConfig(partition_mb=0.5, compression="fp16").ignored_options() == [
