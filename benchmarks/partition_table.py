@@ -6,9 +6,11 @@ and 8 workers and β × 1 (the profiles' own network) and β × 30 (a 30 times s
 planners separate, see docs/PLANNERS.md): the compute time, the sum and window lower bounds
 (:func:`lightning_pipedap.plan.bounds.lower_bounds`, over the unpartitioned layers and over the 1 MiB
 piece-layers), ``optimal`` on the unpartitioned profile, and ``optimal`` on the profile partitioned
-with pieces of at most 4 MiB and 1 MiB (:func:`lightning_pipedap.plan.partition.choose_partition`,
-predicted with :func:`~lightning_pipedap.plan.partition.engine_period`; the profiles have
-``t_update = 0``, so that equals the simulator). Every time is a simulator prediction in ms; nothing
+with pieces of at most 4 MiB and 1 MiB (:func:`lightning_pipedap.plan.partition.choose_partition`, as
+the strategy runs it: ``optimal``'s fusion-search budgets scaled with the number of piece-layers, the
+prediction from :func:`~lightning_pipedap.plan.partition.engine_period`; the profiles have
+``t_update = 0``, so that equals the simulator). "gain %" compares the better of the two piece sizes
+with the unpartitioned ``optimal``. Every time is a simulator prediction in ms; nothing
 is measured. About 1 min on one core.
 
 Reproduce (prints the table; ``--out`` rewrites the part of that file between the ``partition``
@@ -74,7 +76,7 @@ def markdown(rs: list[dict]) -> str:
         n, total = r["n1"]
         lines.append(f"| {r['model']} | {r['workers']} | {r['beta']} | {r['compute']:.3f} | {r['sum']:.3f} | "
                      f"{r['window']:.3f} | {r['window_p']:.3f} | {r['optimal']:.3f} | {r['p4']:.3f} | {r['p1']:.3f} | "
-                     f"{gain:.2f} | {n} → {total} |")
+                     f"{round(gain, 2) + 0.0:.2f} | {n} → {total} |")  # (+ 0.0: no "-0.00")
     over = sum(1 for g in gains if g > 1)
     worse = sum(1 for g in gains if g < -0.01)
     same_bound = sum(1 for r in rs if abs(r["window_p"] - r["window"]) <= 1e-9 * r["window"])

@@ -56,6 +56,7 @@ Nothing here imports ``torch`` or ``torch.distributed``.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -65,7 +66,7 @@ from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
 from lightning_pipedap.schedule import Op, OpKind, Schedule, expand_layers
 
-__all__ = ["PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
+__all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
            "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
 
 #: ``piece_map[j] = (layer, start, stop)``: piece-layer ``j`` of the partitioned profile is elements
@@ -388,6 +389,12 @@ class PartitionChoice:
     line: str
 
 
+#: ``optimal``'s budgets scaled by :func:`choose_partition` on a partitioned profile
+_SCALED_BUDGETS = ("max_fusion_evals", "max_fusion_work")
+#: largest scale factor of those budgets (planning time grows about linearly with it)
+MAX_BUDGET_SCALE = 10
+
+
 def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: int, planner_name: str,
                      unpartitioned: Schedule, piece_bytes: float, *, wire16: bool = False,
                      margin: float = 0.01, channels: int = 1) -> PartitionChoice:
@@ -400,7 +407,11 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
         planner_name: the planner (:func:`~lightning_pipedap.plan.planners.get_planner`) that made
             ``unpartitioned``; it plans the partitioned profile the same way (with ``wire16``: ``optimal``
             chooses the 16-bit wire format per bucket, the other planners get it on every bucket, as in
-            :mod:`~lightning_pipedap.plan.candidates`).
+            :mod:`~lightning_pipedap.plan.candidates`). ``optimal``'s fusion-search budgets
+            (``max_fusion_evals``, ``max_fusion_work``: counts, not time) are multiplied by
+            ``min(MAX_BUDGET_SCALE, ceil(piece-layers / layers))``: its search is budgeted, and on many more
+            layers the default budgets can end worse than the unpartitioned plan, although every
+            unpartitioned plan is also a partitioned one (docs/PLANNERS.md, "Tensor partitioning").
         unpartitioned: its schedule over ``profile`` with ``predicted_iteration_s`` set (s).
         piece_bytes: :func:`partition_profile`'s piece size (bytes > 0).
         wire16: the 16-bit wire format is allowed.
@@ -428,7 +439,11 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
                                f"pipedap: partition_mb={mib}: no layer is larger than {mib} MiB, nothing to split; "
                                f"predicted iteration {u * 1e3:.1f} ms unpartitioned ({unpartitioned.name})")
     planner = get_planner(planner_name)
-    kw = {"wire16": True} if wire16 and planner_name == "optimal" else {}
+    kw: dict = {"wire16": True} if wire16 and planner_name == "optimal" else {}
+    if planner_name == "optimal":
+        scale = min(MAX_BUDGET_SCALE, math.ceil(pp.num_layers / profile.num_layers))
+        defaults = inspect.signature(planner).parameters
+        kw.update({k: defaults[k].default * scale for k in _SCALED_BUDGETS if k in defaults})
     s = planner(pp, cost_model, world_size, channels=channels, **kw)
     if wire16 and planner_name != "optimal":
         s = wire16_everywhere(pp, cost_model, s)
