@@ -9,6 +9,7 @@ import pytest
 
 from lightning_pipedap.plan.bounds import lower_bounds
 from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.partition import is_split, partition_profile
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
 from lightning_pipedap.plan.simulator import simulate
@@ -107,6 +108,32 @@ def test_optimal_matches_exhaustive_search(seed):
     assert s.predicted_iteration_s == pytest.approx(best, rel=1e-12)
     for name in NAMES:
         assert get_planner(name)(prof, cm, 1, channels=channels).predicted_iteration_s >= best * (1 - 1e-12)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_optimal_matches_exhaustive_search_on_a_partitioned_profile(seed):
+    # 2-3 layers, the largest split so that there are at most 4 piece-layers: the planners need no change,
+    # ``optimal`` still finds the brute-force best over piece-layers, and that is never worse than the
+    # unpartitioned best (every unpartitioned schedule is a partitioned one with a layer's pieces in one bucket)
+    rng = random.Random(300 + seed)
+    L = 2 if seed % 2 else 3
+    prof, cm = _random_instance(rng, L)
+    sizes = sorted(prof.sizes_bytes)
+    largest = sizes[-1]
+    # L = 2: both layers may split in 2; L = 3: only the largest, in 2 (the others are <= the piece size)
+    piece = largest / 2 if L == 2 else max(largest / 2, sizes[-2])
+    assert sizes[-2] < largest and largest >= 2  # (true for these seeds)
+    pp, pmap = partition_profile(prof, piece, bytes_per_element=1)
+    assert is_split(pmap) and pp.num_layers <= 4
+    channels = 1 if seed % 3 else 2
+    best = _brute_force(pp, cm, channels)
+    s = get_planner("optimal")(pp, cm, 1, channels=channels)
+    assert s.predicted_iteration_s == pytest.approx(best, rel=1e-12)
+    assert simulate(pp, cm, s, channels=channels).iteration_s == pytest.approx(best, rel=1e-12)
+    unsplit = get_planner("optimal")(prof, cm, 1, channels=channels).predicted_iteration_s
+    assert best <= unsplit * (1 + 1e-12)
+    for name in NAMES:
+        assert get_planner(name)(pp, cm, 1, channels=channels).predicted_iteration_s >= best * (1 - 1e-12)
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -94,6 +94,7 @@ class PipeDAPStrategyConf:
     gradient_as_bucket_view: bool = False  # .grad as views into the buckets (see PipeDAPStrategy)
     nonfinite: str = "warn"  # "warn" | "raise" | "skip" | "ignore" (see PipeDAPStrategy)
     check_params_every_n_steps: Optional[int] = None
+    partition_mb: Optional[float] = None  # null = off; MiB: also plan with larger layers split (see PipeDAPStrategy)
     start_method: str = "popen"
     process_group_backend: Optional[str] = None
 

@@ -189,6 +189,17 @@ class PipeDAPConfig:
             :class:`~lightning_pipedap.strategy.nonfinite.ParameterDivergenceError` naming the first
             diverging parameter and the ranks. Costs one read of the parameters (a device-to-host
             copy on CUDA) every N steps. None (default) = off; else an integer >= 1.
+        partition_mb: tensor partitioning for planned schedules (ByteScheduler, SOSP 2019; PipeDAP TETC
+            2025 §IV-C): None (default) = off; a number > 0 = also plan on the profile whose layers larger
+            than ``partition_mb`` MiB are split into pieces of at most that size
+            (:func:`~lightning_pipedap.plan.partition.partition_profile`; a piece is an element range of a
+            parameter, :attr:`~lightning_pipedap.schedule.Schedule.pieces`), and keep that plan when its
+            predicted iteration time is lower than the unpartitioned plan's by more than 1% (both
+            predictions are logged; with ``plan_trials > 1`` both are trial candidates). A layer's gradient
+            is ready whole and its forward needs it whole, so pieces help only by ordering part of a large
+            layer's communication apart from the rest (often ~0, see docs/PLANNERS.md). Not used with
+            ``compression`` (a compressor works on whole parameters) nor by the fixed schedules
+            (``"allreduce"``, ``"dear"``).
 
     Raises:
         ValueError: any value out of range or not among the choices; the message names the option
@@ -224,6 +235,7 @@ class PipeDAPConfig:
     model_contention: bool = True
     nonfinite: NonFinite = "warn"
     check_params_every_n_steps: Optional[int] = None
+    partition_mb: Optional[float] = None
 
     def __post_init__(self) -> None:
         names = valid_schedule_names()
@@ -254,6 +266,12 @@ class PipeDAPConfig:
         if self.wire_dtype != "fp32" and self.compression is not None:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} and compression={self.compression!r} exclude each other: "
                              "choose the 16-bit wire format (cast in the ring, per bucket) or a compressor")
+        if self.partition_mb is not None:
+            if isinstance(self.partition_mb, bool) or not isinstance(self.partition_mb, (int, float)) \
+                    or not 0 < self.partition_mb < float("inf"):
+                raise ValueError(f"partition_mb must be None (off) or a finite number of MiB > 0 (split layers "
+                                 f"larger than that before planning, e.g. 4), got {self.partition_mb!r}")
+            object.__setattr__(self, "partition_mb", float(self.partition_mb))
         if self.check_params_every_n_steps is not None:
             _integer("check_params_every_n_steps", self.check_params_every_n_steps, 1, note=" or None (off)")
         if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:
@@ -308,7 +326,8 @@ class PipeDAPConfig:
         the log at the start of a fit: trial settings changed from their defaults under a fixed schedule
         (measured plan selection runs for planned schedules only), and ``torch_ddp_candidate=True`` where
         the ``torch_ddp`` candidate is not trialled (a 16-bit ``wire_dtype``: DDP's reducer sends fp32;
-        ``nonfinite="raise"``/``"skip"`` or ``check_params_every_n_steps``: they need pipedap's reduction)."""
+        ``nonfinite="raise"``/``"skip"`` or ``check_params_every_n_steps``: they need pipedap's reduction), and
+        ``partition_mb`` under a fixed schedule or with compression (neither is partitioned)."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         out = []
         if not self.planned:
@@ -329,6 +348,10 @@ class PipeDAPConfig:
             if why:
                 out.append("pipedap: torch_ddp_candidate=True not used: the torch_ddp candidate (DDP's reducer) is "
                            f"not trialled with {' and '.join(why)}")
+        if self.partition_mb is not None and (not self.planned or self.compression is not None):
+            why = (f"schedule {self.schedule!r} is fixed (only planned schedules are partitioned)" if not self.planned
+                   else f"compression={self.compression!r} is set (a compressor works on whole parameters)")
+            out.append(f"pipedap: partition_mb={self.partition_mb:g} not used: {why}")
         return out
 
     @property

@@ -85,7 +85,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         schedule, bucket_cap_mb, warmup_steps, wait_timeout_s, ring_chunk_mb, profile_steps, cost_model,
             cost_model_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
             max_replans, plan_trials, trial_steps, trial_rounds, trial_window_s, model_contention, wire_dtype,
-            gradient_as_bucket_view: as for
+            gradient_as_bucket_view, partition_mb: as for
             :class:`~lightning_pipedap.PipeDAPStrategy` (documented in
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`).
         defer_update: ``"auto"`` or ``False`` (both: sync mode).
@@ -130,6 +130,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         trial_rounds: int = 2,
         trial_window_s: float = 0.25,
         model_contention: bool = True,
+        partition_mb: Optional[float] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,

@@ -20,6 +20,7 @@ import torch
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
 from lightning_pipedap.plan.candidates import trial_candidates, wire16_everywhere
+from lightning_pipedap.plan.partition import choose_partition, engine_period, expand_pieces
 from lightning_pipedap.probe.alpha_beta import describe_origin, measure_cost_model
 from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
@@ -153,9 +154,15 @@ class Planning:
             params: the trainable parameters in engine order.
             engine: the profiling engine (its busy-time prediction calibrates the α-β model).
 
+        With ``partition_mb`` set (planned schedules, no compression) rank 0 also plans on the profile with
+        every layer larger than ``partition_mb`` MiB split into pieces (:meth:`_plan_partitioned`); that
+        schedule comes first when it is predicted more than 1% faster than the planner's, else it is the last
+        trial candidate (with ``plan_trials > 1``) or left out. Its engine schedule has ``pieces``
+        (:func:`~lightning_pipedap.plan.partition.expand_pieces`).
+
         Returns:
-            Candidate engine schedules (the planner's first, with their predictions) and the no-overlap
-            time of each (compute + update + all-reduce of every bucket, s).
+            Candidate engine schedules (the planner's first, or the partitioned one, with their predictions)
+            and the no-overlap time of each (compute + update + all-reduce of every bucket, s).
         """
         cfg = self.config
         plan = None
@@ -176,30 +183,72 @@ class Planning:
                 self.info(f"pipedap: {schedule.num_wire16} of {len(schedule.buckets)} buckets {cfg.wire_dtype} on the "
                           f"wire; predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
                           f"{fp32_s * 1e3:.1f} ms all fp32 (same profile and α-β model)")
-            candidates = [schedule]
+            candidates: list[Schedule] = [schedule]
+            part = None
+            if cfg.partition_mb is not None and not cfg.compression:
+                part = self._plan_partitioned(profile, params, schedule, wire16)
             if cfg.compression:
                 shapes = [[tuple(params[i].shape) for i in l] for l in self.layers]
                 candidates = [self._plan_compression(planner, profile, schedule, shapes)]
             elif cfg.plan_trials > 1:
+                # the partitioned plan is a candidate beside the others: first when it is kept, else last
+                k = cfg.plan_trials - (part is not None)
                 candidates = trial_candidates(profile, self.cost_model, self.world_size, schedule,
-                                              cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=cfg.plan_trials,
-                                              wire16=wire16)
-            candidates = [self._predict(profile, c) for c in candidates]
+                                              cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16)
+            maps: list[Optional[tuple]] = [None] * len(candidates)
+            profiles = [profile] * len(candidates)
+            if part is not None and (part.keep or cfg.plan_trials > 1):
+                at = 0 if part.keep else len(candidates)
+                candidates.insert(at, part.schedule)
+                maps.insert(at, part.piece_map)
+                profiles.insert(at, part.profile)
+                del candidates[cfg.plan_trials:], maps[cfg.plan_trials:], profiles[cfg.plan_trials:]
+            candidates = [self._predict(pr, c, m) for pr, c, m in zip(profiles, candidates, maps)]
             no_overlap = [profile.t_compute + profile.t_update + sum(
-                self.cost_model.all_reduce(sum(layer_bytes[k] for k in b)) for b in c.buckets) for c in candidates]
-            plan = (candidates, no_overlap, profile.to_dict(), self.cost_model)
-        candidates, no_overlap, self.profile, self.cost_model = C.broadcast_object(plan, src=0)
+                self.cost_model.all_reduce(sum(pr.layers[k].nbytes for k in b)) for b in c.buckets)
+                for pr, c in zip(profiles, candidates)]
+            plan = (candidates, no_overlap, profile.to_dict(), self.cost_model, maps)
+        candidates, no_overlap, self.profile, self.cost_model, maps = C.broadcast_object(plan, src=0)
         keys = [(p.dtype, p.device) for p in params]
-        return [expand_layers(c, self.layers, keys) for c in candidates], no_overlap
+        numels = [p.numel() for p in params]
+        return [expand_layers(c, self.layers, keys) if m is None else expand_pieces(c, m, self.layers, numels, keys)
+                for c, m in zip(candidates, maps)], no_overlap
 
-    def _predict(self, profile: Any, schedule: Schedule) -> Schedule:
+    def _plan_partitioned(self, profile: Any, params: list[torch.Tensor], schedule: Schedule,
+                          wire16: bool) -> Optional[Any]:
+        """Rank 0: plan again on the profile with every layer larger than ``partition_mb`` MiB split into pieces
+        (:func:`~lightning_pipedap.plan.partition.choose_partition`) and log both predictions (ms) and what was
+        split into how many pieces.
+
+        Element counts come from the parameters (``numel`` of each layer's parameters together), so pieces
+        fall on element boundaries whatever the dtypes. Not called with compression (a compressor works on
+        whole parameters; :meth:`PipeDAPConfig.ignored_options` says so at the start of the fit) nor for the
+        fixed schedules (they are not planned).
+
+        Returns:
+            The :class:`~lightning_pipedap.plan.partition.PartitionChoice` when some layer was split, else
+            ``None`` (nothing larger than ``partition_mb``).
+        """
+        cfg = self.config
+        numels = [sum(params[i].numel() for i in l) for l in self.layers]
+        counted = dataclasses.replace(profile, layers=tuple(dataclasses.replace(l, numel=n)
+                                                            for l, n in zip(profile.layers, numels)))
+        choice = choose_partition(counted, self.cost_model, self.world_size, PLANNED[cfg.schedule], schedule,
+                                  cfg.partition_mb * 2**20, wire16=wire16)
+        self.info(choice.line)
+        return choice if choice.schedule is not None else None
+
+    def _predict(self, profile: Any, schedule: Schedule, piece_map: Optional[tuple] = None) -> Schedule:
         """Rank 0: ``schedule`` with the prediction training is checked against, and every prediction in
         :attr:`predictions` (s): α-β as fitted (``ab_s``), α-β calibrated (``calibrated_s``), and each of
         those through the contention-aware simulator (``contended_s``, ``contended_calibrated_s``).
 
         The prediction kept is the contention-aware one on the *uncalibrated* α-β when the contention was
         measured (the profiling-step calibration already contains some of the same slowdown), else the
-        planner's own (calibrated when calibration applied).
+        planner's own (calibrated when calibration applied). A schedule over piece-layers (``piece_map``
+        given, ``profile`` partitioned) is predicted with
+        :func:`~lightning_pipedap.plan.partition.engine_period` (a split layer's update once, after its last
+        bucket); its contention-aware predictions use the simulator's share-by-bytes update.
         """
         from lightning_pipedap.plan.contention import simulate_contended  # noqa: PLC0415
         from lightning_pipedap.plan.simulator import simulate  # noqa: PLC0415
@@ -207,8 +256,12 @@ class Planning:
         if self.config.compression:
             return schedule  # compressed plans: the planner's compression-aware prediction
         raw = self.raw_cost_model or self.cost_model
-        pred = {"ab_s": simulate(profile, raw, schedule).iteration_s,
-                "calibrated_s": simulate(profile, self.cost_model, schedule).iteration_s}
+        if piece_map is not None:
+            pred = {"ab_s": engine_period(profile, piece_map, raw, schedule),
+                    "calibrated_s": engine_period(profile, piece_map, self.cost_model, schedule)}
+        else:
+            pred = {"ab_s": simulate(profile, raw, schedule).iteration_s,
+                    "calibrated_s": simulate(profile, self.cost_model, schedule).iteration_s}
         keep = schedule.predicted_iteration_s
         contention = self.measured.contention
         if contention is not None:
