@@ -41,7 +41,7 @@ __all__ = [
     "all_gather_wire_",
     "WIRE_DTYPES",
     "Heartbeat",
-    "ReductionWatch",
+    "ddp_reduction_finished",
     "finish_stalled_reduction",
 ]
 
@@ -381,89 +381,48 @@ def all_gather_object(obj: object) -> list:
     return out
 
 
-class ReductionWatch:
-    """Which of DDP's buckets its reducer launched in the current backward (a DDP communication hook).
+def ddp_reduction_finished(ddp: torch.nn.Module) -> bool:
+    """Whether DDP's reducer finished averaging the last backward (always True inside ``no_sync``).
 
     DDP without ``find_unused_parameters`` launches its bucket all-reduces in bucket order, each once every
-    parameter of the bucket has its gradient, and writes the averaged gradients back only when its *last*
-    bucket has been launched. A parameter that gets no gradient in a backward (a branch that skips it)
-    stalls its bucket and every later one: nothing is averaged, ``.grad`` keeps local values (with
-    ``gradient_as_bucket_view``: averaged for the launched buckets, local for the others), and the next
-    forward raises "Expected to have finished reduction". :attr:`complete` tells the strategy so before the
-    optimizer step, and :func:`finish_stalled_reduction` finishes the reduction from what is there.
-
-    The hook does what DDP's built-in all-reduce does: divide the bucket by the world size, then sum it over
-    the default group (the same elementwise operations, so ``.grad`` is bit-identical to DDP's).
-
-    Attributes:
-        world_size: ranks of the default group (default: read from it).
-        launched: ``(bucket, future)`` of each bucket launched since :meth:`reset`, in launch order.
-        complete: the last bucket was launched (DDP's reduction of this backward is complete once the
-            futures finish).
+    parameter of the bucket has its gradient, and writes the averaged gradients back to ``.grad`` only once
+    every bucket has been reduced. A parameter that gets no gradient in a backward (a branch that skips it)
+    stalls its bucket and every later one: ``.grad`` keeps the local gradients, and the next forward raises
+    "Expected to have finished reduction". This asks the reducer (one C++ call, no communication).
     """
-
-    def __init__(self, world_size: Optional[int] = None) -> None:
-        self.world_size = dist.get_world_size() if world_size is None else world_size
-        self.launched: list = []
-        self.complete = False
-
-    def reset(self) -> None:
-        """Forget the last backward's buckets (call before each backward that synchronises)."""
-        self.launched = []
-        self.complete = False
-
-    def hook(self, _state, bucket):  # (unannotated: DDP checks the annotations against its own types)
-        """The DDP communication hook (``register_comm_hook(None, watch.hook)``): ``bucket`` a ``dist.GradBucket``;
-        returns the ``torch.futures.Future`` of the bucket's averaged buffer."""
-        buf = bucket.buffer()
-        buf.div_(self.world_size)
-        fut = dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-        self.launched.append((bucket, fut))
-        if bucket.is_last():
-            self.complete = True
-        return fut
+    try:
+        ddp.reducer._check_reducer_finalized()
+    except RuntimeError:
+        return False
+    return True
 
 
-def finish_stalled_reduction(watch: ReductionWatch, params: Sequence[torch.nn.Parameter], bucket_view: bool,
-                             comm: CommGroup) -> list[int]:
-    """Finish a DDP backward whose reduction stalled (``not watch.complete``) on every rank.
+def finish_stalled_reduction(params: Sequence[torch.nn.Parameter], comm: CommGroup) -> list[int]:
+    """Average ``.grad`` over the ranks after a stalled DDP reduction, as DDP with ``find_unused_parameters=True``
+    does: a parameter without a gradient on this rank contributes zeros, one without a gradient on every rank
+    keeps its ``.grad`` (None) untouched; each gradient is divided by the world size, then summed.
 
-    Waits for the launched buckets; writes their averaged gradients to ``.grad`` (without
-    ``bucket_view``: DDP writes back only at the end, so ``.grad`` still holds local values); then averages
-    the gradients of the parameters of the other buckets over the default group as DDP with
-    ``find_unused_parameters=True`` does: a parameter without a gradient on this rank contributes zeros, one
-    without a gradient on every rank keeps its ``.grad`` (None) untouched. Collectives: one flag all-reduce
-    and one all-reduce of the remaining gradients (divided by the world size first, as DDP's hook), both on
-    ``comm``'s group, not on the default group that DDP's pending bucket all-reduces use: if another rank did
-    not stall (a parameter unused on some ranks only), the first of them times out after ``comm``'s timeout
-    with gloo's error instead of pairing with one of DDP's all-reduces.
+    Only for DDP without ``gradient_as_bucket_view`` (``.grad`` then holds this rank's local gradients: DDP
+    writes back only when it finishes). Collectives: one flag all-reduce and one all-reduce of the gradients,
+    on ``comm``'s group and not on the default group, where DDP's launched bucket all-reduces may still be
+    running: if another rank did not stall (a parameter unused on some ranks only), this times out after
+    ``comm``'s timeout with gloo's error instead of pairing with one of DDP's all-reduces.
 
     Args:
-        watch: the hook state of the stalled backward.
         params: the wrapped module's parameters that require gradients, identical order on every rank.
-        bucket_view: DDP's ``gradient_as_bucket_view`` (``.grad`` are views into the launched buckets).
         comm: pipedap's own process group (:func:`new_comm_group`).
 
     Returns:
         Indices (into ``params``) of the parameters no rank produced a gradient for.
     """
-    done: set[int] = set()
-    for bucket, fut in watch.launched:
-        fut.wait()
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            done.add(id(p))
-            if not bucket_view and p.grad is not None:
-                p.grad.copy_(g)
-    rest = [k for k, p in enumerate(params) if id(p) not in done]
-    if not rest:
-        return []
-    has = torch.tensor([float(params[k].grad is not None) for k in rest])
+    has = torch.tensor([float(p.grad is not None) for p in params])
     dist.all_reduce(has, group=comm.group)
-    unused = [k for k, h in zip(rest, has.tolist()) if h == 0]
-    reduce = [params[k] for k, h in zip(rest, has.tolist()) if h > 0]
+    flags = has.tolist()
+    unused = [k for k, h in enumerate(flags) if h == 0]
+    reduce = [p for p, h in zip(params, flags) if h > 0]
     if reduce:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in reduce]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(watch.world_size)
+        flat = torch.cat([g.reshape(-1) for g in grads]).div_(comm.world_size)
         dist.all_reduce(flat, group=comm.group)
         off = 0
         for p, g in zip(reduce, grads):
@@ -471,13 +430,11 @@ def finish_stalled_reduction(watch: ReductionWatch, params: Sequence[torch.nn.Pa
             g.copy_(flat[off:off + n].view_as(g))
             p.grad = g
             off += n
-    watch.complete = True
     return unused
 
 
 def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: float,
-              find_unused_parameters: bool, gradient_as_bucket_view: bool = False,
-              watch: Optional[ReductionWatch] = None) -> torch.nn.Module:
+              find_unused_parameters: bool, gradient_as_bucket_view: bool = False) -> torch.nn.Module:
     """Wrap ``module`` in PyTorch's ``DistributedDataParallel`` on the default process group.
 
     The C++ reducer all-reduces gradient buckets of ``bucket_cap_mb`` MiB inside backward (WFBP) and
@@ -491,19 +448,14 @@ def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: floa
         bucket_cap_mb: DDP's bucket size, MiB (> 0).
         find_unused_parameters: traverse the graph each step for parameters without a gradient.
         gradient_as_bucket_view: ``.grad`` as views into DDP's buckets (no second gradient copy).
-        watch: registered as DDP's communication hook (:class:`ReductionWatch`), so that a stalled reduction
-            is seen before the optimizer step; None: DDP's built-in all-reduce.
 
     Returns:
         The ``DistributedDataParallel`` wrapper.
     """
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
-                                                    find_unused_parameters=find_unused_parameters,
-                                                    gradient_as_bucket_view=gradient_as_bucket_view)
-    if watch is not None:
-        ddp.register_comm_hook(None, watch.hook)
-    return ddp
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
+                                                     find_unused_parameters=find_unused_parameters,
+                                                     gradient_as_bucket_view=gradient_as_bucket_view)
 
 
 def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:

@@ -95,7 +95,8 @@ class RunEffects:
             # find_unused_parameters (one more collective per step) only when a profiled step left a parameter
             # without a gradient on some rank (identical on every rank: read from the reduced used-flags); a
             # parameter that stops getting one later is handled by the handover (finish_stalled)
-            unused = rt.saw_unused or any(o is None for o in rt.owners)
+            # (with gradient_as_bucket_view a stalled reduction leaves .grad half-averaged in DDP's buffers: always)
+            unused = rt.saw_unused or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view
             schedules = [*schedules, TorchDDPCandidate(
                 cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
                 gradient_as_bucket_view=cfg.gradient_as_bucket_view)]

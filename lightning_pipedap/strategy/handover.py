@@ -34,7 +34,8 @@ class TorchDDPCandidate:
         find_unused_parameters: DDP's option of that name (DDP then all-reduces a used-parameter map every
             step, as ``DDPStrategy(find_unused_parameters=True)``: one more small collective per step, 1.4x the
             step time of a tiny MLP on gloo); set when a profiled step left a parameter without a gradient on
-            some rank. Without it a backward that leaves one out later is finished by
+            some rank, and with ``gradient_as_bucket_view`` (``.grad`` are then DDP's buffers, which a stalled
+            reduction leaves half-averaged). Without it a backward that leaves one out later is finished by
             :meth:`TorchDDPHandover.finish_stalled`, and DDP continues with it.
         predicted_iteration_s: the α-β prediction of the same WFBP schedule (s), None when unknown.
         gradient_as_bucket_view: DDP's option of that name, the strategy's ``gradient_as_bucket_view``
@@ -81,8 +82,6 @@ class TorchDDPHandover:
         self._unhook, self._rehook = unhook, rehook
         self.wrapper: Optional[torch.nn.Module] = None
         self.candidate: Optional[TorchDDPCandidate] = None
-        #: DDP's communication hook state when it runs without ``find_unused_parameters`` (else None)
-        self.watch: Optional[C.ReductionWatch] = None
 
     @property
     def active(self) -> bool:
@@ -95,22 +94,16 @@ class TorchDDPHandover:
             return
         self._unhook()
         self.candidate = candidate
-        self.watch = None if candidate.find_unused_parameters else C.ReductionWatch()
         self.wrapper = C.torch_ddp(self.module, self.device, candidate.bucket_cap_mb, candidate.find_unused_parameters,
-                                   candidate.gradient_as_bucket_view, watch=self.watch)
+                                   candidate.gradient_as_bucket_view)
         self._set_model(self.wrapper)
 
-    def before_backward(self) -> None:
-        """Before a backward under DDP's reducer: forget the previous backward's buckets."""
-        if self.watch is not None:
-            self.watch.reset()
-
     def stalled(self) -> bool:
-        """After a backward: DDP's reduction did not complete on this rank (a parameter got no gradient and DDP
-        runs without ``find_unused_parameters``). False inside ``no_sync`` (nothing is reduced there)."""
-        w = self.wrapper
-        return (self.watch is not None and not self.watch.complete and w is not None
-                and bool(getattr(w, "require_backward_grad_sync", True)))
+        """After a backward: DDP's reduction did not finish on this rank (a parameter got no gradient and DDP runs
+        without ``find_unused_parameters``; :func:`~lightning_pipedap.engine.collectives.ddp_reduction_finished`)."""
+        c, w = self.candidate, self.wrapper
+        return (w is not None and c is not None and not c.find_unused_parameters
+                and not C.ddp_reduction_finished(w))
 
     def finish_stalled(self, comm: C.CommGroup) -> list[torch.nn.Parameter]:
         """Average this backward's gradients as DDP with ``find_unused_parameters=True`` does
@@ -121,9 +114,9 @@ class TorchDDPHandover:
         Returns:
             The parameters no rank produced a gradient for.
         """
-        assert self.watch is not None and self.candidate is not None
+        assert self.candidate is not None and not self.candidate.gradient_as_bucket_view
         params = [p for p in self.module.parameters() if p.requires_grad]
-        unused = C.finish_stalled_reduction(self.watch, params, self.candidate.gradient_as_bucket_view, comm)
+        unused = C.finish_stalled_reduction(params, comm)
         candidate = dataclasses.replace(self.candidate, find_unused_parameters=True)
         self.leave(rehook=False)
         self.enter(candidate)
@@ -136,7 +129,6 @@ class TorchDDPHandover:
             return
         self._set_model(self.module)
         self.wrapper = None
-        self.watch = None
         gc.collect()  # the reducer removes its autograd hooks when the wrapper is freed
         if rehook:
             self._rehook()

@@ -288,7 +288,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self._rt is not None and self._rt.handed_over:
             super().pre_backward(closure_loss)
-            self._rt.handover.before_backward()  # type: ignore[union-attr]
         elif self._rt is not None:
             self._rt.before_backward()
 
