@@ -387,3 +387,79 @@ def test_split_parameters_reduce_and_step_like_ddp(sched_name, opt_name, clip):
         # the split parameters moved (stepped once per round, not left out or stepped twice: values above)
         assert r["rounds"][0]["params"][0] != _model()[0].weight.tolist()
     assert res[0]["rounds"] == res[1]["rounds"]  # identical on every rank
+
+
+# ------------------------------------------------------------------------------------------- deferred updates
+#: 4 parameters: 0 (40x6) in 3 pieces over buckets 0, 1, 2; 2 (3x40) in 2 pieces over buckets 2, 3
+DEFERRED_PIECES = PIECES[:7]
+DEFERRED_BUCKETS = ((0,), (1,), (2, 3, 4), (5, 6))
+
+
+def _run_deferred(rank, world):
+    from lightning_pipedap.engine import collectives as C
+    from lightning_pipedap.engine.engine import CommEngine
+    from lightning_pipedap.strategy.deferred import UPDATE_PLACES, DeferredUpdates
+
+    comm = C.new_comm_group(timeout_s=30, chunk_bytes=64)
+    model = _model()
+    params = list(model.parameters())
+    engine = CommEngine(comm, params, Schedule(DEFERRED_BUCKETS, dear_ops(4), "dear", pieces=DEFERRED_PIECES),
+                        wait_timeout_s=30)
+    opt = _make_opt("sgd", params)
+    counts = {k: 0 for k in UPDATE_PLACES}
+    names = {id(p): n for n, p in model.named_parameters()}
+    deferred = DeferredUpdates(engine, comm, torch.device("cpu"), lambda p: names[id(p)], lambda k, m: None, [],
+                               lambda: False, counts)
+    deferred.set_owners([model[0], model[0], model[2], model[2]], model)
+    index = {id(p): i for i, p in enumerate(params)}
+    hooks = [p.register_post_accumulate_grad_hook(lambda p: engine.grad_ready(index[id(p)], p.grad)) for p in params]
+    out: dict = {"buckets_of": deferred.buckets_of, "root": deferred.root,
+                 "triggers": sorted(deferred.triggers.values())}
+    try:
+        before = [p.detach().clone() for p in params]
+        engine.begin_iteration()
+        model(_batch(rank, 0)).pow(2).sum().backward()
+        engine.finish_backward()
+        deferred.record(opt, ClipRequest(0.5, "value"), step=0)
+        out["local_grad0"] = params[0].grad.tolist()
+        # a read of parameter 2 (split over buckets 2, 3): both land; parameter 0 has a piece in bucket 2 but
+        # its buckets 0 and 1 are still pending, so it is not stepped yet
+        deferred.guarded_read(2)
+        out["after_read2"] = {"remaining": sorted(deferred.pending.remaining), "guard": counts["guard"],
+                              "p0_unchanged": torch.equal(params[0], before[0]),
+                              "p2_changed": not torch.equal(params[2], before[2])}
+        # a .grad read of parameter 0: its pending buckets land with their gradients written, and bucket 2
+        # (applied above, not written yet) is written first: .grad is the whole averaged, clipped gradient
+        deferred.guarded_read(0, grad_read=True)
+        out["after_read0"] = {"pending": deferred.pending is not None, "guard": counts["guard"],
+                              "grad0": params[0].grad.tolist()}
+        out["params"] = [p.detach().tolist() for p in params]
+    finally:
+        for h in hooks:
+            h.remove()
+        engine.close()
+    C.destroy_comm_group(comm)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_deferred_guard_applies_every_bucket_of_a_split_parameter():
+    res = run_ranks(_run_deferred, 2)
+    m = _model()
+    params = list(m.parameters())
+    opt = _make_opt("sgd", params)
+    avg = [(a + b) / 2 for a, b in zip(_local_grads([0], 0)[:4], _local_grads([0], 1)[:4])]
+    for p, g in zip(params, avg):
+        p.grad = g.clamp(-0.5, 0.5)
+    opt.step()
+    for rank in (0, 1):
+        r = res[rank]
+        assert r["buckets_of"] == [(0, 1, 2), (2,), (2, 3), (3,)]
+        assert r["root"] == [] and r["triggers"] == [[0, 1, 2], [3]]  # bucket 2 lands at the first Linear
+        assert r["after_read2"] == {"remaining": [0, 1], "guard": 2, "p0_unchanged": True, "p2_changed": True}
+        assert r["after_read0"]["pending"] is False and r["after_read0"]["guard"] == 4
+        grad0 = torch.tensor(r["after_read0"]["grad0"])
+        assert torch.allclose(grad0, params[0].grad, rtol=0, atol=1e-6)
+        assert not torch.allclose(grad0, torch.tensor(r["local_grad0"]).clamp(-0.5, 0.5), rtol=0, atol=1e-3)
+        for got, want in zip(r["params"], params):
+            assert torch.allclose(torch.tensor(got), want, rtol=0, atol=1e-6)
