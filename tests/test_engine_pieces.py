@@ -463,3 +463,89 @@ def test_deferred_guard_applies_every_bucket_of_a_split_parameter():
         assert not torch.allclose(grad0, torch.tensor(r["local_grad0"]).clamp(-0.5, 0.5), rtol=0, atol=1e-3)
         for got, want in zip(r["params"], params):
             assert torch.allclose(torch.tensor(got), want, rtol=0, atol=1e-6)
+
+
+def test_compression_layouts_name_pieces_and_add_up():
+    """The compression pipeline is laid out over every bucket (``TrainableSet.layouts``): a piece is named
+    ``name[start:stop]`` with a 1-D shape, so names stay unique and each bucket's shapes add up to its size."""
+    from lightning_pipedap.compress.state import check_layouts
+    from lightning_pipedap.strategy.params import TrainableSet
+
+    model = _model()
+    params = list(model.parameters())
+    buckets = [FlatBucket.allocate(b, tuple(PIECES[u][0] for u in units), [params[PIECES[u][0]] for u in units], 2,
+                                   [PIECES[u][1:] for u in units], units)
+               for b, units in enumerate(DEFERRED_BUCKETS)]
+    layouts = TrainableSet(model, 0).layouts(buckets)
+    assert layouts == [[("0.weight[0:50]", (50,))], [("0.weight[50:170]", (120,))],
+                       [("0.weight[170:240]", (70,)), ("0.bias", (40,)), ("2.weight[0:70]", (70,))],
+                       [("2.weight[70:120]", (50,)), ("2.bias", (3,))]]
+    assert len(check_layouts([b.numel for b in buckets], layouts)) == 4  # (raises on a size mismatch or a duplicate)
+
+
+def _train_compressed_with_pieces(rank: int, world: int) -> dict:
+    """Buckets 0 and 3 compressed (``none``, inline), the split parameter's two buckets dense, against DDP."""
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_pipedap.compress import CompressionPipeline
+    from lightning_pipedap.engine import collectives as C
+    from lightning_pipedap.engine.compressed import CompressedTransport
+    from lightning_pipedap.engine.engine import CommEngine
+    from lightning_pipedap.schedule import Op, OpKind
+
+    RS, AG, AR = OpKind.REDUCE_SCATTER, OpKind.ALL_GATHER, OpKind.ALL_REDUCE
+    comm = C.new_comm_group(timeout_s=60)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 4))
+    ref = DistributedDataParallel(copy.deepcopy(model))
+    params = list(model.parameters())
+    # parameter 2 (32x32) split [0, 500) | [500, 1024) over buckets 1 and 2 (the second fused with parameter 3)
+    pieces = ((0, 0, 256), (1, 0, 32), (2, 0, 500), (2, 500, 1024), (3, 0, 32), (4, 0, 128), (5, 0, 4))
+    schedule = Schedule(((0, 1), (2,), (3, 4), (5, 6)),
+                        (Op(AR, 3), Op(RS, 2), Op(RS, 1), Op(AR, 0), Op(AG, 1), Op(AG, 2)),
+                        "mixed", compressed=(True, False, False, True), pieces=pieces)
+
+    def factory(buckets):
+        pipe = CompressionPipeline([b.numel for b in buckets], "none", {}, threads=1, timeout_s=60, mode="inline")
+        return CompressedTransport(pipe, comm)
+
+    engine = CommEngine(comm, params, schedule, wait_timeout_s=60, transport_factory=factory)
+    hooks = [p.register_post_accumulate_grad_hook(lambda p, i=i: engine.grad_ready(i, p.grad))
+             for i, p in enumerate(params)]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(100 + rank)
+    init = [p.detach().clone() for p in params]
+    try:
+        for _ in range(3):
+            x, y = torch.randn(16, 8, generator=gen), torch.randn(16, 4, generator=gen)
+            engine.begin_iteration()
+            F.mse_loss(model(x), y).backward()
+            engine.finish_backward()
+            with torch.no_grad():
+                for b in range(engine.num_buckets):
+                    write_back_grads(engine.wait_done(b), engine.used_flags(b))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            F.mse_loss(ref(x), y).backward()
+            opt_ref.step()
+            opt_ref.zero_grad(set_to_none=True)
+        engine.wait_idle()
+        compressed = sorted(engine.transport.stats)
+    finally:
+        for h in hooks:
+            h.remove()
+        engine.close()
+    return {"diff": max((a - b).abs().max().item() for a, b in zip(params, ref.module.parameters())),
+            "moved": max((a - b).abs().max().item() for a, b in zip(params, init)), "compressed": compressed}
+
+
+@pytest.mark.multiprocess
+def test_compressed_buckets_next_to_a_split_parameter_match_ddp():
+    res = run_ranks(_train_compressed_with_pieces, 2)
+    for rank in (0, 1):
+        assert res[rank]["compressed"] == [0, 3]
+        assert res[rank]["moved"] > 1e-3
+        assert res[rank]["diff"] <= 1e-6, res[rank]
