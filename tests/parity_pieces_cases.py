@@ -9,7 +9,7 @@ The planner is not asked for pieces here: ``Planning.plan`` is wrapped so that i
 ``[n/2, n)``, the first fused with the parameters before it in its bucket, the second with those after
 it (tensor partitioning, ByteScheduler SOSP 2019); a case named ``..._dear`` also replaces the op list by
 DeAR's (RS in backward order, AG in forward order), ``..._view`` turns ``gradient_as_bucket_view`` on,
-``..._defer`` passes ``defer_update=True``, and ``..._splitunused`` splits the 16-element weight of the
+``..._defer`` passes ``defer_update=True``, ``..._sync`` ``defer_update=False`` (write-back after each backward), and ``..._splitunused`` splits the 16-element weight of the
 ``extra`` layer of the ``unused`` models (no rank uses it in odd steps) instead of the largest parameter.
 Rank 0 writes ``{case: {"diff": max |param - ddp
 param|, "installed": the installed schedule, "forward": buckets applied in the next forward}}``.
@@ -35,6 +35,8 @@ VIEW_CASES = ("sgd_momentum", "clip_norm")
 #: a parameter split while unused in some steps: ``extra.weight`` (4x4) of ``Unused`` (set_to_none: .grad None
 #: then, not stepped) and ``UnusedKeepGrad`` (zero .grad kept: stepped by momentum and weight decay)
 UNUSED_CASES = ("unused_some_steps_splitunused", "unused_zero_grad_keep_splitunused_defer")
+#: sync mode (``defer_update=False``): the averaged gradients written back to ``.grad`` piece by piece
+SYNC_CASES = ("clip_norm_sync", "accumulate2_sync", "unused_some_steps_splitunused_sync")
 #: the op list the wrapped planner's candidates get: ``"planned"`` (the planner's own) or ``"dear"``; and
 #: which parameter is split: ``"largest"`` or ``"extra"`` (the only one of 16 elements)
 OPS = {"kind": "planned", "split": "largest"}
@@ -99,12 +101,12 @@ def patch_planning() -> Any:
     return real
 
 
-def run_case(name: str, view: bool, defer: bool = False) -> dict[str, Any]:
+def run_case(name: str, view: bool, defer: bool | None = None) -> dict[str, Any]:
     model_name, model_kw, trainer_kw = CASES[name]
     ddp_name = "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp"
     ref = train(model_name, model_kw, trainer_kw, ddp_name)
     strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=1,
-                               gradient_as_bucket_view=view, **({"defer_update": True} if defer else {}))
+                               gradient_as_bucket_view=view, **({} if defer is None else {"defer_update": defer}))
     out = train(model_name, model_kw, trainer_kw, strategy)
     return {"diff": max_diff(out, ref), "installed": strategy.installed_schedule,
             "forward": strategy.update_counts["forward"]}
@@ -116,14 +118,15 @@ def main(out_path: str, names: list[str]) -> None:
     results: dict[str, Any] = {}
     for name in names:
         base, found = name, set()
-        for suffix in ("_defer", "_splitunused", "_view", "_dear"):
+        for suffix in ("_sync", "_defer", "_splitunused", "_view", "_dear"):
             if base.endswith(suffix):
                 base = base[: -len(suffix)]
                 found.add(suffix)
         OPS["kind"] = "dear" if "_dear" in found else "planned"
         OPS["split"] = "extra" if "_splitunused" in found else "largest"
         try:
-            results[name] = run_case(base, "_view" in found, "_defer" in found)
+            defer = True if "_defer" in found else False if "_sync" in found else None
+            results[name] = run_case(base, "_view" in found, defer)
         except Exception as exc:  # one failing case must not hide the others
             import traceback
 

@@ -2,7 +2,7 @@
 the largest parameter over two buckets (``Schedule.pieces``): deferred updates, SGD with momentum, AdamW
 with param groups and a step LR scheduler, clip by norm and by value, gradient accumulation over 2
 micro-batches, a parameter unused in some steps (whole, or itself split: with ``.grad`` None, or a kept zero
-``.grad`` under ``defer_update=True``), and ``gradient_as_bucket_view``; under the planner's op
+``.grad`` under ``defer_update=True``), ``gradient_as_bucket_view`` and sync mode (``defer_update=False``); under the planner's op
 list and under DeAR's (reduce-scatter in backward order, all-gather in forward order).
 
 All cases run in one launch of 2 processes (:mod:`tests.parity_pieces_cases`).
@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests._dist_util import run_lightning_ranks
-from tests.parity_pieces_cases import PIECES_CASES, UNUSED_CASES, VIEW_CASES, split_largest
+from tests.parity_pieces_cases import PIECES_CASES, SYNC_CASES, UNUSED_CASES, VIEW_CASES, split_largest
 
 TOL = 1e-6
 ROOT = Path(__file__).resolve().parents[1]
-NAMES = [*PIECES_CASES, *(f"{c}_dear" for c in PIECES_CASES), *(f"{c}_view" for c in VIEW_CASES), *UNUSED_CASES]
+NAMES = [*PIECES_CASES, *(f"{c}_dear" for c in PIECES_CASES), *(f"{c}_view" for c in VIEW_CASES), *UNUSED_CASES,
+         *SYNC_CASES]
 
 
 @pytest.fixture(scope="module")
@@ -46,5 +47,8 @@ def test_parity_with_ddp_with_a_split_parameter(results, case):
     assert "2 pieces of 1 split parameters" in res["installed"], res["installed"]  # the split plan really ran
     if case.endswith("_dear"):
         assert " RS" in res["installed"] and " AG" in res["installed"], res["installed"]
-    assert res["forward"] > 0  # updates really deferred into the next forward
+    if case.endswith("_sync"):
+        assert res["forward"] == 0  # sync mode: stepped by the optimizer on the written-back .grad
+    else:
+        assert res["forward"] > 0  # updates really deferred into the next forward
     assert res["diff"] <= TOL, f"{case}: max |param - ddp| = {res['diff']:.3e} ({res['installed']})"

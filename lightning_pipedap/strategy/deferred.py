@@ -24,6 +24,11 @@ optimizer state unchanged).
 The update of a bucket is the optimizer's step restricted to it
 (:class:`~lightning_pipedap.engine.update.BucketOptimizer`, DeAR ICDCS 2023 §III-B), with the
 hyper-parameters and clip request snapshotted when the step was recorded.
+
+A parameter split over several buckets (``Schedule.pieces``, tensor partitioning: ByteScheduler SOSP 2019)
+is stepped once, when the last of its buckets lands; every one of its buckets is triggered no later than its
+first consumer, the guard applies all of them (and writes all its pieces to ``.grad`` for a grad read), and
+the rules above are about parameters, whatever buckets hold their pieces.
 """
 
 from __future__ import annotations
@@ -132,17 +137,19 @@ class DeferredUpdates:
     # ------------------------------------------------------------------ layout
     def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module) -> None:
         """Triggers from per-parameter owners (engine order, which is first-consumption order): a bucket lands
-        before the earliest consumer of any of its units' parameters (the owner of its first unit's
-        parameter); one with a parameter owned by ``root_module`` or by nobody lands before ``training_step``.
-        Every bucket holding a piece of a split parameter so lands before that parameter's first consumer."""
+        before the earliest consumer of any of its units' parameters (the owner of its first parameter; with
+        ``schedule.pieces``, of its lowest parameter index); one with a parameter owned by ``root_module`` or by
+        nobody lands before ``training_step``. Every bucket holding a piece of a split parameter so lands
+        before that parameter's first consumer, and the parameter is stepped when the last of them lands."""
         self.triggers, self.root = {}, []
         if owners is not None:
+            pieces = self.engine.schedule.pieces is not None
             for b in self.engine.buckets:
                 idxs = b.param_indices  # (per unit: its parameter)
                 if any(owners[i] is None or owners[i] is root_module for i in idxs):
                     self.root.append(b.index)
                 else:
-                    self.triggers.setdefault(id(owners[idxs[0]]), []).append(b.index)
+                    self.triggers.setdefault(id(owners[min(idxs) if pieces else idxs[0]]), []).append(b.index)
 
     # ------------------------------------------------------------------ recording a step
     def record(self, optimizer: Optimizer, clip: Optional[ClipRequest], step: int = -1) -> None:
