@@ -549,3 +549,16 @@ def test_compressed_buckets_next_to_a_split_parameter_match_ddp():
         assert res[rank]["compressed"] == [0, 3]
         assert res[rank]["moved"] > 1e-3
         assert res[rank]["diff"] <= 1e-6, res[rank]
+
+
+def test_nonfinite_scan_names_the_split_parameter():
+    from lightning_pipedap.strategy.numerics import first_nonfinite
+
+    params = [torch.nn.Parameter(torch.zeros(4, 5)), torch.nn.Parameter(torch.zeros(4)),
+              torch.nn.Parameter(torch.zeros(3, 4)), torch.nn.Parameter(torch.zeros(3))]
+    buckets = _split_buckets(params)
+    _fill(buckets, [torch.ones_like(p) for p in params])
+    buckets[1].grad_view(0)[3] = float("nan")  # element 8 of parameter 2 (its second piece)
+    names = {id(p): n for p, n in zip(params, ("w1", "b1", "w2", "b2"))}
+    found = first_nonfinite(buckets, lambda p: names[id(p)], step=3)
+    assert (found.bucket, found.name, found.nan, found.inf, found.numel) == (1, "w2", 1, 0, 7)
