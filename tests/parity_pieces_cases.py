@@ -39,7 +39,9 @@ UNUSED_CASES = ("unused_some_steps_splitunused", "unused_zero_grad_keep_splitunu
 SYNC_CASES = ("clip_norm_sync", "accumulate2_sync", "unused_some_steps_splitunused_sync")
 #: the op list the wrapped planner's candidates get: ``"planned"`` (the planner's own) or ``"dear"``; and
 #: which parameter is split: ``"largest"`` or ``"extra"`` (the only one of 16 elements)
-OPS = {"kind": "planned", "split": "largest"}
+OPS: dict[str, Any] = {"kind": "planned", "split": "largest", "plans": 0}
+#: stop at step 8 with a checkpoint and resume from it: the resumed run installs the checkpoint's split plan
+RESUME_CASE = "resume_mid_epoch"
 
 
 def split_largest(schedule: Schedule, numels: Sequence[int], big: int | None = None) -> Schedule:
@@ -89,6 +91,7 @@ def patch_planning() -> Any:
 
     def plan(self: Any, model_name: str, layer_names: list[str], params: list[torch.Tensor], engine: Any) -> Any:
         schedules, no_overlap = real(self, model_name, layer_names, params, engine)
+        OPS["plans"] += 1
         numels = [p.numel() for p in params]
         big = numels.index(16) if OPS["split"] == "extra" else None
         split = [split_largest(s, numels, big) for s in schedules]
@@ -112,11 +115,46 @@ def run_case(name: str, view: bool, defer: bool | None = None) -> dict[str, Any]
             "forward": strategy.update_counts["forward"]}
 
 
+def run_resume_case(at: int = 8) -> dict[str, Any]:
+    """Stop mid-epoch (step 8 of 18) with a checkpoint, resume, compare with the uninterrupted run (and DDP)."""
+    import tempfile
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.parity_cases import _shared_dir
+
+    kw = {"opt": "adamw", "sched": "step"}
+
+    def strategy() -> PipeDAPStrategy:
+        return PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=1)
+
+    ref = train("mlp", kw, {}, "ddp")
+    full = train("mlp", kw, {}, strategy())
+    with tempfile.TemporaryDirectory() as d:
+        d = _shared_dir(d)
+        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=at, save_top_k=-1, filename="mid-{step}")
+        train("mlp", kw, {}, strategy(), callbacks=[cb], max_steps=at, root_dir=d)
+        plans = OPS["plans"]
+        st = strategy()
+        resumed = train("mlp", kw, {}, st, ckpt_path=os.path.join(d, f"mid-step={at}.ckpt"), root_dir=d)
+    return {"diff": max_diff(resumed, full), "ddp_diff": max_diff(resumed, ref), "installed": st.installed_schedule,
+            "forward": st.update_counts["forward"], "plans_in_resumed_run": OPS["plans"] - plans}
+
+
 def main(out_path: str, names: list[str]) -> None:
     torch.set_num_threads(1)
     patch_planning()
     results: dict[str, Any] = {}
     for name in names:
+        if name == RESUME_CASE:
+            OPS["kind"], OPS["split"] = "planned", "largest"
+            try:
+                results[name] = run_resume_case()
+            except Exception as exc:
+                import traceback
+
+                results[name] = {"error": f"{exc!r}\n{traceback.format_exc()}"}
+            continue
         base, found = name, set()
         for suffix in ("_sync", "_defer", "_splitunused", "_view", "_dear"):
             if base.endswith(suffix):
