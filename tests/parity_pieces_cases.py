@@ -7,12 +7,13 @@ Run as a script on every rank (as :mod:`tests.parity_cases`)::
 The planner is not asked for pieces here: ``Planning.plan`` is wrapped so that its candidate (one:
 ``plan_trials=1``) has its largest parameter re-split into two pieces, element ranges ``[0, n/2)`` and
 ``[n/2, n)``, the first fused with the parameters before it in its bucket, the second with those after
-it (tensor partitioning, ByteScheduler SOSP 2019); a case named ``..._dear`` also replaces the op list by
-DeAR's (RS in backward order, AG in forward order), ``..._view`` turns ``gradient_as_bucket_view`` on,
-``..._defer`` passes ``defer_update=True``, ``..._sync`` ``defer_update=False`` (write-back after each backward), and ``..._splitunused`` splits the 16-element weight of the
-``extra`` layer of the ``unused`` models (no rank uses it in odd steps) instead of the largest parameter.
-Rank 0 writes ``{case: {"diff": max |param - ddp
-param|, "installed": the installed schedule, "forward": buckets applied in the next forward}}``.
+it (tensor partitioning, ByteScheduler SOSP 2019). Suffixes of a case name: ``_dear`` also replaces the
+op list by DeAR's (RS in backward order, AG in forward order), ``_view`` turns ``gradient_as_bucket_view``
+on, ``_defer`` passes ``defer_update=True``, ``_sync`` ``defer_update=False`` (write-back after each
+backward), and ``_splitunused`` splits the 16-element weight of the ``extra`` layer of the ``unused``
+models (no rank uses it in odd steps) instead of the largest parameter. Rank 0 writes ``{case: {"diff":
+max |param - ddp param|, "installed": the installed schedule, "forward": buckets applied in the next
+forward}}``.
 """
 
 from __future__ import annotations

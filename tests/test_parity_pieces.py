@@ -1,10 +1,11 @@
 """Parity with Lightning's ``"ddp"`` (1e-6 after 3 epochs on 2 gloo ranks) when the planned schedule splits
 the largest parameter over two buckets (``Schedule.pieces``): deferred updates, SGD with momentum, AdamW
 with param groups and a step LR scheduler, clip by norm and by value, gradient accumulation over 2
-micro-batches, a parameter unused in some steps (whole, or itself split: with ``.grad`` None, or a kept zero
-``.grad`` under ``defer_update=True``), ``gradient_as_bucket_view`` and sync mode (``defer_update=False``); under the planner's op
-list and under DeAR's (reduce-scatter in backward order, all-gather in forward order); and a resume from a
-mid-epoch checkpoint, which installs the checkpoint's split plan.
+micro-batches, a parameter unused in some steps (whole, or itself split: with ``.grad`` None, or a kept
+zero ``.grad`` under ``defer_update=True``), ``gradient_as_bucket_view`` and sync mode
+(``defer_update=False``); under the planner's op list and under DeAR's (reduce-scatter in backward
+order, all-gather in forward order); and a resume from a mid-epoch checkpoint, which installs the
+checkpoint's split plan.
 
 All cases run in one launch of 2 processes (:mod:`tests.parity_pieces_cases`).
 """
