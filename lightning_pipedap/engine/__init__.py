@@ -2,7 +2,8 @@
 
 * :mod:`~lightning_pipedap.engine.collectives` -- the one module that calls ``torch.distributed``
   (ring reduce-scatter / all-gather / all-reduce on gloo, NCCL calls on CUDA, the dedicated group);
-* :mod:`~lightning_pipedap.engine.buckets` -- :class:`FlatBucket` (tensor fusion, used flags);
+* :mod:`~lightning_pipedap.engine.buckets` -- :class:`FlatBucket` (tensor fusion, tensor partitioning:
+  pieces of split parameters, used flags);
 * :mod:`~lightning_pipedap.engine.transport` -- :class:`DenseTransport` and the :class:`Transport`
   interface; :mod:`~lightning_pipedap.engine.compressed` -- :class:`CompressedTransport`;
 * :mod:`~lightning_pipedap.engine.engine` -- :class:`CommEngine` (one worker thread per rank);

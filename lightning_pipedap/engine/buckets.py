@@ -2,42 +2,55 @@
 
 A :class:`FlatBucket` owns one contiguous 1-D buffer per bucket of the schedule::
 
-    [ grad of p0 | grad of p1 | ... | used-flag per param (k elements) | padding to N·S ]
+    [ grad of unit 0 | grad of unit 1 | ... | used-flag per unit (k elements) | padding to N·S ]
 
-Gradients are copied in as they become ready (divided by the world size, as DDP does), the
-whole buffer is reduced (RS then AG, or one AR) and the reduced gradients are read back as views.
-The *used flags* travel with the data: a rank writes 1 for each parameter that received a
-gradient in this backward, so after reduction ``flag > 0`` tells every rank whether any rank
-produced a gradient. Parameters unused on every rank keep their own ``.grad`` in the update, as
-DDP leaves it: None (the optimizer skips them) or, after ``zero_grad(set_to_none=False)``, a zero
-tensor the optimizer steps with; no ``find_unused_parameters`` flag and no extra collective.
+A *unit* (a *slot* of the bucket) is a whole parameter, or, with tensor partitioning
+(``Schedule.pieces``; ByteScheduler, Peng et al., SOSP 2019), the element range ``[start, stop)``
+of one parameter flattened (a *piece*): a large parameter may be split over several buckets so its
+communication is pipelined with its neighbours'. Gradients are copied in as they become ready
+(divided by the world size, as DDP does), the whole buffer is reduced (RS then AG, or one AR) and the
+reduced gradients are read back as views (a whole parameter's view is shaped like it, a piece's is
+1-D, ``stop - start`` elements).
+
+The *used flags* travel with the data: a rank writes 1 for each unit whose parameter received a
+gradient in this backward (every piece of a split parameter alike), so after reduction ``flag > 0``
+tells every rank whether any rank produced a gradient. Parameters unused on every rank keep their own
+``.grad`` in the update, as DDP leaves it: None (the optimizer skips them) or, after
+``zero_grad(set_to_none=False)``, a zero tensor the optimizer steps with; no ``find_unused_parameters``
+flag and no extra collective.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import torch
 
 
 @dataclass
 class FlatBucket:
-    """One bucket's flat buffer and the placement of its parameters.
+    """One bucket's flat buffer and the placement of its units (slots).
 
     Attributes:
         index: bucket number (forward order).
-        param_indices: indices of the parameters (into the engine's parameter list).
-        params: the parameters themselves, same order.
-        offsets: element offset of each parameter's gradient in ``buffer``.
-        numel: number of gradient elements (sum of parameter sizes).
+        param_indices: per slot, the index of the slot's parameter (into the engine's parameter list);
+            a split parameter appears in every bucket holding one of its pieces.
+        params: per slot, the parameter itself.
+        offsets: element offset of each slot's gradient in ``buffer``.
+        numel: number of gradient elements (sum of the slots' sizes).
         buffer: 1-D tensor, ``world_size · shard_size`` elements, dtype of the parameters.
         shard_size: elements per rank after reduce-scatter (``S``).
         world_size: ranks sharing the bucket (``N``).
-        views: per parameter, the view of ``buffer`` holding its gradient, shaped like the parameter
-            (built once: :meth:`grad_view`).
-        flag_view: the used-flag elements, one per parameter (``k`` elements; :attr:`flags`).
-        as_view: ``gradient_as_bucket_view`` is on for this bucket: each parameter's ``.grad`` is its
-            view (set by the engine), so backward accumulates into the buffer and nothing is copied back.
+        ranges: per slot, ``(start, stop)``: the elements of the parameter flattened that the slot holds
+            (``(0, numel)`` for a whole parameter; default: every slot whole).
+        units: per slot, the schedule's unit index (default: ``param_indices``, units are parameters).
+        views: per slot, the view of ``buffer`` holding its gradient: shaped like the parameter for a whole
+            one, 1-D (``stop - start`` elements) for a piece (built once: :meth:`grad_view`).
+        flag_view: the used-flag elements, one per slot (``k`` elements; :attr:`flags`).
+        pieces: per slot, whether it holds a piece of a split parameter (not the whole parameter).
+        as_view: ``gradient_as_bucket_view`` is on for this bucket: each parameter's ``.grad`` is its view
+            (set by the engine), so backward accumulates into the buffer and nothing is copied back.
     """
 
     index: int
@@ -48,52 +61,90 @@ class FlatBucket:
     buffer: torch.Tensor
     shard_size: int
     world_size: int
+    ranges: list[tuple[int, int]] = field(default_factory=list)
+    units: tuple[int, ...] = ()
     views: list[torch.Tensor] = field(default_factory=list, repr=False)
     flag_view: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
+    pieces: list[bool] = field(default_factory=list, repr=False)
     as_view: bool = False
 
     def __post_init__(self) -> None:
-        self.views = [self.buffer[o : o + p.numel()].view_as(p) for o, p in zip(self.offsets, self.params)]
+        if not self.ranges:
+            self.ranges = [(0, p.numel()) for p in self.params]
+        if not self.units:
+            self.units = tuple(self.param_indices)
+        self.pieces = [stop - start != p.numel() for (start, stop), p in zip(self.ranges, self.params)]
+        self.views = [self.buffer[o : o + stop - start] if piece else self.buffer[o : o + p.numel()].view_as(p)
+                      for o, (start, stop), p, piece in zip(self.offsets, self.ranges, self.params, self.pieces)]
         self.flag_view = self.buffer[self.numel : self.numel + len(self.params)]
 
     @classmethod
-    def allocate(cls, index: int, param_indices: tuple[int, ...], params: list[torch.Tensor], world_size: int) -> "FlatBucket":
-        """Allocate the buffer for ``params`` on their device.
+    def allocate(cls, index: int, param_indices: tuple[int, ...], params: list[torch.Tensor], world_size: int,
+                 ranges: Optional[Sequence[tuple[int, int]]] = None,
+                 units: Optional[Sequence[int]] = None) -> "FlatBucket":
+        """Allocate the buffer for the slots on their parameters' device.
+
+        Args:
+            index: bucket number.
+            param_indices: per slot, the parameter's index.
+            params: per slot, the parameter.
+            world_size: ranks sharing the bucket.
+            ranges: per slot, ``(start, stop)`` elements of the parameter flattened (None: every slot whole).
+            units: per slot, the schedule's unit index (None: the parameter indices).
 
         Raises:
-            ValueError: if the parameters do not share one dtype and device.
+            ValueError: if the parameters do not share one dtype and device, or a range is empty or
+                outside its parameter.
         """
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
             raise ValueError(f"bucket {index} mixes dtypes/devices {sorted(map(str, kinds))}; split it")
         dtype, device = kinds.pop()
+        spans = [(0, p.numel()) for p in params] if ranges is None else [(int(a), int(b)) for a, b in ranges]
+        if len(spans) != len(params):
+            raise ValueError(f"bucket {index}: {len(spans)} ranges for {len(params)} slots")
+        for slot, ((start, stop), p) in enumerate(zip(spans, params)):
+            if not (0 <= start <= stop <= p.numel() and (start < stop or p.numel() == 0)):
+                raise ValueError(f"bucket {index} slot {slot}: elements [{start}, {stop}) are not a non-empty range "
+                                 f"of parameter {param_indices[slot]} ({p.numel()} elements)")
         offsets, off = [], 0
-        for p in params:
+        for start, stop in spans:
             offsets.append(off)
-            off += p.numel()
-        total = off + len(params)  # data + one used-flag per parameter
+            off += stop - start
+        total = off + len(params)  # data + one used-flag per slot
         shard = -(-total // world_size)
         buffer = torch.zeros(shard * world_size, dtype=dtype, device=device)
-        return cls(index, tuple(param_indices), list(params), offsets, off, buffer, shard, world_size)
+        return cls(index, tuple(param_indices), list(params), offsets, off, buffer, shard, world_size,
+                   spans, tuple(param_indices if units is None else units))
 
     @property
     def nbytes(self) -> int:
         """Bytes moved per rank by an all-reduce of this bucket (padded buffer)."""
         return self.buffer.numel() * self.buffer.element_size()
 
+    @property
+    def has_pieces(self) -> bool:
+        """Whether some slot holds a piece of a split parameter."""
+        return any(self.pieces)
+
     def grad_view(self, slot: int) -> torch.Tensor:
-        """View of the buffer holding parameter ``slot``'s gradient, shaped like the parameter."""
+        """View of the buffer holding slot ``slot``'s gradient: shaped like the parameter for a whole parameter,
+        1-D (``stop - start`` elements of the parameter flattened) for a piece."""
         return self.views[slot]
 
+    def is_piece(self, slot: int) -> bool:
+        """Whether slot ``slot`` holds a piece of a split parameter (not the whole parameter)."""
+        return self.pieces[slot]
+
     def is_view(self, slot: int, grad: torch.Tensor | None) -> bool:
-        """Whether ``grad`` is parameter ``slot``'s view of the buffer (same storage, offset and shape)."""
+        """Whether ``grad`` is slot ``slot``'s view of the buffer (same storage, offset and shape)."""
         v = self.views[slot]
         return (grad is not None and grad.data_ptr() == v.data_ptr() and grad.shape == v.shape
                 and grad.stride() == v.stride() and grad.dtype == v.dtype and grad.device == v.device)
 
     @property
     def flags(self) -> torch.Tensor:
-        """The used-flag elements, one per parameter (``k`` elements)."""
+        """The used-flag elements, one per slot (``k`` elements)."""
         return self.flag_view
 
     def own_data_range(self, rank: int) -> tuple[int, int]:

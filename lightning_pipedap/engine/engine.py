@@ -16,6 +16,11 @@ Every wait has a timeout and names the operation; an exception in the worker is 
 main thread at the next wait. With ``bucket_view`` (``gradient_as_bucket_view``) ``.grad`` is the
 bucket's view itself: backward accumulates into it and ``grad_ready`` divides in place, no copy. On CUDA the worker issues collectives on its own stream and the
 hand-offs carry CUDA events, so the main thread never synchronises the host on the hot path.
+
+Tensor partitioning (``Schedule.pieces``; ByteScheduler, Peng et al., SOSP 2019): a bucket's slots are
+units, element ranges of parameters; ``grad_ready`` of a split parameter copies each piece into its own
+bucket, and a bucket is ready when every slot is filled. Without ``pieces`` (or when no parameter is
+split) nothing of this costs anything per step.
 """
 
 from __future__ import annotations
@@ -37,7 +42,8 @@ from lightning_pipedap.schedule import Op, OpKind, Schedule
 __all__ = ["CommEngine", "EngineError", "OpTiming", "view_refusal"]
 
 
-def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False) -> Optional[str]:
+def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False,
+                 buckets_of: Optional[dict[int, Sequence[int]]] = None) -> Optional[str]:
     """Why ``bucket`` cannot hold its parameters' ``.grad`` as views of its buffer, or None when it can.
 
     ``gradient_as_bucket_view`` makes each parameter's ``.grad`` a view into the bucket, so the bucket's
@@ -45,6 +51,8 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
 
     - the bucket is ``compressed``: the compressor reads the bucket and writes its own reconstruction;
     - it travels in the 16-bit wire format (``wire16``): the owner rounds its reduced shard in place;
+    - it holds a piece of a split parameter (tensor partitioning): that parameter's ``.grad`` spans
+      several buckets, so it cannot be one view of one buffer;
     - a parameter is not a contiguous dense tensor: a contiguous view would break the gradient
       layout contract (``.grad`` strides equal to the parameter's).
 
@@ -54,6 +62,7 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
         bucket: the bucket (its parameters are read, not changed).
         compressed: whether the schedule compresses this bucket.
         wire16: whether the schedule sends this bucket in the 16-bit wire format.
+        buckets_of: split parameter index -> the buckets holding its pieces (for the message; optional).
 
     Returns:
         None, or a short reason naming the cause (for the log).
@@ -62,6 +71,14 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
         return "it is compressed (the compressor rewrites the bucket)"
     if wire16:
         return "it travels in the 16-bit wire format (its reduced shard is rounded in the buffer)"
+    for slot, p in enumerate(bucket.params):
+        if bucket.is_piece(slot):
+            i = bucket.param_indices[slot]
+            start, stop = bucket.ranges[slot]
+            where = (f"split over buckets {', '.join(map(str, buckets_of[i]))}" if buckets_of and i in buckets_of
+                     else "split over several buckets")
+            return (f"it holds part of parameter {i} (elements [{start}, {stop}) of {p.numel()}, {where}), whose "
+                    ".grad cannot be a view of one bucket")
     for slot, p in enumerate(bucket.params):
         if p.layout != torch.strided or not p.is_contiguous():
             return (f"parameter {bucket.param_indices[slot]} (shape {tuple(p.shape)}) is not a contiguous dense "
@@ -78,8 +95,11 @@ class CommEngine:
 
     Args:
         comm: the dedicated group (see :func:`collectives.new_comm_group`).
-        params: trainable parameters, indexed as in ``schedule.buckets``.
-        schedule: fusion and op list; validated against ``len(params)``.
+        params: trainable parameters, indexed as ``schedule.buckets`` (or ``schedule.pieces``) name them.
+        schedule: fusion and op list; validated against ``len(params)`` and their sizes. With
+            ``schedule.pieces`` (tensor partitioning, ByteScheduler SOSP 2019) a bucket's slots are
+            element ranges of parameters: a split parameter's gradient is copied piece by piece into
+            each of its buckets by :meth:`grad_ready`, and a bucket is ready when all its slots are.
         wait_timeout_s: timeout, in seconds, of every wait (worker waiting for gradients, trainer
             waiting for an op).
         transport_factory: optional ``f(buckets) -> CompressedTransport``; with it the buckets
@@ -107,17 +127,37 @@ class CommEngine:
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
                  transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False) -> None:
-        schedule.validate(len(params))
+        schedule.validate(len(params), [p.numel() for p in params])
         if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
             raise ValueError(f"schedule {schedule.name!r} sends {schedule.num_wire16} bucket(s) in the 16-bit wire "
                              f"format but wire_dtype={wire_dtype!r}; valid: {', '.join(map(repr, C.WIRE_DTYPES))}")
         self.comm = comm
         self.schedule = schedule
         self.wait_timeout_s = float(wait_timeout_s)
-        self.buckets = [
-            FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
-            for b, idxs in enumerate(schedule.buckets)
-        ]
+        self._params = list(params)
+        if schedule.pieces is None:
+            self.buckets = [
+                FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
+                for b, idxs in enumerate(schedule.buckets)
+            ]
+        else:
+            pieces = schedule.pieces
+            self.buckets = [
+                FlatBucket.allocate(b, tuple(pieces[u][0] for u in units), [params[pieces[u][0]] for u in units],
+                                    comm.world_size, [pieces[u][1:] for u in units], units)
+                for b, units in enumerate(schedule.buckets)
+            ]
+        #: param index -> its ``(bucket, slot, start, stop)`` places, in element order (whole: one place)
+        self.places: dict[int, list[tuple[int, int, int, int]]] = {}
+        for b in self.buckets:
+            for s, i in enumerate(b.param_indices):
+                self.places.setdefault(i, []).append((b.index, s) + tuple(b.ranges[s]))
+        for pl in self.places.values():
+            pl.sort(key=lambda place: place[2])
+        #: split param index -> the buckets holding its pieces (element order; empty without splits)
+        self.split: dict[int, tuple[int, ...]] = {
+            i: tuple(dict.fromkeys(b for b, _, _, _ in pl)) for i, pl in self.places.items()
+            if any(self.buckets[b].is_piece(s) for b, s, _, _ in pl)}
         # The compressed transport's pipeline is built over *all* buckets (simple bucket numbering, telemetry
         # by bucket index; slots of uncompressed buckets stay unused); only flagged buckets use it.
         wants = transport_factory is not None and schedule.num_compressed > 0
@@ -134,7 +174,7 @@ class CommEngine:
         if bucket_view:
             for b in self.buckets:
                 reason = view_refusal(b, compressed=self.transport is not None and schedule.is_compressed(b.index),
-                                      wire16=schedule.is_wire16(b.index))
+                                      wire16=schedule.is_wire16(b.index), buckets_of=self.split)
                 if reason is None:
                     b.as_view = True
                 else:
@@ -145,7 +185,7 @@ class CommEngine:
         self.copies = 0
         self._attached: set[int] = set()  # param indices whose None .grad attach_views pointed at the view
         self._local: set[int] = set()  # param indices with a gradient from a backward without communication
-        self._slot_of = {i: (b.index, s) for b in self.buckets for s, i in enumerate(b.param_indices)}
+        self._slot_of = {i: pl[0][:2] for i, pl in self.places.items()}  # (bucket, slot) of the (first) place
         self._got = [False] * len(params)
         self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
         self._remaining = [0] * len(self.buckets)
@@ -189,6 +229,15 @@ class CommEngine:
         """Number of buckets of the schedule."""
         return len(self.buckets)
 
+    @property
+    def params(self) -> list[torch.Tensor]:
+        """The engine's parameters (engine order: the indices ``schedule.buckets`` or ``schedule.pieces`` use)."""
+        return self._params
+
+    def buckets_of(self, param_index: int) -> tuple[int, ...]:
+        """The buckets holding parameter ``param_index`` (one for a whole parameter; a split one's in element order)."""
+        return self.split.get(param_index) or (self._slot_of[param_index][0],)
+
     def begin_iteration(self) -> None:
         """Start collecting gradients for one reduction round and wake the worker.
 
@@ -216,6 +265,10 @@ class CommEngine:
     def grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
         """Copy one parameter's finished local gradient into its bucket (called from the autograd thread).
 
+        A split parameter (``schedule.pieces``) is copied piece by piece: elements ``[start, stop)`` of
+        ``grad`` flattened (row-major, ``grad.reshape(-1)``) go to each of its buckets; every bucket whose
+        slots are all filled is marked ready.
+
         Args:
             param_index: index of the parameter in the engine's parameter list.
             grad: its gradient, same shape as the parameter.
@@ -232,6 +285,9 @@ class CommEngine:
                 "torch.utils.checkpoint.checkpoint(..., use_reentrant=False)"
             )
         self._got[param_index] = True
+        if self.split and param_index in self.split:
+            self._split_grad_ready(param_index, grad)
+            return
         b, slot = self._slot_of[param_index]
         bucket = self.buckets[b]
         view = bucket.grad_view(slot)
@@ -250,6 +306,24 @@ class CommEngine:
         self._remaining[b] -= 1
         if self._remaining[b] == 0:
             self._mark_ready(b)
+
+    def _split_grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
+        """:meth:`grad_ready` of a split parameter: each piece (``stop - start`` elements of ``grad`` flattened,
+        divided by the world size, plus its part of a carried value) into its bucket; no bucket of a split
+        parameter is a view bucket (:func:`view_refusal`), so this always copies."""
+        flat = grad.detach().reshape(-1)
+        extra = self._carry.pop(param_index, None) if self._carry else None
+        for b, slot, start, stop in self.places[param_index]:
+            bucket = self.buckets[b]
+            view = bucket.grad_view(slot)
+            torch.div(flat[start:stop], self.comm.world_size, out=view)
+            if extra is not None:  # once: see carry_to_next_gradient
+                view.add_(extra[start:stop].to(view.dtype))
+            self.copies += 1
+            bucket.flags[slot] = 1
+            self._remaining[b] -= 1
+            if self._remaining[b] == 0:
+                self._mark_ready(b)
 
     def carry_to_next_gradient(self, values: dict[int, torch.Tensor]) -> None:
         """Add ``values[i]`` once to parameter ``i``'s next gradient in its bucket, before communication.
@@ -348,8 +422,7 @@ class CommEngine:
         local, self._local = self._local, set()
         for i in sorted(local):
             if not self._got[i]:
-                b, slot = self._slot_of[i]
-                grad = self.buckets[b].params[slot].grad
+                grad = self._params[i].grad
                 if grad is not None:
                     self.grad_ready(i, grad)
         for b in range(self.num_buckets):
@@ -375,7 +448,8 @@ class CommEngine:
         return self.buckets[b]
 
     def used_flags(self, b: int) -> list[bool]:
-        """Which parameters of bucket ``b`` got a gradient on *any* rank in this round.
+        """Per slot of bucket ``b``: whether its parameter got a gradient on *any* rank in this round (every
+        piece of a split parameter alike).
 
         A parameter that got a local gradient is used without looking at the reduced flag, so the
         host reads the reduced flags (a device sync on CUDA) only when some parameter of the bucket

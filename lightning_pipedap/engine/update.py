@@ -3,7 +3,9 @@
 Deferred mode (DeAR ICDCS 2023 §III-B; PipeDAP TETC 2025 §IV): the optimizer step of iteration t
 is split per bucket and each part runs when that bucket's all-gather lands, in the forward pre-hook
 of iteration t+1. For a *per-parameter* optimizer (SGD, Adam, AdamW, ...) the step restricted to a
-bucket's parameters is exactly the full step's effect on them, so the result equals DDP's.
+bucket's parameters is exactly the full step's effect on them, so the result equals DDP's. A parameter
+split over several buckets (tensor partitioning, ByteScheduler SOSP 2019) is stepped once, from all its
+reduced pieces, when the last of its buckets is applied.
 The bucket's step uses the hyper-parameters snapshotted when iteration t's ``optimizer_step``
 ran, so LR schedulers that step in between do not leak into update t.
 """
@@ -80,20 +82,53 @@ class BucketOptimizer:
     The restricted step runs the optimizer class's ``step`` on a shallow view of ``optimizer``
     whose ``param_groups`` hold only the bucket's parameters (state, defaults and hooks shared).
     Parameters of a bucket that belong to no param group are not updated (as with DDP).
+
+    A *split* parameter (its pieces in several buckets: tensor partitioning, ByteScheduler SOSP 2019) is
+    stepped once per optimizer step, by the call that applies the *last* of its buckets to be applied
+    (whatever order the caller applies them in: forward triggers, the guard, leftovers): by then every
+    one of its buckets was passed to :meth:`step`, so its reduced pieces are complete. Each piece is
+    clipped in place in its bucket when that bucket is applied; the optimizer then gets the pieces
+    concatenated (``torch.cat`` of the 1-D piece views in element order, ``.view_as(p)``, a copy) as
+    ``p.grad`` for the step. :meth:`begin_step` starts a new optimizer step (forgets buckets applied in
+    a step that was dropped).
     """
 
     def __init__(self, optimizer: Optimizer, buckets: Sequence[FlatBucket]) -> None:
         self.optimizer = optimizer
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-        # per bucket: list of (group index, [(slot, param)])
+        # per bucket: list of (group index, [(slot, param)]) of its whole parameters
         self._members: list[list[tuple[int, list[tuple[int, torch.Tensor]]]]] = []
+        # per bucket: [(slot, param index, group index)] of its pieces of split parameters (in a param group)
+        self._pieces: list[list[tuple[int, int, int]]] = []
+        # split param index -> (param, [(bucket, slot)] in element order, the buckets holding it)
+        self._split: dict[int, tuple[torch.Tensor, list[tuple[FlatBucket, int]], frozenset[int]]] = {}
+        places: dict[int, list[tuple[int, FlatBucket, int]]] = {}
         for b in buckets:
             per_group: dict[int, list[tuple[int, torch.Tensor]]] = {}
+            pieces: list[tuple[int, int, int]] = []
             for slot, p in enumerate(b.params):
                 gi = group_of.get(id(p))
-                if gi is not None:
+                if gi is None:
+                    continue
+                if b.is_piece(slot):
+                    i = b.param_indices[slot]
+                    pieces.append((slot, i, gi))
+                    places.setdefault(i, []).append((b.ranges[slot][0], b, slot))
+                else:
                     per_group.setdefault(gi, []).append((slot, p))
             self._members.append(sorted(per_group.items()))
+            self._pieces.append(pieces)
+        for i, pl in places.items():
+            pl.sort(key=lambda place: place[0])
+            self._split[i] = (pl[0][1].params[pl[0][2]], [(bk, slot) for _, bk, slot in pl],
+                              frozenset(bk.index for _, bk, _ in pl))
+        # split param index -> its buckets not applied yet in this optimizer step
+        self._left: dict[int, set[int]] = {}
+        self.begin_step()
+
+    def begin_step(self) -> None:
+        """A new optimizer step: every bucket of every split parameter is still to be applied."""
+        self._left = {i: set(buckets) for i, (_, _, buckets) in self._split.items()}
 
     def step(self, bucket: FlatBucket, hparams: list[dict[str, Any]], clip: ClipRequest | None, coef: float | None,
              used: list[bool] | None = None) -> None:
@@ -101,24 +136,34 @@ class BucketOptimizer:
 
         Args:
             bucket: a bucket whose AG/AR has finished.
-            used: per parameter, whether any rank produced a gradient (default: read the reduced flags).
-                A parameter no rank produced a gradient for is stepped with its own ``.grad`` when that is
-                not None (``zero_grad(set_to_none=False)`` left a zero tensor: DDP steps it too, so momentum
-                and weight decay move it) and skipped when it is None.
+            used: per slot, whether any rank produced a gradient for its parameter (default: read the reduced
+                flags). A parameter no rank produced a gradient for is stepped with its own ``.grad`` when
+                that is not None (``zero_grad(set_to_none=False)`` left a zero tensor: DDP steps it too, so
+                momentum and weight decay move it) and skipped when it is None.
             hparams: :func:`snapshot_hparams` taken at the step's ``optimizer_step``.
             clip: the step's clip request, or ``None``.
             coef: the global clip-by-norm coefficient (required when ``clip.algorithm == "norm"``).
+
+        A piece of a split parameter is clipped here; the parameter is stepped only when this is the last
+        of its buckets applied in this optimizer step (see the class docstring).
         """
-        members = self._members[bucket.index]
-        if not members:
+        members, pieces = self._members[bucket.index], self._pieces[bucket.index]
+        if not members and not pieces:
             return
         if used is None:
             used = (bucket.flags > 0).tolist()
-        groups, saved = [], []
+        per_group: dict[int, list[torch.Tensor]] = {}
+        saved = []
+
+        def clipped(g: torch.Tensor) -> torch.Tensor:
+            if clip is not None and clip.algorithm == "value":
+                g.clamp_(-clip.value, clip.value)
+            elif clip is not None and coef is not None:
+                g.mul_(coef)
+            return g
+
         for gi, slots in members:
-            plist = []
             for slot, p in slots:
-                saved.append((p, p.grad))
                 if used[slot]:
                     g = bucket.grad_view(slot)
                 elif p.grad is not None:
@@ -127,31 +172,60 @@ class BucketOptimizer:
                     g = p.grad
                 else:
                     continue  # no gradient anywhere: not stepped, as with DDP
-                if clip is not None and clip.algorithm == "value":
-                    g.clamp_(-clip.value, clip.value)
-                elif clip is not None and coef is not None:
-                    g.mul_(coef)
-                p.grad = g
-                plist.append(p)
-            if plist:
-                groups.append(dict(hparams[gi], params=plist))
+                saved.append((p, p.grad))
+                p.grad = clipped(g)
+                per_group.setdefault(gi, []).append(p)
+        last: dict[int, tuple[int, int]] = {}  # split param index -> (slot, group) of its last piece here
+        for slot, i, gi in pieces:
+            if used[slot]:
+                clipped(bucket.grad_view(slot))  # in place: ``.grad`` written back later shows clipped values
+            last[i] = (slot, gi)
+        for i, (slot, gi) in last.items():
+            left = self._left[i]
+            left.discard(bucket.index)
+            if left:
+                continue  # other buckets of the parameter are applied later; the last one steps it
+            p, places, buckets = self._split[i]
+            self._left[i] = set(buckets)  # (the next optimizer step starts over)
+            if used[slot]:
+                g = torch.cat([bk.grad_view(s) for bk, s in places]).view_as(p)
+            elif p.grad is not None:
+                g = clipped(p.grad)  # unused on every rank, ``.grad`` kept: as for a whole parameter
+            else:
+                continue
+            saved.append((p, p.grad))
+            p.grad = g
+            per_group.setdefault(gi, []).append(p)
         try:
-            if groups:
+            if per_group:
                 view = object.__new__(type(self.optimizer))
                 view.__dict__.update(self.optimizer.__dict__)
-                view.param_groups = groups
+                view.param_groups = [dict(hparams[gi], params=plist) for gi, plist in sorted(per_group.items())]
                 type(self.optimizer).step(view)
         finally:
             for p, g in saved:
                 p.grad = g
 
 
+def _write_flat(grad: torch.Tensor, start: int, stop: int, piece: torch.Tensor) -> None:
+    """``grad`` flattened (row-major), elements ``[start, stop)`` := ``piece`` (1-D), in place."""
+    if grad.is_contiguous():
+        grad.view(-1)[start:stop].copy_(piece)
+    else:  # (a channels-last or otherwise strided .grad: go through a row-major copy)
+        flat = grad.reshape(-1).clone()
+        flat[start:stop].copy_(piece)
+        grad.copy_(flat.view(grad.shape))
+
+
 def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None:
     """Sync mode: set each parameter's ``.grad`` to its reduced (averaged) gradient.
 
     Parameters that no rank produced a gradient for keep their ``.grad`` untouched (DDP semantics).
-    ``used`` (per parameter, any rank had a gradient) defaults to the reduced flags. On a bucket with
-    ``as_view`` a ``.grad`` that is the bucket's view (or None) is pointed at the view: no copy.
+    ``used`` (per slot, any rank had a gradient for its parameter) defaults to the reduced flags. On a
+    bucket with ``as_view`` a ``.grad`` that is the bucket's view (or None) is pointed at the view: no copy.
+    A piece of a split parameter is written to elements ``[start, stop)`` of ``p.grad`` flattened
+    (``p.grad`` is first allocated as zeros when None): its ``.grad`` is complete once every bucket holding
+    one of its pieces was written back.
     """
     if used is None:
         used = (bucket.flags > 0).tolist()
@@ -159,7 +233,12 @@ def write_back_grads(bucket: FlatBucket, used: list[bool] | None = None) -> None
         if not used[slot]:
             continue
         g = bucket.grad_view(slot)
-        if bucket.as_view and (p.grad is None or bucket.is_view(slot, p.grad)):
+        if bucket.pieces[slot]:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            start, stop = bucket.ranges[slot]
+            _write_flat(p.grad, start, stop, g)
+        elif bucket.as_view and (p.grad is None or bucket.is_view(slot, p.grad)):
             p.grad = g  # gradient_as_bucket_view: .grad is the reduced view itself, nothing to copy
         elif p.grad is None:
             p.grad = g.clone()

@@ -24,6 +24,11 @@ optimizer state unchanged).
 The update of a bucket is the optimizer's step restricted to it
 (:class:`~lightning_pipedap.engine.update.BucketOptimizer`, DeAR ICDCS 2023 §III-B), with the
 hyper-parameters and clip request snapshotted when the step was recorded.
+
+A parameter split over several buckets (``Schedule.pieces``, tensor partitioning: ByteScheduler SOSP 2019)
+is stepped once, when the last of its buckets lands; every one of its buckets is triggered no later than its
+first consumer, the guard applies all of them (and writes all its pieces to ``.grad`` for a grad read), and
+the rules above are about parameters, whatever buckets hold their pieces.
 """
 
 from __future__ import annotations
@@ -116,10 +121,8 @@ class DeferredUpdates:
         self.updater: Optional[BucketOptimizer] = None
         self.triggers: dict[int, list[int]] = {}  # id(module) -> buckets applied at its forward pre-hook
         self.root: list[int] = []  # buckets applied before training_step
-        self.bucket_of = [0] * sum(len(b.param_indices) for b in engine.buckets)
-        for b in engine.buckets:
-            for i in b.param_indices:
-                self.bucket_of[i] = b.index
+        #: engine parameter index -> the buckets holding it (one; several for a parameter split over buckets)
+        self.buckets_of: list[tuple[int, ...]] = [engine.buckets_of(i) for i in range(len(engine.params))]
         self.applying = False
         self.deferring = False  # inside a deferred optimizer step (its backward does not wait for the reduction)
         self._misses: dict[int, str] = {}  # bucket -> what was read early (this step)
@@ -133,21 +136,27 @@ class DeferredUpdates:
 
     # ------------------------------------------------------------------ layout
     def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module) -> None:
-        """Triggers from per-parameter owners (engine order): a bucket lands before its earliest consumer;
-        one with a parameter owned by ``root_module`` or by nobody lands before ``training_step``."""
+        """Triggers from per-parameter owners (engine order, which is first-consumption order): a bucket lands
+        before the earliest consumer of any of its units' parameters (the owner of its first parameter; with
+        ``schedule.pieces``, of its lowest parameter index); one with a parameter owned by ``root_module`` or by
+        nobody lands before ``training_step``. Every bucket holding a piece of a split parameter so lands
+        before that parameter's first consumer, and the parameter is stepped when the last of them lands."""
         self.triggers, self.root = {}, []
         if owners is not None:
-            for b, idxs in enumerate(self.engine.schedule.buckets):
+            pieces = self.engine.schedule.pieces is not None
+            for b in self.engine.buckets:
+                idxs = b.param_indices  # (per unit: its parameter)
                 if any(owners[i] is None or owners[i] is root_module for i in idxs):
-                    self.root.append(b)
+                    self.root.append(b.index)
                 else:
-                    self.triggers.setdefault(id(owners[idxs[0]]), []).append(b)
+                    self.triggers.setdefault(id(owners[min(idxs) if pieces else idxs[0]]), []).append(b.index)
 
     # ------------------------------------------------------------------ recording a step
     def record(self, optimizer: Optimizer, clip: Optional[ClipRequest], step: int = -1) -> None:
         """This step's gradients are being reduced: their update is pending (hyper-parameters snapshotted)."""
         if self.updater is None:
             self.updater = BucketOptimizer(optimizer, self.engine.buckets)
+        self.updater.begin_step()
         self.pending = Pending(snapshot_hparams(optimizer), clip, set(range(self.engine.num_buckets)), step=step)
 
     # ------------------------------------------------------------------ where buckets land
@@ -194,24 +203,30 @@ class DeferredUpdates:
 
     def guarded_read(self, i: int, grad_read: bool = False) -> None:
         """Guard: engine parameter ``i`` (or its ``.grad``, or its optimizer state) is about to be read by an
-        op; apply its pending bucket first (and write the averaged gradients to ``.grad`` for a grad read)."""
+        op; apply its pending buckets first (every bucket holding a piece of a split parameter), and write
+        the averaged gradients to ``.grad`` for a grad read."""
         if self.applying:
             return
-        b = self.bucket_of[i]
-        if grad_read and b in self._unwritten:
-            self._write_grads(b)
+        buckets = self.buckets_of[i]
+        if grad_read and self._unwritten:
+            for b in buckets:
+                if b in self._unwritten:
+                    self._write_grads(b)
         pending = self.pending
-        if pending is None or b not in pending.remaining:
+        if pending is None:
             return
-        bucket = self.engine.buckets[b]
-        p = bucket.params[bucket.param_indices.index(i)]
+        todo = [b for b in buckets if b in pending.remaining]
+        if not todo:
+            return
+        p = self.engine.params[i]
         if transform_active():
             raise RuntimeError(f"pipedap: parameter {self.name_of(p)!r} is read inside a torch.func transform "
                                "while its update is pending, and an update cannot be applied inside a transform; "
                                "pass defer_update=False")
-        self._misses.setdefault(b, f"{self.name_of(p)}{'.grad' if grad_read else ''}")
+        for b in todo:
+            self._misses.setdefault(b, f"{self.name_of(p)}{'.grad' if grad_read else ''}")
         self.missed.append(i)
-        self.apply([b], "guard", write_grads=grad_read)
+        self.apply(todo, "guard", write_grads=grad_read)
 
     def end_guard(self) -> None:
         """After a guarded forward: buckets read before their trigger land before ``training_step`` from now on."""
@@ -262,8 +277,8 @@ class DeferredUpdates:
 
     def stale_message(self, indices: Optional[list[int]] = None) -> str:
         indices = sorted(self._late | self._forward_params) if indices is None else indices
-        params = {i: p for b in self.engine.buckets for i, p in zip(b.param_indices, b.params)}
-        names = sorted({self.name_of(params[i]) for i in indices if i in params})
+        params = self.engine.params
+        names = sorted({self.name_of(params[i]) for i in indices if 0 <= i < len(params)})
         return (f"pipedap: the forward read {', '.join(names[:5])}{' ...' if len(names) > 5 else ''} while its "
                 "update was still pending (it is read outside the module that first used it in the traced step, "
                 "e.g. on a data-dependent path); results would differ from DDP's. Pass defer_update=False.")

@@ -68,6 +68,8 @@ class Finding:
 def first_nonfinite(buckets: Sequence[Any], name_of: Callable[[Tensor], str], step: int) -> Optional[Finding]:
     """The first parameter whose reduced gradient (in ``buckets``, in order) holds NaN/inf, or None.
 
+    A piece of a split parameter is named by its parameter (the counts are those of the piece).
+
     ``buckets`` are :class:`~lightning_pipedap.engine.buckets.FlatBucket` whose reduction has finished
     (identical data on every rank). One sum per bucket and one host sync: a sum is finite only if every
     element is (NaN and inf propagate); a bucket whose sum is not finite is then checked element by

@@ -84,10 +84,23 @@ class TrainableSet:
                 for b in engine.buckets for i, p in zip(b.param_indices, b.params)}
 
     def layouts(self, buckets: list) -> list[list[tuple[str, tuple[int, ...]]]]:
-        """Per bucket, ``(parameter name, shape)`` in buffer order: what the compression state is keyed by."""
+        """Per bucket, ``(parameter name, shape)`` in buffer order: what the compression state is keyed by.
+
+        A piece of a split parameter (never in a compressed bucket) is ``("name[start:stop]", (stop - start,))``.
+        """
         names = self.names()
-        return [[(names.get(id(p), f"<parameter {i}>"), tuple(p.shape)) for i, p in zip(b.param_indices, b.params)]
-                for b in buckets]
+        out = []
+        for b in buckets:
+            entries = []
+            for slot, (i, p) in enumerate(zip(b.param_indices, b.params)):
+                name = names.get(id(p), f"<parameter {i}>")
+                if b.is_piece(slot):
+                    start, stop = b.ranges[slot]
+                    entries.append((f"{name}[{start}:{stop}]", (stop - start,)))
+                else:
+                    entries.append((name, tuple(p.shape)))
+            out.append(entries)
+        return out
 
 
 def model_signature(module: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str, bool]]:
