@@ -223,8 +223,9 @@ class Schedule:
             if not (isinstance(piece, tuple) and len(piece) == 3 and all(_is_int(v) for v in piece)):
                 raise ValueError(f"pieces[{u}] must be a (param, start, stop) triple of ints, got {piece!r}")
             p, start, stop = piece
-            if p < 0 or not 0 <= start < stop:
-                raise ValueError(f"pieces[{u}] = {piece}: need param >= 0 and 0 <= start < stop")
+            if p < 0 or not (0 <= start < stop or start == stop == 0):
+                raise ValueError(f"pieces[{u}] = {piece}: need param >= 0 and 0 <= start < stop (or (param, 0, 0), "
+                                 "the one piece of a parameter without elements)")
             by_param.setdefault(p, []).append((start, stop, u))
         if num_params is None:
             num_params = len(numels) if numels is not None else (max(by_param) + 1 if by_param else 0)
@@ -238,6 +239,9 @@ class Schedule:
         for p, ranges in by_param.items():
             if [u for _, _, u in ranges] != sorted(u for _, _, u in ranges) or sorted(ranges) != ranges:
                 raise ValueError(f"the pieces of parameter {p} must be listed in element order")
+            if len(ranges) > 1 and any(start == stop for start, stop, _ in ranges):
+                raise ValueError(f"parameter {p} has an empty piece among {len(ranges)}; only a parameter without "
+                                 "elements has one, and it is its only piece")
             end = 0
             for start, stop, u in ranges:
                 if start != end:

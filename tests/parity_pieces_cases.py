@@ -43,6 +43,9 @@ SYNC_CASES = ("clip_norm_sync", "accumulate2_sync", "unused_some_steps_splitunus
 OPS: dict[str, Any] = {"kind": "planned", "split": "largest", "plans": 0}
 #: stop at step 8 with a checkpoint and resume from it: the resumed run installs the checkpoint's split plan
 RESUME_CASE = "resume_mid_epoch"
+#: the strategy's own ``partition_mb`` path (no patched planning): the partitioned plan is a trial candidate and
+#: the measured selection is forced to choose it
+OPTION_CASE = "partition_mb_option"
 
 
 def split_largest(schedule: Schedule, numels: Sequence[int], big: int | None = None) -> Schedule:
@@ -142,11 +145,50 @@ def run_resume_case(at: int = 8) -> dict[str, Any]:
             "forward": st.update_counts["forward"], "plans_in_resumed_run": OPS["plans"] - plans}
 
 
+def run_option_case(real_plan: Any) -> dict[str, Any]:
+    """``PipeDAPStrategy(partition_mb=...)`` end to end: the real ``Planning.plan`` splits the layers larger than
+    0.0005 MiB (131 fp32 elements), with an α-β model of no start-up and a slow link, and offers the partitioned plan as a trial candidate; the measured selection is
+    forced to pick it (``*+pieces*`` name), and the rest of the fit runs it (AdamW, param groups, StepLR)."""
+    import lightning_pipedap.strategy.controller as ctl
+    from lightning_pipedap.strategy.planning import Planning
+
+    chooser, patched = ctl.choose_candidate, Planning.plan
+
+    def forced(names: Any, windows: Any, floor: Any = None, **kw: Any) -> Any:
+        best, medians, notes = chooser(names, windows, floor, **kw)
+        split = [k for k, n in enumerate(names) if "+pieces" in n]
+        return (split[0] if split else best), medians, notes
+
+    ctl.choose_candidate, Planning.plan = forced, real_plan
+    try:
+        kw = {"opt": "adamw", "sched": "step"}
+        ref = train("mlp", kw, {}, "ddp")
+        from lightning_pipedap.plan import CostModel
+
+        # (no start-up cost per op and a slow link: the planner keeps pieces in buckets of their own)
+        cm = CostModel.from_allreduce(0.0, 1e-6)
+        st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, partition_mb=0.0005, plan_trials=5,
+                             trial_steps=1, trial_rounds=1, trial_window_s=0, torch_ddp_candidate=False, cost_model=cm)
+        out = train("mlp", kw, {}, st)
+        return {"diff": max_diff(out, ref), "installed": st.installed_schedule,
+                "forward": st.update_counts["forward"]}
+    finally:
+        ctl.choose_candidate, Planning.plan = chooser, patched
+
+
 def main(out_path: str, names: list[str]) -> None:
     torch.set_num_threads(1)
-    patch_planning()
+    real_plan = patch_planning()
     results: dict[str, Any] = {}
     for name in names:
+        if name == OPTION_CASE:
+            try:
+                results[name] = run_option_case(real_plan)
+            except Exception as exc:
+                import traceback
+
+                results[name] = {"error": f"{exc!r}\n{traceback.format_exc()}"}
+            continue
         if name == RESUME_CASE:
             OPS["kind"], OPS["split"] = "planned", "largest"
             try:

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from tests._dist_util import run_lightning_ranks
-from tests.parity_pieces_cases import (PIECES_CASES, RESUME_CASE, SYNC_CASES, UNUSED_CASES, VIEW_CASES,
-                                      split_largest)
+from tests.parity_pieces_cases import (OPTION_CASE, PIECES_CASES, RESUME_CASE, SYNC_CASES, UNUSED_CASES,
+                                      VIEW_CASES, split_largest)
 
 TOL = 1e-6
 ROOT = Path(__file__).resolve().parents[1]
 NAMES = [*PIECES_CASES, *(f"{c}_dear" for c in PIECES_CASES), *(f"{c}_view" for c in VIEW_CASES), *UNUSED_CASES,
          *SYNC_CASES]
-CASE_NAMES = [*NAMES, RESUME_CASE]
+CASE_NAMES = [*NAMES, RESUME_CASE, OPTION_CASE]
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +66,14 @@ def test_resume_installs_the_checkpoints_split_plan(results):
     assert res["plans_in_resumed_run"] == 0  # the checkpoint's schedule (with its pieces), not a new plan
     assert res["forward"] > 0
     assert res["diff"] <= TOL and res["ddp_diff"] <= TOL, res
+
+
+@pytest.mark.multiprocess
+def test_the_partition_mb_option_trains_exactly_as_ddp(results):
+    """The option end to end, no patched planning: the real planner plans on the partitioned profile, the
+    partitioned plan runs as a trial candidate and then (the selection forced to it) to the end of the fit."""
+    res = results[OPTION_CASE]
+    assert "error" not in res, res.get("error")
+    assert "+pieces0.0005MiB" in res["installed"] and "split parameters" in res["installed"], res["installed"]
+    assert res["forward"] > 0
+    assert res["diff"] <= TOL, f"max |param - ddp| = {res['diff']:.3e} ({res['installed']})"
