@@ -481,20 +481,30 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
             else:
                 groups.append([i])
         parts.append([tuple(g) for g in groups])
+    n = sum(len(l) for l in layers)
+    return split_buckets(schedule, parts, n)
+
+
+def split_buckets(schedule: Schedule, parts: Sequence[Sequence[tuple[int, ...]]], num_params: int,
+                  numels: Sequence[int] | None = None,
+                  pieces: tuple[tuple[int, int, int], ...] | None = None) -> Schedule:
+    """``schedule`` with bucket ``b`` replaced by the consecutive buckets ``parts[b]`` (tuples of unit indices).
+
+    Each op on ``b`` becomes the same op on each of its parts, in place: reductions in backward order (the last
+    part is ready first), gathers in forward order; every part of a compressed (16-bit wire) bucket is compressed
+    (16-bit wire). The result (same name and prediction, ``pieces`` as given) is validated with
+    ``validate(num_params, numels)``.
+    """
     new_index: list[list[int]] = []
     buckets: list[tuple[int, ...]] = []
     for groups in parts:
         new_index.append(list(range(len(buckets), len(buckets) + len(groups))))
-        buckets.extend(groups)
-    ops = tuple(
-        Op(op.kind, nb)
-        for op in schedule.ops
-        # parts of a bucket: reductions in backward order (last part ready first), gathers in forward order
-        for nb in (new_index[op.bucket] if op.kind is OpKind.ALL_GATHER else reversed(new_index[op.bucket]))
-    )
+        buckets.extend(tuple(g) for g in groups)
+    ops = tuple(Op(op.kind, nb) for op in schedule.ops
+                for nb in (new_index[op.bucket] if op.kind is OpKind.ALL_GATHER else reversed(new_index[op.bucket])))
+
     def per_part(flags: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
         return None if flags is None else tuple(bool(flags[b]) for b, groups in enumerate(parts) for _ in groups)
 
-    n = sum(len(l) for l in layers)
     return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s, per_part(schedule.compressed),
-                    per_part(schedule.wire16)).validate(n)
+                    per_part(schedule.wire16), pieces).validate(num_params, numels)

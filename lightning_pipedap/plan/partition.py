@@ -64,7 +64,7 @@ from typing import Sequence
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
-from lightning_pipedap.schedule import Op, OpKind, Schedule, expand_layers
+from lightning_pipedap.schedule import OpKind, Schedule, expand_layers, split_buckets
 
 __all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
            "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
@@ -287,19 +287,7 @@ def expand_pieces(schedule: Schedule, piece_map: PieceMap, layers: Sequence[Sequ
             else:
                 groups.append([index[u]])
         parts.append([tuple(g) for g in groups])
-    new_index: list[list[int]] = []
-    buckets: list[tuple[int, ...]] = []
-    for groups in parts:
-        new_index.append(list(range(len(buckets), len(buckets) + len(groups))))
-        buckets.extend(groups)
-    ops = tuple(Op(op.kind, nb) for op in schedule.ops
-                for nb in (new_index[op.bucket] if op.kind is OpKind.ALL_GATHER else reversed(new_index[op.bucket])))
-
-    def per_part(flags: tuple[bool, ...] | None) -> tuple[bool, ...] | None:
-        return None if flags is None else tuple(bool(flags[b]) for b, groups in enumerate(parts) for _ in groups)
-
-    return Schedule(tuple(buckets), ops, schedule.name, schedule.predicted_iteration_s, per_part(schedule.compressed),
-                    per_part(schedule.wire16), tuple(order)).validate(num_params, numels)
+    return split_buckets(schedule, parts, num_params, numels, tuple(order))
 
 
 def engine_period(profile: ModelProfile, piece_map: PieceMap, cost_model: CostModel, schedule: Schedule, *,
