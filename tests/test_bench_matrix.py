@@ -542,11 +542,13 @@ def test_wire_suffix_selects_wire_dtype_and_its_uncompressed_counterpart():
 def test_part_suffix_selects_partition_mb_and_rejects_bad_values():
     sp = M.parse_strategy("pipedap-optimal@part1")
     assert (sp.family, sp.schedule, sp.partition_mb, sp.nice, sp.wire) == ("pipedap", "optimal", 1.0, 0, "fp32")
-    sp = M.parse_strategy("pipedap-dear@part0.5@nice3@bf16")
-    assert (sp.schedule, sp.partition_mb, sp.nice, sp.wire) == ("dear", 0.5, 3, "bf16")
+    sp = M.parse_strategy("pipedap-pipedap@part0.5@nice3@bf16")
+    assert (sp.schedule, sp.partition_mb, sp.nice, sp.wire) == ("pipedap", 0.5, 3, "bf16")
     assert M.parse_strategy("pipedap-optimal").partition_mb is None
-    for bad in ("pipedap-optimal@part0", "pipedap-optimal@part-1", "pipedap-optimal@partx", "pipedap-optimal@partnan"):
-        with pytest.raises(ValueError, match=r"valid: @part<MiB> with a number of MiB > 0"):
+    for bad in ("pipedap-optimal@part0", "pipedap-optimal@part-1", "pipedap-optimal@partx", "pipedap-optimal@partnan",
+                "pipedap-optimal@part1_0", "pipedap-optimal@part 1", "pipedap-optimal@part1e-9", "pipedap-optimal@part"):
+        with pytest.raises(ValueError, match=r"valid: @part<MiB> with a decimal number of MiB >= 0.000976562"):
             M.parse_strategy(bad)
-    with pytest.raises(ValueError, match=r"needs an uncompressed pipedap variant"):
-        M.parse_strategy("pipedap-optimal+fp16@part1")
+    for bad in ("pipedap-optimal+fp16@part1", "pipedap-dear@part1", "pipedap-allreduce@part1"):
+        with pytest.raises(ValueError, match=r"needs an uncompressed pipedap variant with a planned schedule"):
+            M.parse_strategy(bad)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import inspect
 
+import re
+
 import pytest
 import torch
 
@@ -11,11 +13,33 @@ from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.strategy.config import PipeDAPConfig
 
 
-@pytest.mark.parametrize("bad", [0, -2.5, float("inf"), float("nan"), True, "4"])
+@pytest.mark.parametrize("bad", [0, -2.5, 1e-9, float("inf"), float("nan"), True, "4"])
 def test_partition_mb_is_validated(bad):
-    with pytest.raises(ValueError, match=r"partition_mb must be None \(off\) or a finite number of MiB > 0 \(split "
-                                         rf"layers larger than that before planning, e.g. 4\), got {bad!r}"):
+    with pytest.raises(ValueError, match=r"partition_mb must be None \(off\) or a finite number of MiB >= 0.000976562 "
+                                         r"\(1 KiB; split layers larger than that before planning, e.g. 4\), got "
+                                         + re.escape(repr(bad))):
         PipeDAPConfig(partition_mb=bad)
+
+
+def test_partition_mb_takes_any_real_number():
+    import numpy as np
+
+    assert PipeDAPConfig(partition_mb=np.float32(2.0)).partition_mb == 2.0
+    assert PipeDAPConfig(partition_mb=np.int64(4)).partition_mb == 4.0
+    assert PipeDAPConfig(partition_mb=1 / 1024).partition_mb == 1 / 1024
+
+
+def test_a_tiny_piece_size_is_raised_to_keep_the_plan_bounded():
+    from lightning_pipedap.plan.partition import MAX_PIECE_LAYERS, choose_partition
+    from lightning_pipedap.plan.planners import get_planner
+    from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
+
+    prof = ModelProfile("m", tuple(LayerProfile(f"l{i}", 4 << 20, 1e-3, 2e-3) for i in range(2)), 0.0)
+    cm = CostModel.from_allreduce(1e-4, 1e-9)
+    base = get_planner("wfbp")(prof, cm, 2)
+    choice = choose_partition(prof, cm, 2, "wfbp", base, 4)  # (4-byte pieces: 2 M piece-layers asked)
+    assert len(choice.piece_map) <= MAX_PIECE_LAYERS
+    assert f"at most {MAX_PIECE_LAYERS} piece-layers are planned" in choice.line
 
 
 def test_partition_mb_option_is_threaded_through_every_front_end():
@@ -74,8 +98,9 @@ def test_plan_keeps_the_partitioned_schedule_when_it_is_predicted_faster():
     assert no_overlap == [pytest.approx(3.5 + 4.04)]
     (line,) = [m for m in said if "partition_mb" in m]
     assert line == ("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2); predicted iteration 5040.0 ms "
-                    "partitioned (optimal+pieces4.75MiB, 3 buckets) vs 5520.0 ms unpartitioned (optimal, 2 buckets): "
-                    "keeping the partitioned plan")
+                    "partitioned (optimal+pieces4.75MiB, 3 buckets) vs 5520.0 ms unpartitioned (optimal, 2 buckets; "
+                    "α-β model with the engine's update rule, without the contention model of the candidates' "
+                    "predictions): keeping the partitioned plan")
 
 
 def test_plan_trials_get_both_and_nothing_to_split_changes_nothing():
@@ -95,6 +120,6 @@ def test_plan_keeps_the_unpartitioned_schedule_when_pieces_do_not_pay():
     assert [s.name for s in schedules] == ["optimal"] and schedules[0].pieces is None
     (line,) = [m for m in said if "partition_mb" in m]
     assert line.startswith("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2); predicted iteration ")
-    assert line.endswith("keeping the unpartitioned plan (the gain is not over 1%)")
+    assert line.endswith("keeping the unpartitioned plan (the partitioned one is predicted slower)")
     schedules, _, _, _ = _plan(4.75, plan_trials=3, alpha=2.0)
     assert schedules[0].name == "optimal" and schedules[-1].name == "optimal+pieces4.75MiB" and len(schedules) == 3

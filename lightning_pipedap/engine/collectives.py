@@ -43,6 +43,7 @@ __all__ = [
     "Heartbeat",
     "ddp_reduction_finished",
     "finish_stalled_reduction",
+    "ranks_not_stalled",
 ]
 
 
@@ -395,6 +396,24 @@ def ddp_reduction_finished(ddp: torch.nn.Module) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def ranks_not_stalled(key: str, rank: int, world_size: int, timeout_s: float) -> list[int]:
+    """Mark ``rank`` as stalled under ``key`` in the default group's rendezvous store and wait up to ``timeout_s``
+    for every rank's mark; returns the ranks that did not mark it (empty: every rank stalled alike).
+
+    A rank whose DDP reduction finished cannot mark anything: it is blocked inside DDP's backward, waiting for
+    the bucket all-reduces that the stalled ranks never launched. The store (not a collective) lets the stalled
+    ranks find that out without pairing a collective with DDP's pending ones.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{key}/{rank}", "1")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.02)
 
 
 def finish_stalled_reduction(params: Sequence[torch.nn.Parameter], comm: CommGroup) -> list[int]:

@@ -381,6 +381,9 @@ class PartitionChoice:
 _SCALED_BUDGETS = ("max_fusion_evals", "max_fusion_work")
 #: largest scale factor of those budgets (planning time grows about linearly with it)
 MAX_BUDGET_SCALE = 10
+#: most piece-layers :func:`choose_partition` plans: a smaller ``piece_bytes`` is raised to keep within it (the
+#: planners' time grows with the number of layers)
+MAX_PIECE_LAYERS = 4096
 
 
 def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: int, planner_name: str,
@@ -420,8 +423,14 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
     if unpartitioned.predicted_iteration_s is None:
         raise ValueError("unpartitioned has no predicted_iteration_s; give the planner's schedule (with its prediction)")
     u = unpartitioned.predicted_iteration_s
+    asked = piece_bytes
+    pieces = sum(max(1, math.ceil(l.nbytes / piece_bytes)) for l in profile.layers) if piece_bytes > 0 else 0
+    if pieces > MAX_PIECE_LAYERS:  # (the planners' cost grows with the layers: keep the search bounded)
+        piece_bytes = math.ceil(sum(l.nbytes for l in profile.layers) / (MAX_PIECE_LAYERS - profile.num_layers))
     pp, pmap = partition_profile(profile, piece_bytes)
     mib = f"{piece_bytes / 2**20:g}"
+    if piece_bytes != asked:
+        mib += f" (raised from {asked / 2**20:g}: at most {MAX_PIECE_LAYERS} piece-layers are planned)"
     if not is_split(pmap):
         return PartitionChoice(profile, pmap, None, u, None, False,
                                f"pipedap: partition_mb={mib}: no layer is larger than {mib} MiB, nothing to split; "
@@ -436,12 +445,14 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
     if wire16 and planner_name != "optimal":
         s = wire16_everywhere(pp, cost_model, s)
     p = engine_period(pp, pmap, cost_model, s, channels=channels)
-    s = dataclasses.replace(s, name=f"{unpartitioned.name}+pieces{mib}MiB", predicted_iteration_s=p)
+    s = dataclasses.replace(s, name=f"{unpartitioned.name}+pieces{piece_bytes / 2**20:g}MiB", predicted_iteration_s=p)
     keep = p < u * (1.0 - margin)
     merged = piece_schedule_to_layers(s, pmap) is not None
     line = (f"pipedap: partition_mb={mib}: {describe_partition(pmap, profile)}; predicted iteration "
             f"{p * 1e3:.1f} ms partitioned ({s.name}, {len(s.buckets)} buckets"
             f"{', every layer whole in one bucket' if merged else ''}) vs {u * 1e3:.1f} ms unpartitioned "
-            f"({unpartitioned.name}, {len(unpartitioned.buckets)} buckets): keeping the "
-            + ("partitioned plan" if keep else f"unpartitioned plan (the gain is not over {margin:.0%})"))
+            f"({unpartitioned.name}, {len(unpartitioned.buckets)} buckets; α-β model with the engine's update rule, "
+            "without the contention model of the candidates' predictions): keeping the "
+            + ("partitioned plan" if keep else "unpartitioned plan (" + (
+                "the partitioned one is predicted slower)" if p >= u else f"the gain is not over {margin:.0%})")))
     return PartitionChoice(pp, pmap, s, u, p, keep, line)

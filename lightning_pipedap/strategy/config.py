@@ -8,6 +8,7 @@ is checked once, in ``__post_init__``; the Hydra schema (``app/schema.py``) vali
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
@@ -29,6 +30,11 @@ WireDtype = Literal["fp32", "fp16", "bf16"]
 WIRE_DTYPE_CHOICES: tuple[str, ...] = ("fp32", "fp16", "bf16")
 #: valid values of ``nonfinite``
 NONFINITE_CHOICES: tuple[str, ...] = ("warn", "raise", "skip", "ignore")
+
+
+#: smallest ``partition_mb`` (MiB): 1 KiB pieces (a 4 MiB layer in 4096); smaller pieces only multiply the
+#: planner's layers (1e-9 MiB split a 1024x1024 layer into a million one-element pieces: minutes of planning)
+MIN_PARTITION_MB = 1.0 / 1024
 
 
 def valid_schedule_names() -> tuple[str, ...]:
@@ -267,10 +273,11 @@ class PipeDAPConfig:
             raise ValueError(f"wire_dtype={self.wire_dtype!r} and compression={self.compression!r} exclude each other: "
                              "choose the 16-bit wire format (cast in the ring, per bucket) or a compressor")
         if self.partition_mb is not None:
-            if isinstance(self.partition_mb, bool) or not isinstance(self.partition_mb, (int, float)) \
-                    or not 0 < self.partition_mb < float("inf"):
-                raise ValueError(f"partition_mb must be None (off) or a finite number of MiB > 0 (split layers "
-                                 f"larger than that before planning, e.g. 4), got {self.partition_mb!r}")
+            if isinstance(self.partition_mb, bool) or not isinstance(self.partition_mb, numbers.Real) \
+                    or not MIN_PARTITION_MB <= float(self.partition_mb) < float("inf"):
+                raise ValueError(f"partition_mb must be None (off) or a finite number of MiB >= {MIN_PARTITION_MB:g} "
+                                 f"(1 KiB; split layers larger than that before planning, e.g. 4), got "
+                                 f"{self.partition_mb!r}")
             object.__setattr__(self, "partition_mb", float(self.partition_mb))
         if self.check_params_every_n_steps is not None:
             _integer("check_params_every_n_steps", self.check_params_every_n_steps, 1, note=" or None (off)")

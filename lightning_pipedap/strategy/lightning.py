@@ -306,7 +306,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             self.precision_plugin.backward(closure_loss, lm, optimizer, *args, **kwargs)
         except RuntimeError as exc:
             rt = self._rt
-            if rt is not None and rt.deferred.late_applied and "modified by an inplace operation" in str(exc):
+            if rt is not None and rt.deferred is not None and rt.deferred.late_applied \
+                    and "modified by an inplace operation" in str(exc):
                 raise RuntimeError(rt.deferred.stale_message()) from exc
             raise
         if self._rt is not None and not self._rt.handed_over:

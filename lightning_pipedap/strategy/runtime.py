@@ -16,6 +16,7 @@ It imports no Lightning: the strategy passes in the module, the optimizers and l
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any, Callable, Optional
 
@@ -39,6 +40,9 @@ from lightning_pipedap.strategy.numerics import NonFiniteCheck, check_replicas_a
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.planning import Measured, Planning
 from lightning_pipedap.strategy.tracing import consumer_mode
+
+#: run-times built in this process so far (every rank builds them in the same order: a per-fit key)
+_FITS = itertools.count()
 
 
 def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
@@ -148,6 +152,8 @@ class Runtime:
         #: used-flags count the ranks: identical on every rank); the ``torch_ddp`` candidate then gets
         #: ``find_unused_parameters``
         self.saw_unused = False
+        self.stalls = 0  # stalled DDP reductions so far (store keys of the stall agreement)
+        self.fit_id = next(_FITS)  # (the same on every rank: every rank builds its run-times in the same order)
         self.hooks = ModelHooks(module)
         #: DDP's reducer for the rest of the fit, when the ``torch_ddp`` candidate runs
         #: (``set_model`` is given by the strategy: :meth:`enable_handover`)
@@ -195,16 +201,33 @@ class Runtime:
     def after_ddp_backward(self) -> None:
         """After a backward under DDP's reducer: when its reduction stalled (a parameter got no gradient and the
         ``torch_ddp`` candidate runs without ``find_unused_parameters``), finish it as DDP with that option would
-        and continue with it (:meth:`TorchDDPHandover.finish_stalled`), before the optimizer step reads ``.grad``."""
+        and continue with it (:meth:`TorchDDPHandover.finish_stalled`), before the optimizer step reads ``.grad``.
+
+        Raises:
+            RuntimeError: naming the parameters, the step and the ranks, when the stall is not on every rank (a
+                parameter unused on some ranks only: the others are blocked in DDP's backward, and no rank steps),
+                within ``min(60 s, wait_timeout_s)``.
+        """
         h = self.handover
         if h is None or not h.stalled():
             return
+        trainer = getattr(self.module, "_trainer", None)
+        step = f"global step {trainer.global_step}" if trainer is not None else "a step"
+        missing = C.ranks_not_stalled(f"pipedap/ddp_stall/{self.fit_id}/{self.stalls}", self.rank, self.comm.world_size,
+                                      min(60.0, self.config.wait_timeout_s))
+        self.stalls += 1
+        if missing:
+            local = [self.name_of(p) for p in self.params if p.requires_grad and p.grad is None][:5]
+            raise RuntimeError(
+                f"pipedap: rank {self.rank}: {', '.join(local) or 'a parameter'} got no gradient in {step} under DDP's "
+                f"reducer (the torch_ddp candidate, which runs without find_unused_parameters since every parameter "
+                f"had a gradient in the profiled steps), but rank(s) {missing} had one: DDP cannot average such a step. "
+                "Pass torch_ddp_candidate=False (pipedap's own engine handles parameters unused on some ranks) or "
+                "gradient_as_bucket_view=True (the candidate then sets find_unused_parameters)")
         unused = h.finish_stalled(self.comm)
         assert h.candidate is not None
         self.installed_schedule = h.candidate.describe()
         names = ", ".join(self.name_of(p) for p in unused[:5]) + (", ..." if len(unused) > 5 else "")
-        trainer = getattr(self.module, "_trainer", None)
-        step = f"global step {trainer.global_step}" if trainer is not None else "a step"
         self.say("ddp-stalled", f"pipedap: {'parameter(s) ' + names if unused else 'a parameter'} got no gradient in "
                  f"{step} under DDP's reducer, which ran without find_unused_parameters (every "
                  "parameter had one in the profiled steps); pipedap averaged this step's gradients as DDP with "

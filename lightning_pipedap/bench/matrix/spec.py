@@ -7,6 +7,7 @@ names come from the strategy and compress packages themselves (:func:`pipedap_sc
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -42,6 +43,8 @@ INLINE_SUFFIX = ":inline"
 NICE_SUFFIX = "@nice"
 #: ``pipedap-...@part<MiB>``: ``PipeDAPStrategy(partition_mb=MiB)`` (tensor partitioning of layers larger than that)
 PART_SUFFIX = "@part"
+#: the strategy's fixed schedules (no planning, so no partitioning)
+FIXED_SCHEDULES = ("allreduce", "dear")
 #: ``pipedap-...@fp16`` / ``@bf16``: ``PipeDAPStrategy(wire_dtype=...)`` (16-bit wire format of the ring)
 WIRE_SUFFIXES = ("@fp16", "@bf16")
 #: compressors that ``--strategies all`` pairs with the default schedule (``--compressors`` default)
@@ -170,21 +173,22 @@ def parse_strategy(name: str) -> StrategySpec:
     if wire != "fp32" and spec.compressor is not None:
         raise ValueError(f"strategy {name!r}: a wire format suffix ({', '.join(WIRE_SUFFIXES)}) needs an uncompressed "
                          "pipedap variant (wire_dtype and compression exclude each other)")
-    if part is not None and spec.compressor is not None:
-        raise ValueError(f"strategy {name!r}: {PART_SUFFIX}<MiB> needs an uncompressed pipedap variant (the strategy "
-                         "does not partition with compression)")
+    if part is not None and (spec.compressor is not None or spec.schedule in FIXED_SCHEDULES):
+        raise ValueError(f"strategy {name!r}: {PART_SUFFIX}<MiB> needs an uncompressed pipedap variant with a planned "
+                         f"schedule (the strategy partitions neither with compression nor the fixed schedules "
+                         f"{', '.join(FIXED_SCHEDULES)})")
     return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part)
 
 
 def _part_mb(name: str, text: str) -> float:
-    """The MiB of a ``@part<MiB>`` suffix (a number > 0)."""
-    try:
-        mb = float(text)
-    except ValueError:
-        mb = -1.0
-    if not mb > 0 or mb != mb or mb == float("inf"):
+    """The MiB of a ``@part<MiB>`` suffix: plain decimal digits (``1``, ``0.5``), at least the strategy's smallest
+    ``partition_mb``."""
+    from lightning_pipedap.strategy.config import MIN_PARTITION_MB  # noqa: PLC0415
+
+    mb = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", text) else -1.0
+    if not mb >= MIN_PARTITION_MB:
         raise ValueError(f"bad suffix {PART_SUFFIX + text!r} in strategy {name!r}; valid: {PART_SUFFIX}<MiB> with a "
-                         "number of MiB > 0, e.g. @part1 or @part0.5")
+                         f"decimal number of MiB >= {MIN_PARTITION_MB:g}, e.g. @part1 or @part0.5")
     return mb
 
 
