@@ -85,3 +85,18 @@ def test_a_speedup_from_ddps_reducer_says_so(tmp_path):
     assert "| 1.01 (torch_ddp: DDP's reducer) |" in md
     assert "| 2 |" in md and "2 (torch_ddp" not in md
     assert "Job(s) #1: measured plan selection installed `torch_ddp`, PyTorch's own DDP reducer" in md
+
+
+def test_a_job_that_was_not_run_again_is_marked(tmp_path):
+    """A sweep job whose effective configuration an earlier job ran copies its results (``duplicate_of``): the
+    Markdown table marks it, the CSV keeps its columns."""
+    rows = table_rows([{"job_num": 0, "strategy": "ddp", "overrides": ["strategy=ddp", "scheduler=allreduce"],
+                        "iteration_ms": 5.0},
+                       {"job_num": 1, "strategy": "ddp", "overrides": ["strategy=ddp", "scheduler=dear"],
+                        "iteration_ms": 5.0, "duplicate_of": 0}])
+    md = markdown_table(rows).splitlines()
+    assert md[2].startswith("| 0 | ddp |") and md[3].startswith("| 1 (= #0, not run again) | ddp |")
+    _job(str(tmp_path), 0, "ddp", None, ["strategy=ddp"], 5.0)
+    paths = write_summary(str(tmp_path), tensorboard=False)
+    with open(paths["csv"]) as f:
+        assert "duplicate_of" not in f.readline()

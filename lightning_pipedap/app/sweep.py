@@ -148,6 +148,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "val_acc": r.get("val_acc"), "iteration_ms": r.get("iteration_ms"),
             "speedup_vs_ddp": r.get("speedup_vs_ddp"), "energy_J_per_step": r.get("energy_J_per_step"),
             "energy_kind": r.get("energy_kind") or "", "fit_s": r.get("fit_s"),
+            "duplicate_of": r.get("duplicate_of"),  # (not a column: marks the job in the Markdown table)
         })
     return out
 
@@ -174,6 +175,8 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
             v += " (selection unfinished)"
         elif c == "speedup_vs_ddp" and v and r.get("installed") == DDP_REDUCER:
             v += f" ({DDP_REDUCER}: DDP's reducer)"
+        elif c == "job" and r.get("duplicate_of") is not None:
+            v += f" (= #{r['duplicate_of']}, not run again)"
         return v.replace("|", "\\|")
 
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -231,7 +234,7 @@ def write_summary(sweep_dir: str, tensorboard: bool = True) -> Optional[dict[str
     rows = table_rows(add_speedup(rows))
     paths = {k: os.path.join(sweep_dir, f"sweep_summary.{k}") for k in ("csv", "md", "png")}
     with open(paths["csv"], "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
     md = markdown_table(rows)
