@@ -151,6 +151,19 @@ class UnusedLate(Unused):
         return F.cross_entropy(out, y)
 
 
+class UnusedOnRank1(Unused):
+    """``extra`` is used on rank 0 in every step and on rank 1 only in steps 3-5 (data-dependent routing, as a
+    mixture-of-experts layer that gets no tokens on some ranks): DDP's reducer needs ``find_unused_parameters``,
+    which the ``torch_ddp`` candidate must get from what the profiled and trial steps saw."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        if self.global_rank == 0 or 3 <= self.global_step < 6:
+            out = self.extra(out)
+        return F.cross_entropy(out, y)
+
+
 class Checkpointed(MLP):
     def forward(self, x):
         h = checkpoint(self.net[:3], x, use_reentrant=False)
@@ -204,6 +217,7 @@ MODELS: dict[str, Callable[..., Base]] = {
     "lbfgs": LBFGSNet, "two_opt": TwoOptimizers,
     "mlp": MLP, "bn": BNNet, "tied": Tied, "frozen": Frozen, "unused": Unused, "unused_keep": UnusedKeepGrad,
     "unused_late": UnusedLate,
+    "unused_rank1": UnusedOnRank1,
     "ckpt_act": Checkpointed, "manual": Manual,
 }
 
@@ -223,6 +237,7 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     # `extra` is used only in the first micro-batch of each window: its accumulated gradient is reduced
     "unused_accumulate2": ("unused", {"opt": "sgd"}, {"accumulate_grad_batches": 2}),
     "unused_late": ("unused_late", {"opt": "sgd"}, {}),
+    "unused_rank1": ("unused_rank1", {"opt": "sgd"}, {}),
     "activation_checkpointing": ("ckpt_act", {"opt": "sgd"}, {}),
     "manual_optimization": ("manual", {"opt": "sgd"}, {}),
     "plateau_with_val": ("mlp", {"opt": "sgd", "sched": "plateau"}, {"val_check_interval": 3}),
@@ -422,7 +437,7 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
 
 #: cases re-run with DDP's reducer forced as the trial's choice (``run_torch_ddp_case``)
 TORCH_DDP_CASES = ("accumulate2", "clip_norm", "batchnorm", "frozen", "unused_some_steps", "manual_optimization",
-                   "plateau_with_val", "manual_two_optimizers", "unused_accumulate2", "unused_late")
+                   "plateau_with_val", "manual_two_optimizers", "unused_accumulate2", "unused_late", "unused_rank1")
 
 
 #: ... and with ``gradient_as_bucket_view=True`` (DDP's reducer then gets the option too)

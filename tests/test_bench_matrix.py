@@ -547,7 +547,7 @@ def test_part_suffix_selects_partition_mb_and_rejects_bad_values():
     assert M.parse_strategy("pipedap-optimal").partition_mb is None
     for bad in ("pipedap-optimal@part0", "pipedap-optimal@part-1", "pipedap-optimal@partx", "pipedap-optimal@partnan",
                 "pipedap-optimal@part1_0", "pipedap-optimal@part 1", "pipedap-optimal@part1e-9", "pipedap-optimal@part"):
-        with pytest.raises(ValueError, match=r"valid: @part<MiB> with a decimal number of MiB >= 0.000976562"):
+        with pytest.raises(ValueError, match=r"valid: @part<MiB> with a decimal number of MiB >= 1/1024 = 0.0009765625"):
             M.parse_strategy(bad)
     for bad in ("pipedap-optimal+fp16@part1", "pipedap-dear@part1", "pipedap-allreduce@part1"):
         with pytest.raises(ValueError, match=r"needs an uncompressed pipedap variant with a planned schedule"):

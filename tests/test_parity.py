@@ -144,6 +144,8 @@ def test_torch_ddp_candidate_trains_exactly_as_ddp(parity_results):
     r = res["unused_late"]  # (used in every profiled step, then no longer: a stall, finished by pipedap)
     assert "find_unused_parameters" in r["installed"] and len(r["stalled"]) == 1, r
     assert "pipedap averaged this step's gradients" in r["stalled"][0], r
+    r = res["unused_rank1"]  # (unused on rank 1 from step 6: seen in the profiled and trial steps, option set)
+    assert "find_unused_parameters" in r["installed"] and not r["stalled"], r
     for name in ("clip_norm_view", "unused_late_view"):  # (bucket views: the option from the start, no stall)
         assert "find_unused_parameters" in res[name]["installed"] and not res[name]["stalled"], (name, res[name])
     for name, r in res.items():  # (the strategy's gradient_as_bucket_view reaches DDP's reducer)

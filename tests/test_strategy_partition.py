@@ -13,9 +13,9 @@ from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.strategy.config import PipeDAPConfig
 
 
-@pytest.mark.parametrize("bad", [0, -2.5, 1e-9, float("inf"), float("nan"), True, "4"])
+@pytest.mark.parametrize("bad", [0, -2.5, 1e-9, 0.000976562, float("inf"), float("nan"), True, "4"])
 def test_partition_mb_is_validated(bad):
-    with pytest.raises(ValueError, match=r"partition_mb must be None \(off\) or a finite number of MiB >= 0.000976562 "
+    with pytest.raises(ValueError, match=r"partition_mb must be None \(off\) or a finite number of MiB >= 1/1024 = 0.0009765625 "
                                          r"\(1 KiB; split layers larger than that before planning, e.g. 4\), got "
                                          + re.escape(repr(bad))):
         PipeDAPConfig(partition_mb=bad)
@@ -120,6 +120,6 @@ def test_plan_keeps_the_unpartitioned_schedule_when_pieces_do_not_pay():
     assert [s.name for s in schedules] == ["optimal"] and schedules[0].pieces is None
     (line,) = [m for m in said if "partition_mb" in m]
     assert line.startswith("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2); predicted iteration ")
-    assert line.endswith("keeping the unpartitioned plan (the partitioned one is predicted slower)")
+    assert line.endswith("keeping the unpartitioned plan (the partitioned one is not predicted faster)")
     schedules, _, _, _ = _plan(4.75, plan_trials=3, alpha=2.0)
     assert schedules[0].name == "optimal" and schedules[-1].name == "optimal+pieces4.75MiB" and len(schedules) == 3

@@ -454,5 +454,5 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
             f"({unpartitioned.name}, {len(unpartitioned.buckets)} buckets; α-β model with the engine's update rule, "
             "without the contention model of the candidates' predictions): keeping the "
             + ("partitioned plan" if keep else "unpartitioned plan (" + (
-                "the partitioned one is predicted slower)" if p >= u else f"the gain is not over {margin:.0%})")))
+                "the partitioned one is not predicted faster)" if p >= u else f"the gain is not over {margin:.0%})")))
     return PartitionChoice(pp, pmap, s, u, p, keep, line)

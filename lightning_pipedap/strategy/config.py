@@ -275,8 +275,8 @@ class PipeDAPConfig:
         if self.partition_mb is not None:
             if isinstance(self.partition_mb, bool) or not isinstance(self.partition_mb, numbers.Real) \
                     or not MIN_PARTITION_MB <= float(self.partition_mb) < float("inf"):
-                raise ValueError(f"partition_mb must be None (off) or a finite number of MiB >= {MIN_PARTITION_MB:g} "
-                                 f"(1 KiB; split layers larger than that before planning, e.g. 4), got "
+                raise ValueError(f"partition_mb must be None (off) or a finite number of MiB >= 1/1024 = "
+                                 f"{MIN_PARTITION_MB!r} (1 KiB; split layers larger than that before planning, e.g. 4), got "
                                  f"{self.partition_mb!r}")
             object.__setattr__(self, "partition_mb", float(self.partition_mb))
         if self.check_params_every_n_steps is not None:

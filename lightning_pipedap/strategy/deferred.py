@@ -124,6 +124,11 @@ class DeferredUpdates:
         #: engine parameter index -> the buckets holding it (one; several for a parameter split over buckets)
         self.buckets_of: list[tuple[int, ...]] = [engine.buckets_of(i) for i in range(len(engine.params))]
         self.applying = False
+        #: watch the reduced used-flags for a parameter that some rank left without a gradient (set by the run-time
+        #: until a final schedule runs; the ``torch_ddp`` candidate then needs ``find_unused_parameters``)
+        self.track_use = True
+        #: such a parameter was seen (identical on every rank: the flags are reduced)
+        self.saw_partial_use = False
         self.deferring = False  # inside a deferred optimizer step (its backward does not wait for the reduction)
         self._misses: dict[int, str] = {}  # bucket -> what was read early (this step)
         self._unwritten: set[int] = set()  # applied buckets whose averaged gradients are not in .grad yet
@@ -321,6 +326,8 @@ class DeferredUpdates:
         if self.nonfinite is not None and self.nonfinite.mode == "warn":
             self.nonfinite.scan([bucket], pending.step)  # (logs the first finding of the fit; DDP's update)
         used = engine.used_flags(b)
+        if self.track_use and not self.saw_partial_use:
+            self.saw_partial_use = bool((bucket.flags < engine.comm.world_size - 0.5).any())
         self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
         if write_grads:
             write_back_grads(bucket, used)

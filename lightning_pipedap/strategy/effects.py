@@ -8,6 +8,8 @@ measurements the trials and the drift check read. The state they change lives on
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning_pipedap.engine.collectives as C
@@ -106,7 +108,9 @@ class RunEffects:
     def install_run(self, schedule: Any) -> Optional[float]:
         rt = self.rt
         if isinstance(schedule, TorchDDPCandidate):
-            rt.close_engine()
+            rt.close_engine()  # (notes a parameter some rank left without a gradient in the steps so far)
+            if rt.saw_unused and not schedule.find_unused_parameters:  # (seen after planning: in the trials)
+                schedule = dataclasses.replace(schedule, find_unused_parameters=True)
             assert rt.handover is not None
             rt.handover.enter(schedule)  # (a collective on the default group, at the same step on every rank)
             rt.installed_schedule, rt.final_schedule = schedule.describe(), schedule

@@ -20,7 +20,8 @@ import torch
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
 from lightning_pipedap.plan.candidates import trial_candidates, wire16_everywhere
-from lightning_pipedap.plan.partition import choose_partition, engine_period, expand_pieces
+from lightning_pipedap.plan.partition import (choose_partition, engine_period, expand_pieces,
+                                              piece_schedule_to_layers)
 from lightning_pipedap.probe.alpha_beta import describe_origin, measure_cost_model
 from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
@@ -197,6 +198,10 @@ class Planning:
                                               cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16)
             maps: list[Optional[tuple]] = [None] * len(candidates)
             profiles = [profile] * len(candidates)
+            if part is not None and part.schedule is not None:
+                merged = piece_schedule_to_layers(part.schedule, part.piece_map)
+                if merged is not None and any(merged.buckets == c.buckets and merged.ops == c.ops for c in candidates):
+                    part = None  # (every layer whole in one bucket, as a candidate already has it: not tried twice)
             if part is not None and (part.keep or cfg.plan_trials > 1):
                 at = 0 if part.keep else len(candidates)
                 candidates.insert(at, part.schedule)
@@ -208,7 +213,14 @@ class Planning:
                 self.cost_model.all_reduce(sum(pr.layers[k].nbytes for k in b)) for b in c.buckets)
                 for pr, c in zip(profiles, candidates)]
             plan = (candidates, no_overlap, profile.to_dict(), self.cost_model, maps)
-        candidates, no_overlap, self.profile, self.cost_model, maps = C.broadcast_object(plan, src=0)
+        t0 = time.perf_counter()
+        try:
+            candidates, no_overlap, self.profile, self.cost_model, maps = C.broadcast_object(plan, src=0)
+        except RuntimeError as exc:
+            raise RuntimeError(
+                f"pipedap: rank {self.rank}: no plan from rank 0 after {time.perf_counter() - t0:.0f} s (phase profile, "
+                f"broadcast of the plan): rank 0 planned longer than wait_timeout_s={cfg.wait_timeout_s:g} s or failed; "
+                "see rank 0's log, and raise wait_timeout_s or partition_mb (fewer pieces to plan)") from exc
         keys = [(p.dtype, p.device) for p in params]
         numels = [p.numel() for p in params]
         return [expand_layers(c, self.layers, keys) if m is None else expand_pieces(c, m, self.layers, numels, keys)

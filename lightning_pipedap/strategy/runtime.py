@@ -311,6 +311,7 @@ class Runtime:
             self.carry.restore(self.engine)
         self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
                                         self.timeline, self.counts, self.nonfinite)
+        self.deferred.track_use = not final or self.controller.phase is not Phase.RUN
         self.deferred.set_owners(owners, self.module)
         if owners is not None:  # (a first consumer without parameters of its own reads another module's)
             self.hooks.add_modules([o for o in dict.fromkeys(owners) if o is not None])
@@ -323,8 +324,15 @@ class Runtime:
             self.info(line)
         self._logged_schedule = line
 
+    def note_partial_use(self) -> None:
+        """Carry the current deferred updates' sighting of a parameter some rank left without a gradient into
+        :attr:`saw_unused` (before they are replaced)."""
+        if self.deferred is not None and self.deferred.saw_partial_use:
+            self.saw_unused = True
+
     def close_engine(self) -> None:
         """Finish and close the current engine, or leave DDP's reducer."""
+        self.note_partial_use()
         if self.handover is not None:
             self.handover.leave()
         if self.engine is not None:
@@ -525,7 +533,7 @@ class Runtime:
         if self.timeline():
             self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
         with torch.no_grad():
-            profiling = self.controller.phase in (Phase.TRACE, Phase.PROFILE)
+            profiling = self.controller.phase is not Phase.RUN  # (trace, profile and trial steps)
             for b in range(engine.num_buckets):
                 used = engine.used_flags(b)
                 bucket = engine.wait_done(b)

@@ -188,7 +188,7 @@ def _part_mb(name: str, text: str) -> float:
     mb = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", text) else -1.0
     if not mb >= MIN_PARTITION_MB:
         raise ValueError(f"bad suffix {PART_SUFFIX + text!r} in strategy {name!r}; valid: {PART_SUFFIX}<MiB> with a "
-                         f"decimal number of MiB >= {MIN_PARTITION_MB:g}, e.g. @part1 or @part0.5")
+                         f"decimal number of MiB >= 1/1024 = {MIN_PARTITION_MB!r}, e.g. @part1 or @part0.5")
     return mb
 
 
