@@ -311,7 +311,10 @@ class Runtime:
             self.carry.restore(self.engine)
         self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
                                         self.timeline, self.counts, self.nonfinite)
-        self.deferred.track_use = not final or self.controller.phase is not Phase.RUN
+        # (the used-flags are watched only while the torch_ddp candidate may still be installed without
+        # find_unused_parameters: before the final schedule runs, and until a partial use is seen)
+        self.deferred.track_use = (self.handover is not None and self.config.torch_ddp_candidate and not self.saw_unused
+                                   and (not final or self.controller.phase is not Phase.RUN))
         self.deferred.set_owners(owners, self.module)
         if owners is not None:  # (a first consumer without parameters of its own reads another module's)
             self.hooks.add_modules([o for o in dict.fromkeys(owners) if o is not None])
@@ -533,11 +536,11 @@ class Runtime:
         if self.timeline():
             self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
         with torch.no_grad():
-            profiling = self.controller.phase is not Phase.RUN  # (trace, profile and trial steps)
+            watching = self.controller.phase is not Phase.RUN  # (trace, profile and trial steps)
             for b in range(engine.num_buckets):
                 used = engine.used_flags(b)
                 bucket = engine.wait_done(b)
-                if profiling and not self.saw_unused:
+                if watching and not self.saw_unused:
                     self.saw_unused = bool((bucket.flags < self.comm.world_size - 0.5).any())
                 write_back_grads(bucket, used)
         # (the reduced buckets are identical on every rank: every rank finds the same)
