@@ -24,8 +24,9 @@ class FakeEffects:
     """Records what the controller asks for; ``agree`` returns the value as rank 0 would."""
 
     def __init__(self, candidates=None, profiled=(1, 2, 3), busy=None, rescale_ok=True, floor=None,
-                 profiling_parts=None, clock=None):
+                 profiling_parts=None, clock=None, plan_s=0.0):
         self.calls: list = []
+        self.plan_s = plan_s
         self.profiling_parts, self.clock = profiling_parts, clock
         self.floor = floor
         self.candidates = candidates or [Sched("plan", 1.0)]
@@ -50,6 +51,8 @@ class FakeEffects:
 
     def plan(self):
         self.calls.append("plan")
+        if self.clock is not None:  # the planners' search takes clock time
+            self.clock.t += self.plan_s
         return list(self.candidates), [2.0 + i for i in range(len(self.candidates))]
 
     def install_run(self, schedule):
@@ -150,7 +153,7 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     # time to steady state: 1 trace + 1 profile step at t = 0, then 3 windows of 5 s + 2 measured steps (the
     # first window's first step start, at t = 0, is the 10th trial step)
     assert ctl.startup == pytest.approx({"trace_s": 0.0, "trace_steps": 1, "profile_s": 0.0, "profile_steps": 1,
-                                         "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2, "total_steps": 12})
+                                         "planning_s": 0.0, "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2, "total_steps": 12})
     assert any(isinstance(c, tuple) and c[0] == "info" and c[1].startswith("pipedap: steady state after 12 steps, "
                                                                           "16.20 s") for c in fx.calls)
     agreed = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "agree"]
@@ -555,7 +558,8 @@ def test_startup_lists_every_part_and_adds_up():
     """The α-β model, the contention benchmark and the compression helper's start are their own entries,
     no longer hidden in the trace phase (whose line said 'profile ... incl. the α-β fit')."""
     clock = Clock()
-    fx = FakeEffects(profiled=(1,), profiling_parts={"alpha_beta": 0.02, "contention": 0.7}, clock=clock)
+    fx = FakeEffects(profiled=(1,), profiling_parts={"alpha_beta": 0.02, "contention": 0.7}, clock=clock,
+                     plan_s=0.25)
     ctl = _ctl(fx, clock, profile_steps=1)
     clock.t = 0.3
     ctl.account({"helper_start": 0.3})  # (the run-time's helper start, inside the trace phase)
@@ -563,15 +567,16 @@ def test_startup_lists_every_part_and_adds_up():
     ctl.after_sync_step(clock.t)
     assert ctl.phase is Phase.PROFILE
     clock.t += 0.5
-    ctl.after_sync_step(clock.t)  # one profiled step of 0.5 s, then a single candidate: RUN
+    ctl.after_sync_step(clock.t)  # one profiled step of 0.5 s, planning 0.25 s, then a single candidate: RUN
     assert ctl.phase is Phase.RUN
     st = ctl.startup
     assert st == pytest.approx({"trace_s": 0.8, "trace_steps": 1, "helper_start_s": 0.3, "alpha_beta_s": 0.02,
-                                "contention_s": 0.7, "profile_s": 0.5, "profile_steps": 1, "trial_s": 0.0,
-                                "trial_steps": 0, "total_s": 2.32, "total_steps": 2})
+                                "contention_s": 0.7, "profile_s": 0.5, "profile_steps": 1, "planning_s": 0.25,
+                                "trial_s": 0.0, "trial_steps": 0, "total_s": 2.57, "total_steps": 2})
     assert st["total_s"] == pytest.approx(clock.t)  # nothing unaccounted
-    line = ("pipedap: steady state after 2 steps, 2.32 s since set-up: trace 1 step 0.80 s, compression helper "
-            "start 0.30 s, α-β model 0.02 s, contention benchmark 0.70 s, profile 1 step 0.50 s, trials 0 steps 0.00 s")
+    line = ("pipedap: steady state after 2 steps, 2.57 s since set-up: trace 1 step 0.80 s, compression helper "
+            "start 0.30 s, α-β model 0.02 s, contention benchmark 0.70 s, profile 1 step 0.50 s, planning 0.25 s, "
+            "trials 0 steps 0.00 s")
     assert ("info", line) in fx.calls
     ctl.account({"alpha_beta": 5.0})  # after steady state (a re-plan): not start-up
     assert ctl.startup["alpha_beta_s"] == pytest.approx(0.02)

@@ -199,15 +199,16 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
 
 def describe_startup(startup: dict[str, float], digits: int = 2) -> str:
     """Every entry of :attr:`Controller.startup` in order, adding up to its ``total_s``:
-    ``"trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark 0.70 s, profile 3 steps 0.10 s, trials
-    40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals)."""
+    ``"trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark 0.70 s, profile 3 steps 0.10 s, planning
+    0.30 s, trials 40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals)."""
     def steps(n: Any) -> str:
         return f"{n} step{'' if n == 1 else 's'}"
 
     items = [f"trace {steps(startup.get('trace_steps', 0))} {startup.get('trace_s', 0.0):.{digits}f} s"]
     items += [f"{label} {startup[f'{k}_s']:.{digits}f} s" for k, label in Controller.PARTS if f"{k}_s" in startup]
-    items += [f"profile {steps(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s",
-              f"trials {steps(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
+    items += [f"profile {steps(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
+    items += [f"planning {startup['planning_s']:.{digits}f} s"] if "planning_s" in startup else []
+    items += [f"trials {steps(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
     return ", ".join(items)
 
 
@@ -302,7 +303,7 @@ class Controller:
 
     def account(self, parts: Optional[dict[str, float]]) -> None:
         """Count ``parts`` (``name -> seconds`` spent inside the current phase: ``helper_start``,
-        ``alpha_beta``, ``contention``) as their own entries of :attr:`startup` instead of the phase's.
+        ``alpha_beta``, ``contention``, ``planning``) as their own entries of :attr:`startup` instead of the phase's.
         Ignored after steady state is reached (a re-plan's α-β work is not start-up)."""
         if self.startup or not parts:
             return
@@ -321,7 +322,8 @@ class Controller:
             if new is Phase.RUN:
                 out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0)
                        for k in ("trace", "profile", "trial") for u in ("s", "steps")}
-                out.update({f"{k}_s": self._spent[f"{k}_s"] for k, _ in self.PARTS if f"{k}_s" in self._spent})
+                out.update({f"{k}_s": self._spent[f"{k}_s"] for k in [k for k, _ in self.PARTS] + ["planning"]
+                            if f"{k}_s" in self._spent})
                 out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
                 out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
                 self.startup = out
@@ -373,7 +375,9 @@ class Controller:
 
     # ------------------------------------------------------------------ PROFILE -> TRIAL / RUN
     def _finish_profiling(self) -> None:
+        t0 = self.clock()
         schedules, no_overlap = self.effects.plan()
+        self.account({"planning": self.clock() - t0})  # the planners' search and the plan broadcast
         # (trial_results keep the last finished selection: a re-plan that the fit does not finish must not
         # erase what was measured and chosen before it)
         if len(schedules) > 1:

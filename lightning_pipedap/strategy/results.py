@@ -111,8 +111,8 @@ class RunResults:
     replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
     installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
     startup = _FromRun("startup", {}, "Time to steady state of the last fit: seconds and steps in trace, profile "
-                       "and trials, seconds of the α-β model, the contention benchmark and the compression "
-                       "helper's start, and their totals ({} until the plan runs).")
+                       "and trials, seconds of the α-β model, the contention benchmark, the compression "
+                       "helper's start and planning, and their totals ({} until the plan runs).")
 
     def what_ran(self) -> dict[str, Any]:
         """What the last fit ran, as plain JSON-able data (for result files and summaries).
