@@ -72,6 +72,8 @@ def test_view_refusal_names_the_split_parameter():
     assert reason is not None
     assert "holds part of parameter 4" in reason and "[12, 20) of 20" in reason and "split over buckets 1, 3" in reason
     assert view_refusal(FlatBucket.allocate(0, (1, 4), [b, w], world_size=2)) is None  # whole: a view is fine
+    named = view_refusal(bucket, buckets_of={4: (1, 3)}, names=["a", "b", "c", "d", "net.0.weight"])
+    assert "holds part of net.0.weight (parameter 4)" in named
 
 
 # ------------------------------------------------------------------------------------------- the update

@@ -44,6 +44,7 @@ __all__ = [
     "ddp_reduction_finished",
     "finish_stalled_reduction",
     "ranks_not_stalled",
+    "ranks_marked_stalled",
 ]
 
 
@@ -414,6 +415,16 @@ def ranks_not_stalled(key: str, rank: int, world_size: int, timeout_s: float) ->
         if not missing or time.monotonic() >= deadline:
             return missing
         time.sleep(0.02)
+
+
+def ranks_marked_stalled(key: str, world_size: int) -> list[int]:
+    """The ranks that marked ``key`` in :func:`ranks_not_stalled` so far (no wait, no collective); empty when the
+    store cannot be reached (the rank that hosts it has exited)."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        return [r for r in range(world_size) if store.check([f"{key}/{r}"])]
+    except (RuntimeError, ValueError, OSError):  # (DistStoreError / DistNetworkError derive from RuntimeError)
+        return []
 
 
 def finish_stalled_reduction(params: Sequence[torch.nn.Parameter], comm: CommGroup) -> list[int]:

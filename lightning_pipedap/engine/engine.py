@@ -43,7 +43,8 @@ __all__ = ["CommEngine", "EngineError", "OpTiming", "view_refusal"]
 
 
 def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False,
-                 buckets_of: Optional[dict[int, Sequence[int]]] = None) -> Optional[str]:
+                 buckets_of: Optional[dict[int, Sequence[int]]] = None,
+                 names: Optional[Sequence[str]] = None) -> Optional[str]:
     """Why ``bucket`` cannot hold its parameters' ``.grad`` as views of its buffer, or None when it can.
 
     ``gradient_as_bucket_view`` makes each parameter's ``.grad`` a view into the bucket, so the bucket's
@@ -63,10 +64,14 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
         compressed: whether the schedule compresses this bucket.
         wire16: whether the schedule sends this bucket in the 16-bit wire format.
         buckets_of: split parameter index -> the buckets holding its pieces (for the message; optional).
+        names: the parameters' names by engine index (for the message; optional: ``"parameter <index>"``).
 
     Returns:
         None, or a short reason naming the cause (for the log).
     """
+    def called(i: int) -> str:
+        return f"{names[i]} (parameter {i})" if names is not None and i < len(names) else f"parameter {i}"
+
     if compressed:
         return "it is compressed (the compressor rewrites the bucket)"
     if wire16:
@@ -77,11 +82,11 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
             start, stop = bucket.ranges[slot]
             where = (f"split over buckets {', '.join(map(str, buckets_of[i]))}" if buckets_of and i in buckets_of
                      else "split over several buckets")
-            return (f"it holds part of parameter {i} (elements [{start}, {stop}) of {p.numel()}, {where}), whose "
+            return (f"it holds part of {called(i)} (elements [{start}, {stop}) of {p.numel()}, {where}), whose "
                     ".grad cannot be a view of one bucket")
     for slot, p in enumerate(bucket.params):
         if p.layout != torch.strided or not p.is_contiguous():
-            return (f"parameter {bucket.param_indices[slot]} (shape {tuple(p.shape)}) is not a contiguous dense "
+            return (f"{called(bucket.param_indices[slot])} (shape {tuple(p.shape)}) is not a contiguous dense "
                     "tensor (its .grad layout differs from the flat buffer's)")
     return None
 
@@ -119,6 +124,7 @@ class CommEngine:
             autograd made a new tensor), so backward accumulates into the bucket and
             :meth:`grad_ready` only divides in place. Buckets refused by :func:`view_refusal`
             keep the copy path; :attr:`view_refusals` says why.
+        param_names: the parameters' names in ``params`` order, for messages (optional).
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
@@ -126,7 +132,8 @@ class CommEngine:
     """
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
-                 transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False) -> None:
+                 transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False,
+                 param_names: Optional[Sequence[str]] = None) -> None:
         schedule.validate(len(params), [p.numel() for p in params])
         if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
             raise ValueError(f"schedule {schedule.name!r} sends {schedule.num_wire16} bucket(s) in the 16-bit wire "
@@ -174,7 +181,8 @@ class CommEngine:
         if bucket_view:
             for b in self.buckets:
                 reason = view_refusal(b, compressed=self.transport is not None and schedule.is_compressed(b.index),
-                                      wire16=schedule.is_wire16(b.index), buckets_of=self.split)
+                                      wire16=schedule.is_wire16(b.index), buckets_of=self.split,
+                                      names=param_names)
                 if reason is None:
                     b.as_view = True
                 else:

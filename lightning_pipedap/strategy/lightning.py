@@ -309,6 +309,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             if rt is not None and rt.deferred is not None and rt.deferred.late_applied \
                     and "modified by an inplace operation" in str(exc):
                 raise RuntimeError(rt.deferred.stale_message()) from exc
+            why = rt.stalled_elsewhere() if rt is not None else None
+            if why:  # (DDP's bucket all-reduces failed because another rank's reduction stalled)
+                raise RuntimeError(why) from exc
             raise
         if self._rt is not None and not self._rt.handed_over:
             self._rt.finish_backward()

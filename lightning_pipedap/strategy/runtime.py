@@ -233,6 +233,26 @@ class Runtime:
                  "parameter had one in the profiled steps); pipedap averaged this step's gradients as DDP with "
                  "find_unused_parameters=True does, and DDP's reducer continues with that option")
 
+    def stalled_elsewhere(self) -> Optional[str]:
+        """Why DDP's backward failed on this rank when another rank's reduction stalled in this step (a parameter
+        unused on that rank only, see :meth:`after_ddp_backward`), as an error message; None when no other rank
+        marked a stall (then the failure has another cause). Reads the rendezvous store only."""
+        if not self.handed_over:
+            return None
+        marked = [r for r in C.ranks_marked_stalled(f"pipedap/ddp_stall/{self.fit_id}/{self.stalls}",
+                                                     self.comm.world_size) if r != self.rank]
+        if not marked:
+            return None
+        trainer = getattr(self.module, "_trainer", None)
+        step = f"global step {trainer.global_step}" if trainer is not None else "a step"
+        return (f"pipedap: rank {self.rank}: DDP's reducer failed in {step}: rank(s) {marked} got no gradient for "
+                "a parameter that this rank used (the torch_ddp candidate runs without find_unused_parameters "
+                "since every parameter had a gradient in the profiled and trial steps), so the bucket all-reduces "
+                "this rank launched were never matched; the error of rank(s) "
+                f"{marked} names the parameters. Pass torch_ddp_candidate=False (pipedap's own engine handles "
+                "parameters unused on some ranks) or gradient_as_bucket_view=True (the candidate then sets "
+                "find_unused_parameters)")
+
     def trainable_signature(self) -> int:
         return self.tset.key(self.optimizers())
 
@@ -295,7 +315,8 @@ class Runtime:
         self._engine_params = params  # (engine order: what the consumer trace watches)
         factory = self._compression_factory() if final and self.config.compression else None
         self.engine = CommEngine(self.comm, params, schedule, self.config.wait_timeout_s, transport_factory=factory,
-                                 wire_dtype=self.config.wire_dtype, bucket_view=self.config.gradient_as_bucket_view)
+                                 wire_dtype=self.config.wire_dtype, bucket_view=self.config.gradient_as_bucket_view,
+                                 param_names=[self.name_of(p) for p in params])
         for b, reason in sorted(self.engine.view_refusals.items()):
             names = ", ".join(self.name_of(p) for p in self.engine.buckets[b].params[:3])
             self.say(f"view:{reason}", f"pipedap: gradient_as_bucket_view: bucket {b} ({names}, ...) keeps the copy "
