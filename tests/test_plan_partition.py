@@ -9,7 +9,7 @@ import pytest
 
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.partition import (
-    choose_partition, describe_partition, engine_period, expand_pieces, is_split, layer_numels, partition_profile,
+    choose_partition, describe_partition, engine_period, expand_pieces, fused_pieces, is_split, layer_numels, partition_profile,
     piece_schedule_to_layers,
 )
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
@@ -47,6 +47,13 @@ def test_partition_splits_on_element_boundaries_with_times_on_the_last_piece():
     assert pp.t_forward == pytest.approx(prof.t_forward) and pp.t_backward == pytest.approx(prof.t_backward)
     assert pp.meta["partition"] == {"piece_bytes": 1500, "split": {1: 3}}
     assert is_split(pmap) and describe_partition(pmap, prof) == "1 layer split into 3 pieces (b: 3)"
+    # tensor fusion: b's pieces 1 and 2 in one bucket are one range there; all three in one bucket, no split
+    piece_layers = len(pmap)
+    assert fused_pieces([[j] for j in range(piece_layers)], pmap) == (3, 1)
+    b_pieces = [j for j, (layer, _, _) in enumerate(pmap) if layer == 1]
+    rest = [j for j in range(piece_layers) if j not in b_pieces]
+    assert fused_pieces([[j] for j in rest] + [b_pieces[:1], b_pieces[1:]], pmap) == (2, 1)
+    assert fused_pieces([[j] for j in rest] + [b_pieces], pmap) == (0, 0)
 
 
 def test_partition_without_numel_uses_bytes_per_element():

@@ -97,8 +97,9 @@ def test_plan_keeps_the_partitioned_schedule_when_it_is_predicted_faster():
     # no overlap: compute 3.5 + AR of every bucket (100 B, 152 B, 152 B: 1 + 1.52 + 1.52 s)
     assert no_overlap == [pytest.approx(3.5 + 4.04)]
     (line,) = [m for m in said if "partition_mb" in m]
-    assert line == ("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2); predicted iteration 5040.0 ms "
-                    "partitioned (optimal+pieces4.75MiB, 3 buckets) vs 5520.0 ms unpartitioned (optimal, 2 buckets; "
+    assert line == ("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2) for planning; predicted "
+                    "iteration 5040.0 ms partitioned (optimal+pieces4.75MiB, 3 buckets, after tensor fusion 1 layer "
+                    "in 2 pieces) vs 5520.0 ms unpartitioned (optimal, 2 buckets; "
                     "α-β model with the engine's update rule, without the contention model of the candidates' "
                     "predictions): keeping the partitioned plan")
 
@@ -119,7 +120,8 @@ def test_plan_keeps_the_unpartitioned_schedule_when_pieces_do_not_pay():
     schedules, _, said, _ = _plan(4.75, plan_trials=1, alpha=2.0)
     assert [s.name for s in schedules] == ["optimal"] and schedules[0].pieces is None
     (line,) = [m for m in said if "partition_mb" in m]
-    assert line.startswith("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2); predicted iteration ")
+    assert line.startswith("pipedap: partition_mb=4.75: 1 layer split into 2 pieces (l1: 2) for planning; predicted "
+                           "iteration ")
     assert line.endswith("keeping the unpartitioned plan (the partitioned one is not predicted faster)")
     schedules, _, _, _ = _plan(4.75, plan_trials=3, alpha=2.0)
     assert schedules[0].name == "optimal" and schedules[-1].name == "optimal+pieces4.75MiB" and len(schedules) == 3

@@ -67,6 +67,7 @@ from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
 from lightning_pipedap.schedule import OpKind, Schedule, expand_layers, split_buckets
 
 __all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
+           "fused_pieces",
            "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
 
 #: ``piece_map[j] = (layer, start, stop)``: piece-layer ``j`` of the partitioned profile is elements
@@ -168,6 +169,18 @@ def describe_partition(piece_map: PieceMap, profile: ModelProfile | None = None)
     more = f", ... ({len(names) - 6} more)" if len(names) > 6 else ""
     return (f"{len(split)} layer{'s' * (len(split) != 1)} split into {sum(split.values())} pieces "
             f"({', '.join(names[:6])}{more})")
+
+
+def fused_pieces(buckets: Sequence[Sequence[int]], piece_map: PieceMap) -> tuple[int, int]:
+    """``(pieces, split layers)`` that a schedule over the piece-layers of ``piece_map`` really sends: the
+    piece-layers of one layer that fall into the same bucket are one element range there (tensor fusion
+    merges them), so a layer is split only when its piece-layers land in more than one bucket."""
+    bucket_of = {j: b for b, bucket in enumerate(buckets) for j in bucket}
+    holders: dict[int, set[int]] = {}
+    for j, (layer, _, _) in enumerate(piece_map):
+        holders.setdefault(layer, set()).add(bucket_of[j])
+    split = [len(bs) for bs in holders.values() if len(bs) > 1]
+    return sum(split), len(split)
 
 
 def _check_piece_map(piece_map: PieceMap, layers: Sequence[Sequence[int]], numels: Sequence[int]) -> None:
@@ -448,9 +461,12 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
     s = dataclasses.replace(s, name=f"{unpartitioned.name}+pieces{piece_bytes / 2**20:g}MiB", predicted_iteration_s=p)
     keep = p < u * (1.0 - margin)
     merged = piece_schedule_to_layers(s, pmap) is not None
-    line = (f"pipedap: partition_mb={mib}: {describe_partition(pmap, profile)}; predicted iteration "
-            f"{p * 1e3:.1f} ms partitioned ({s.name}, {len(s.buckets)} buckets"
-            f"{', every layer whole in one bucket' if merged else ''}) vs {u * 1e3:.1f} ms unpartitioned "
+    n_pieces, n_split = fused_pieces(s.buckets, pmap)
+    line = (f"pipedap: partition_mb={mib}: {describe_partition(pmap, profile)} for planning; predicted iteration "
+            f"{p * 1e3:.1f} ms partitioned ({s.name}, {len(s.buckets)} buckets, "
+            + ("every layer whole in one bucket" if merged else
+               f"after tensor fusion {n_split} layer{'s' * (n_split != 1)} in {n_pieces} pieces")
+            + f") vs {u * 1e3:.1f} ms unpartitioned "
             f"({unpartitioned.name}, {len(unpartitioned.buckets)} buckets; α-β model with the engine's update rule, "
             "without the contention model of the candidates' predictions): keeping the "
             + ("partitioned plan" if keep else "unpartitioned plan (" + (
