@@ -514,6 +514,10 @@ def test_a_replan_that_the_fit_does_not_finish_keeps_the_first_selection_and_say
     assert ctl.unfinished_trial() == (
         "pipedap: the fit ended while profiling for re-plan 1: no candidate was planned or measured, and the profiling "
         "schedule (sync mode) ran last (the finished selection before it chose b, its results are kept); train longer")
+    ctl.run_noun = "run"  # (Fabric has no fit: its strategy says "run")
+    assert ctl.unfinished_trial().startswith("pipedap: the run ended while profiling for re-plan 1")
+    assert ctl.plan_selection()["text"].startswith("unfinished (the run ended while profiling")
+    ctl.run_noun = "fit"
     ctl.after_sync_step(clock.t)  # the re-plan's profiling step: the second selection starts with a
     assert ctl.phase is Phase.TRIAL and ctl.trial_results is first  # not erased by the re-plan
     for step_s in (5.0, 0.4, 0.5, 0.6):  # a's window: settling, then 2 measured steps (the last start switches)

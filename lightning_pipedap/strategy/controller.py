@@ -232,6 +232,7 @@ class Controller:
             slower than the chosen candidate's trial measurement, or without trials than the prediction,
             by more than ``replan_margin``, at most ``max_replans`` times; faster never re-plans).
         clock: time source in seconds (``time.perf_counter``).
+        run_noun: what the end-of-training messages call one training run (``"fit"``; Fabric: ``"run"``).
 
     Attributes (read by the strategy and the measurement callbacks):
         phase: the current :class:`Phase`.
@@ -263,8 +264,9 @@ class Controller:
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
                  trial_steps: int = 3, trial_rounds: int = 1, trial_window_s: float = 0.0, replan_every: int = 50,
                  replan_margin: float = 0.15, max_replans: int = 1,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, run_noun: str = "fit") -> None:
         self.effects = effects
+        self.run_noun = run_noun  # what the end-of-training messages call it: "fit" (Trainer), "run" (Fabric)
         self.planned = planned
         self.warmup_steps, self.profile_steps, self.trial_steps = warmup_steps, profile_steps, trial_steps
         self.trial_rounds, self.trial_window_s = trial_rounds, trial_window_s
@@ -520,7 +522,7 @@ class Controller:
         if self.phase is Phase.PROFILE:
             chosen = next((r["name"] for r in self.selections[-1] if r["chosen"]), "?") if self.selections else None
             what = f"re-plan {self.replans_done}" if self.replans_done else "the plan"
-            return (f"pipedap: the fit ended while profiling for {what}: no candidate was planned or measured, and the "
+            return (f"pipedap: the {self.run_noun} ended while profiling for {what}: no candidate was planned or measured, and the "
                     "profiling schedule (sync mode) ran last"
                     + (f" (the finished selection before it chose {chosen}, its results are kept)" if chosen else "")
                     + "; train longer")
@@ -532,7 +534,7 @@ class Controller:
             chosen = next((r["name"] for r in self.selections[-1] if r["chosen"]), "?")
             kept = (f" (this was the selection after re-plan {self.replans_done}; the finished selection before it "
                     f"chose {chosen}, its results are kept)")
-        return (f"pipedap: the fit ended during measured plan selection ({tr.window} of {len(tr.order)} windows "
+        return (f"pipedap: the {self.run_noun} ended during measured plan selection ({tr.window} of {len(tr.order)} windows "
                 f"measured, {self.window_steps} measured steps each after one settling step): no candidate was "
                 f"chosen, and the one being measured, {cur.name}, ran last{kept}; train longer, or set "
                 "plan_trials=1 (the plan directly) or fewer trial_rounds / a smaller trial_window_s")
@@ -575,7 +577,7 @@ class Controller:
                             f"windows{after})")
         elif self.planned and self.phase in (Phase.TRACE, Phase.PROFILE):
             where = "tracing" if self.phase is Phase.TRACE else "profiling"
-            out.update(status="unfinished", text=f"unfinished (the fit ended while {where}, before candidates were "
+            out.update(status="unfinished", text=f"unfinished (the {self.run_noun} ended while {where}, before candidates were "
                                                  f"planned{after})")
         elif self.how == "selected":
             n = len(self.trial_results)

@@ -104,6 +104,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             included), naming the valid ones; ``no_backward_sync`` on a module this strategy did not set up.
     """
 
+    RUN_NOUN = "run"
+
     strategy_name = "pipedap"
 
     def __init__(

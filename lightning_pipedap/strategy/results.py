@@ -46,6 +46,9 @@ class _FromRun:
 class RunResults:
     """Results of the current or last fit: plan selection, predictions, measured times, the timeline."""
 
+    #: what messages call one training run: ``trainer.fit`` here, a Fabric script's run in the Fabric strategy
+    RUN_NOUN = "fit"
+
     def _init_run_state(self, config: PipeDAPConfig) -> None:
         """The options and the state kept across fits (the current and last run-time, the engine's group,
         timeline records, update counters)."""
@@ -83,7 +86,7 @@ class RunResults:
         self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
         self._rt = rt = Runtime(self.config, module, optimizers, self._comm, self.world_size, self.global_rank,
                                 self.root_device, self._measured, resume, M.info, M.warn, self.update_counts,
-                                self._records, lambda: self._timeline_enabled)
+                                self._records, lambda: self._timeline_enabled, run_noun=self.RUN_NOUN)
         rt.start_heartbeat(on_lost_peer)
         M.every_rank(f"pipedap: rank {self.global_rank} of {self.world_size} set up on {socket.gethostname()} "
                      f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors, "

@@ -102,7 +102,8 @@ class Runtime:
     def __init__(self, config: PipeDAPConfig, module: torch.nn.Module, optimizers: Callable[[], list],
                  comm: Any, world_size: int, rank: int, device: torch.device, measured: Measured,
                  resume: R.ResumeState, info: Callable[[str], None], warn: Callable[[str], None],
-                 counts: dict[str, int], records: list[OpRecord], timeline: Callable[[], bool]) -> None:
+                 counts: dict[str, int], records: list[OpRecord], timeline: Callable[[], bool],
+                 run_noun: str = "fit") -> None:
         self.config, self.module, self.optimizers, self.comm = config, module, optimizers, comm
         self.world_size, self.rank, self.device = world_size, rank, device
         self.info, self.warn, self.counts, self.records, self.timeline = info, warn, counts, records, timeline
@@ -121,7 +122,7 @@ class Runtime:
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
                                      trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
-                                     max_replans=config.max_replans)
+                                     max_replans=config.max_replans, run_noun=run_noun)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
         for note in config.ignored_options():  # (once per fit: options that do not apply are not silent)
             info(note)
