@@ -416,6 +416,23 @@ def test_a_winner_over_ddps_reducer_is_confirmed_in_more_rounds_and_a_burst_does
     assert _installs(fx) == ["b", "torch_ddp", "b", "torch_ddp", "b", "torch_ddp", "b", "torch_ddp"]
 
 
+def test_torch_ddp_margin_sets_how_much_faster_a_candidate_must_be_than_ddps_reducer():
+    """b measured 7% faster than DDP's reducer in every window: the default margin (10%) keeps DDP's reducer
+    without a confirmation; ``torch_ddp_margin=0.05`` lets b win the first pass, confirms it against DDP's
+    reducer in 2 more rounds, and installs it."""
+    ctl, fx, clock = _b_against_ddp(rounds=2)
+    _drive_windows(ctl, clock, [0.186, 0.20, 0.186, 0.20])
+    assert ctl.phase is Phase.RUN and [r["chosen"] for r in ctl.trial_results] == [False, True]
+    assert _installs(fx)[-1] == "torch_ddp"
+    ctl, fx, clock = _b_against_ddp(rounds=2)
+    ctl.prefer_margin = 0.05
+    _drive_windows(ctl, clock, [0.186, 0.20, 0.186, 0.20])
+    assert ctl.phase is Phase.TRIAL and ctl.trial.confirm == (0, 1, 2)
+    _drive_windows(ctl, clock, [0.20, 0.186, 0.20, 0.186])  # (torch_ddp installed: it goes first)
+    assert ctl.phase is Phase.RUN and [r["chosen"] for r in ctl.trial_results] == [True, False]
+    assert _installs(fx)[-1] == "b"
+
+
 def test_trial_results_carry_the_numbers_the_choice_was_made_on():
     """After a confirmation the median of all windows can make the chosen candidate look slower (b 0.21 s,
     torch_ddp 0.24 s, torch_ddp chosen); ``deciding_s`` holds the confirmation medians that decided (b 0.22 s,

@@ -35,6 +35,8 @@ def test_import_registers_names_idempotently():
         ({"find_unused_parameters": True}, TypeError, r"detects parameters without gradients"),
         ({"train_thread_nice": 25}, ValueError, r"train_thread_nice must be an integer in 0\.\.19 \(0 = off\), got 25"),
         ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1, got 0"),
+        ({"torch_ddp_margin": 1.0}, ValueError, r"torch_ddp_margin must be a fraction in \[0, 1\) .*got 1\.0"),
+        ({"torch_ddp_margin": "5%"}, ValueError, r"torch_ddp_margin must be a fraction in \[0, 1\) .*got '5%'"),
         ({"calibrate_cost_model": "yes"}, ValueError, r"calibrate_cost_model must be True or False, got 'yes'"),
         ({"model_contention": 1}, ValueError, r"model_contention must be True or False, got 1"),
         ({"gradient_as_bucket_view": "true"}, ValueError, r"gradient_as_bucket_view must be True or False, got 'true'"),
@@ -139,6 +141,10 @@ def test_options_that_do_not_apply_are_named():
                     "trialled with wire_dtype='bf16' (DDP's reducer sends fp32: set wire_dtype='fp32' to measure it)")
     assert Config(wire_dtype="bf16", torch_ddp_candidate=False).ignored_options() == []
     assert Config(wire_dtype="bf16", plan_trials=1).ignored_options() == []  # (no trial at all)
+    assert Config(torch_ddp_margin=0.05).ignored_options() == []
+    (margin,) = Config(torch_ddp_margin=0.05, torch_ddp_candidate=False).ignored_options()
+    assert margin.startswith("pipedap: torch_ddp_margin=0.05 not used: the torch_ddp candidate is not trialled")
+    assert len(Config(torch_ddp_margin=0.05, schedule="dear").ignored_options()) == 1
 
 
 def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once():

@@ -85,6 +85,7 @@ class PipeDAPStrategyConf:
     trial_rounds: int = 2
     trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
+    torch_ddp_margin: float = 0.10
     train_thread_nice: int = 0
     compression: Optional[str] = None
     compression_kwargs: dict[str, Any] = field(default_factory=dict)

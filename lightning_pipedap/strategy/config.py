@@ -139,6 +139,11 @@ class PipeDAPConfig:
             need pipedap's own reduction); under it, non-finite gradients behave exactly as under DDP
             and ``nonfinite="warn"`` checks the parameters every 50 steps (a non-finite update leaves
             them non-finite) instead of each step's reduced gradients.
+        torch_ddp_margin: fraction in [0, 1): the ``torch_ddp`` candidate is kept unless another candidate
+            measured faster than it by more than this (0.10: more than 10%), in the first pass and in the
+            confirmation rounds. The default protects against trial windows that mislead on a shared,
+            noisy machine; on a quiet dedicated cluster a smaller margin (0.03-0.05) lets a schedule that
+            is a few percent faster displace DDP's reducer.
         model_contention: before the first plan, measure how much communication and compute slow
             each other down when they overlap (:func:`~lightning_pipedap.probe.slowdown.
             measure_contention`, ~1 s: a matmul load and an 8 MiB all-reduce, alone and together)
@@ -238,6 +243,7 @@ class PipeDAPConfig:
     trial_rounds: int = 2
     trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
+    torch_ddp_margin: float = 0.10
     model_contention: bool = True
     nonfinite: NonFinite = "warn"
     check_params_every_n_steps: Optional[int] = None
@@ -253,6 +259,11 @@ class PipeDAPConfig:
                 or not 0 <= self.trial_window_s < float("inf"):
             raise ValueError(f"trial_window_s must be a finite number of seconds >= 0, got {self.trial_window_s!r}")
         object.__setattr__(self, "trial_window_s", float(self.trial_window_s))
+        if isinstance(self.torch_ddp_margin, bool) or not isinstance(self.torch_ddp_margin, numbers.Real) \
+                or not 0 <= self.torch_ddp_margin < 1:
+            raise ValueError(f"torch_ddp_margin must be a fraction in [0, 1) (0.10 = another candidate must be more "
+                             f"than 10% faster than DDP's reducer), got {self.torch_ddp_margin!r}")
+        object.__setattr__(self, "torch_ddp_margin", float(self.torch_ddp_margin))
         if self.wait_timeout_s == float("inf"):
             raise ValueError("wait_timeout_s must be finite (seconds), got inf")
         for name, low in (("warmup_steps", 1), ("profile_steps", 1), ("replan_every", 2), ("max_replans", 0),
@@ -355,6 +366,14 @@ class PipeDAPConfig:
             if why:
                 out.append("pipedap: torch_ddp_candidate=True not used: the torch_ddp candidate (DDP's reducer) is "
                            f"not trialled with {' and '.join(why)}")
+        trialled = (self.planned and self.torch_ddp_candidate and self.plan_trials > 1 and self.compression is None
+                    and self.wire_dtype == "fp32" and self.nonfinite not in ("raise", "skip")
+                    and not self.check_params_every_n_steps)
+        if self.torch_ddp_margin != defaults["torch_ddp_margin"] and not trialled:
+            out.append(f"pipedap: torch_ddp_margin={self.torch_ddp_margin!r} not used: the torch_ddp candidate is not "
+                       "trialled (it needs a planned schedule, torch_ddp_candidate=True, plan_trials >= 2, no "
+                       "compression, wire_dtype='fp32', nonfinite 'warn' or 'ignore' and no "
+                       "check_params_every_n_steps)")
         if self.partition_mb is not None and (not self.planned or self.compression is not None):
             why = (f"schedule {self.schedule!r} is fixed (only planned schedules are partitioned)" if not self.planned
                    else f"compression={self.compression!r} is set (a compressor works on whole parameters)")

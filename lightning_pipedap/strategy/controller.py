@@ -233,6 +233,8 @@ class Controller:
             by more than ``replan_margin``, at most ``max_replans`` times; faster never re-plans).
         clock: time source in seconds (``time.perf_counter``).
         run_noun: what the end-of-training messages call one training run (``"fit"``; Fabric: ``"run"``).
+        prefer_margin: DDP's reducer (``torch_ddp``) is kept unless a candidate is faster by more than this
+            fraction (``torch_ddp_margin``; :func:`choose_candidate`'s ``prefer_margin``).
 
     Attributes (read by the strategy and the measurement callbacks):
         phase: the current :class:`Phase`.
@@ -264,9 +266,11 @@ class Controller:
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
                  trial_steps: int = 3, trial_rounds: int = 1, trial_window_s: float = 0.0, replan_every: int = 50,
                  replan_margin: float = 0.15, max_replans: int = 1,
-                 clock: Callable[[], float] = time.perf_counter, run_noun: str = "fit") -> None:
+                 clock: Callable[[], float] = time.perf_counter, run_noun: str = "fit",
+                 prefer_margin: float = 0.10) -> None:
         self.effects = effects
         self.run_noun = run_noun  # what the end-of-training messages call it: "fit" (Trainer), "run" (Fabric)
+        self.prefer_margin = prefer_margin
         self.planned = planned
         self.warmup_steps, self.profile_steps, self.trial_steps = warmup_steps, profile_steps, trial_steps
         self.trial_rounds, self.trial_window_s = trial_rounds, trial_window_s
@@ -438,7 +442,7 @@ class Controller:
         windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
         names = [s.name for s in tr.schedules]
         if tr.confirm is None:
-            best, measured, notes = choose_candidate(names, windows, floor)
+            best, measured, notes = choose_candidate(names, windows, floor, prefer_margin=self.prefer_margin)
             if self._confirm(tr, names, best, measured):
                 self._next_window(tr)
                 return
@@ -501,7 +505,8 @@ class Controller:
         assert tr.confirm is not None
         winner, pref, first = tr.confirm
         pair = [winner, pref]
-        k, again, notes = choose_candidate([names[i] for i in pair], [windows[i][first:] for i in pair], floor)
+        k, again, notes = choose_candidate([names[i] for i in pair], [windows[i][first:] for i in pair], floor,
+                                           prefer_margin=self.prefer_margin)
         notes.insert(0, f"confirmation: {names[winner]} {again[0] * 1e3:.1f} ms, {names[pref]} "
                         f"{again[1] * 1e3:.1f} ms; chose {names[pair[k]]}")
         measured = [statistics.median(w) for w in windows]

@@ -64,7 +64,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
             compression_kwargs, compression_mode, compression_threads, wire_dtype, gradient_as_bucket_view,
             plan_trials, trial_steps,
-            trial_rounds, trial_window_s, torch_ddp_candidate, model_contention, nonfinite,
+            trial_rounds, trial_window_s, torch_ddp_candidate, torch_ddp_margin, model_contention, nonfinite,
             check_params_every_n_steps, partition_mb: the options, validated into :attr:`config`, a
             :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
             readable as an attribute: ``strategy.bucket_cap_mb``). ``nonfinite`` (``"warn"``, ``"raise"``,
@@ -130,6 +130,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         trial_rounds: int = 2,
         trial_window_s: float = 0.25,
         torch_ddp_candidate: bool = True,
+        torch_ddp_margin: float = 0.10,
         model_contention: bool = True,
         nonfinite: str = "warn",
         check_params_every_n_steps: Optional[int] = None,

@@ -39,6 +39,8 @@ through Lightning (``Trainer.fit``) with the same lean LightningModule (loss onl
 * ``pipedap-<schedule>@fp16`` / ``@bf16``: ``wire_dtype="fp16"`` / ``"bf16"``: the 16-bit wire format of
   the engine's ring (gradients cast in the send path, summed in fp32; ``optimal`` chooses it per bucket),
   run when named (the counterpart of ``ddp+fp16hook`` without DDP's extra fp16 copy and fp16 sums).
+* ``pipedap-<schedule>@part<MiB>``: ``partition_mb`` (tensor partitioning); ``pipedap-<schedule>@margin<percent>``:
+  ``torch_ddp_margin`` (how much faster than DDP's reducer a trial candidate must be to displace it).
 
 Per variant: median *iteration time* (start-to-start of training batches, ``on_train_batch_start``, after
 ``--warmup`` steps, over ``--steps`` steps), energy per iteration (an *estimate*: ``--watts`` x CPU-seconds

@@ -43,6 +43,9 @@ INLINE_SUFFIX = ":inline"
 NICE_SUFFIX = "@nice"
 #: ``pipedap-...@part<MiB>``: ``PipeDAPStrategy(partition_mb=MiB)`` (tensor partitioning of layers larger than that)
 PART_SUFFIX = "@part"
+#: ``pipedap-...@margin<percent>``: ``PipeDAPStrategy(torch_ddp_margin=percent / 100)`` (how much faster than DDP's
+#: reducer a candidate must measure to displace it)
+MARGIN_SUFFIX = "@margin"
 #: the strategy's fixed schedules (no planning, so no partitioning)
 FIXED_SCHEDULES = ("allreduce", "dear")
 #: ``pipedap-...@fp16`` / ``@bf16``: ``PipeDAPStrategy(wire_dtype=...)`` (16-bit wire format of the ring)
@@ -104,6 +107,7 @@ class StrategySpec:
         nice: pipedap's ``train_thread_nice`` (``@nice<N>`` suffix), 0 = off.
         wire: pipedap's ``wire_dtype`` (``@fp16`` / ``@bf16`` suffix; ``"fp32"`` without).
         partition_mb: pipedap's ``partition_mb`` (``@part<MiB>`` suffix), None = off.
+        torch_ddp_margin: pipedap's ``torch_ddp_margin`` (``@margin<percent>`` suffix), None = the default.
     """
 
     name: str
@@ -114,6 +118,7 @@ class StrategySpec:
     nice: int = 0
     wire: str = "fp32"
     partition_mb: Optional[float] = None
+    torch_ddp_margin: Optional[float] = None
 
     @property
     def compression(self) -> str:
@@ -135,7 +140,8 @@ def strategy_forms() -> str:
             f"(schedules: {', '.join(pipedap_schedules())}), {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>"
             f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
             f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19) and an uncompressed one in {' or '.join(WIRE_SUFFIXES)} "
-            f"(wire_dtype) or {PART_SUFFIX}<MiB> (partition_mb: split layers larger than that)")
+            f"(wire_dtype) or {PART_SUFFIX}<MiB> (partition_mb: split layers larger than that), and a planned "
+            f"uncompressed fp32 one in {MARGIN_SUFFIX}<percent> (torch_ddp_margin, 0..99)")
 
 
 def parse_strategy(name: str) -> StrategySpec:
@@ -143,7 +149,8 @@ def parse_strategy(name: str) -> StrategySpec:
     ``pipedap-<schedule>``, ``pipedap-<schedule>+<compressor>`` (helper process) or
     ``pipedap-<schedule>+<compressor>:inline``, each pipedap form optionally followed by ``@nice<N>``, an
     uncompressed one also by ``@fp16`` or ``@bf16`` (``wire_dtype``) or ``@part<MiB>`` (``partition_mb``), e.g.
-    ``pipedap-optimal@fp16@nice5``, ``pipedap-optimal@part1``.
+    ``pipedap-optimal@fp16@nice5``, ``pipedap-optimal@part1``; a planned, uncompressed fp32 one by
+    ``@margin<percent>`` (``torch_ddp_margin``), e.g. ``pipedap-optimal@margin5``.
 
     Raises:
         ValueError: an unknown name, schedule, compressor or suffix; the message names the bad part
@@ -156,8 +163,15 @@ def parse_strategy(name: str) -> StrategySpec:
     if not name.startswith(PIPEDAP_PREFIX):
         raise ValueError(f"unknown strategy {name!r}; valid: {strategy_forms()} (or 'all')")
     rest, *suffixes = name[len(PIPEDAP_PREFIX):].split("@")
-    nice, wire, part = 0, "fp32", None
+    nice, wire, part, margin = 0, "fp32", None, None
     for text in suffixes:
+        if ("@" + text).startswith(MARGIN_SUFFIX) and margin is None:
+            digits = text[len(MARGIN_SUFFIX) - 1:]
+            if not (digits.isdigit() and 0 <= int(digits) <= 99):
+                raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {MARGIN_SUFFIX}<percent> with "
+                                 "an integer percent in 0..99, e.g. @margin5")
+            margin = int(digits) / 100
+            continue
         if "@" + text in WIRE_SUFFIXES and wire == "fp32":
             wire = text
             continue
@@ -177,7 +191,10 @@ def parse_strategy(name: str) -> StrategySpec:
         raise ValueError(f"strategy {name!r}: {PART_SUFFIX}<MiB> needs an uncompressed pipedap variant with a planned "
                          f"schedule (the strategy partitions neither with compression nor the fixed schedules "
                          f"{', '.join(FIXED_SCHEDULES)})")
-    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part)
+    if margin is not None and (spec.compressor is not None or spec.schedule in FIXED_SCHEDULES or wire != "fp32"):
+        raise ValueError(f"strategy {name!r}: {MARGIN_SUFFIX}<percent> needs an uncompressed fp32 pipedap variant with a "
+                         f"planned schedule (only there is DDP's reducer a trial candidate)")
+    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part, margin)
 
 
 def _part_mb(name: str, text: str) -> float:

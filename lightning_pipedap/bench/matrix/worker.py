@@ -239,6 +239,8 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
                                                   compression_kwargs=COMPRESSOR_KWARGS.get(sp.compressor, {}))
     if sp.partition_mb is not None:
         comp["partition_mb"] = sp.partition_mb
+    if sp.torch_ddp_margin is not None:
+        comp["torch_ddp_margin"] = sp.torch_ddp_margin
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, wire_dtype=sp.wire,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
                                trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
