@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 from lightning_pipedap.bench.matrix.report import _ms, _x
 from lightning_pipedap.bench.matrix.results import CellResult
 from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, COMPRESS_SEP, DDP_HOOKS, DEFAULT_PIPEDAP,
-                                                 PIPEDAP_PREFIX, REFERENCE)
+                                                 PIPEDAP_PREFIX, REFERENCE, WIRE_SUFFIXES)
 from lightning_pipedap.bench.replay.cells import ReplayCell
 from lightning_pipedap.bench.replay.model import replay_profile
 from lightning_pipedap.plan.bounds import lower_bounds
@@ -166,11 +166,11 @@ def _beats_line(cells: Sequence[CellVerdict], name: str, against: str) -> Option
 
 def targets_summary(cells: Sequence[CellVerdict], pipedap: str = DEFAULT_PIPEDAP) -> list[str]:
     """Markdown bullet lines: how many cells meet each target of issue 17 item 5 (``pipedap`` against the
-    fp32 baselines, its ``+fp16`` forms against every baseline, the bound where communication can be hidden,
+    fp32 baselines, its compressed (``+fp16``) and 16-bit wire (``@fp16``, ``@bf16``) forms against every baseline, the bound where communication can be hidden,
     the simulator's error)."""
     lines = [_beats_line(cells, pipedap, "every fp32 baseline (" + ", ".join(DENSE_BASELINES) + ")")]
     for name in dict.fromkeys(v.name for c in cells for v in c.variants):
-        if name.startswith(pipedap + COMPRESS_SEP):
+        if name.startswith(pipedap + COMPRESS_SEP) or name in [pipedap + w for w in WIRE_SUFFIXES]:
             ran = [b for b in BASELINES if any(c.variant(b) for c in cells)]
             lines.append(_beats_line(cells, name, "every baseline (" + ", ".join(ran) + ")"))
     hide = [c for c in cells if c.hideable and c.variant(pipedap)]
