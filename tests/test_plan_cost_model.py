@@ -148,3 +148,23 @@ def test_describe_uses_one_unit_convention():
     assert ab.describe(with_r2=False) == "α=789 µs β=8.313 ns/B (0.12 GB/s)"
     assert AlphaBeta(1e-4, 1e-10).describe() == "α=100 µs β=0.100 ns/B (10 GB/s)"
     assert AlphaBeta(0.0, 0.0).describe() == "α=0 µs β=0.000 ns/B (unbounded)"
+
+
+def test_16bit_wire_constants_fit_round_trip_and_scale(tmp_path):
+    """The 16-bit wire constants (over the fp32 bytes): fitted from their own samples, kept by the JSON file
+    and by :meth:`CostModel.scaled`; a model without them costs a 16-bit op as the fp32 one at half the bytes."""
+    pts = lambda a, b: [(n, a + b * n) for n in (1e3, 1e5, 1e7)]  # noqa: E731
+    cm = fit_cost_model({"RS": pts(1e-4, 1e-9), "AG": pts(1e-4, 1e-9)},
+                        wire16_samples={"RS": pts(2e-4, 0.6e-9), "AG": pts(3e-4, 0.7e-9)})
+    assert cm.rs16.alpha_s == pytest.approx(2e-4) and cm.rs16.beta_s_per_byte == pytest.approx(0.6e-9)
+    assert cm.all_gather16(1e6) == pytest.approx(3e-4 + 0.7e-3)
+    back = load_cost_model(cm.save(tmp_path / "cm.json"))
+    assert back.rs16 == cm.rs16 and back.ag16 == cm.ag16
+    assert cm.scaled(beta_factor=2.0).rs16.beta_s_per_byte == pytest.approx(1.2e-9)
+    plain = CostModel.from_allreduce(0.0, 2e-9)
+    assert plain.rs16 is None and plain.reduce_scatter16(1e6) == pytest.approx(plain.reduce_scatter(5e5))
+    assert "wire16" not in plain.to_dict() and load_cost_model(plain.save(tmp_path / "p.json")).rs16 is None
+    with pytest.raises(ValueError, match="for both RS and AG or for neither"):
+        CostModel(cm.rs, cm.ag, cm.ar, {}, cm.rs16, None)
+    with pytest.raises(ValueError, match="wire16_samples needs 'RS' and 'AG'"):
+        fit_cost_model({"RS": pts(1e-4, 1e-9), "AG": pts(1e-4, 1e-9)}, wire16_samples={"RS": pts(1e-4, 1e-9)})

@@ -32,6 +32,24 @@ def test_simulator_costs_a_wire16_bucket_at_half_its_bytes():
     assert [round((t.end - t.start) * 1e3, 9) for t in res.ops] == [0.5, 1.0, 1.0]
 
 
+def test_measured_16bit_constants_replace_the_half_bytes_rule():
+    """With the fitted 16-bit constants (cast included) a wire16 bucket costs those, over its fp32 bytes: the
+    16-bit RS and AG at 0.3 ns/byte each take 1.2 ms for bucket 0's 4 MB instead of 1 ms each."""
+    import dataclasses
+
+    from lightning_pipedap.plan.cost_model import AlphaBeta
+
+    cm = dataclasses.replace(CM, rs16=AlphaBeta(0.0, 0.3e-9), ag16=AlphaBeta(0.0, 0.3e-9))
+    assert cm.reduce_scatter16(4_000_000) == pytest.approx(1.2e-3) and CM.reduce_scatter16(4_000_000) == pytest.approx(1e-3)
+    half = Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), wire16=(True, False))
+    # backward 11 ms, bucket 0's AR (16-bit RS + AG) 2.4 ms, forward 11 ms
+    assert simulate(PROF, cm, half).iteration_s == pytest.approx(0.0244, abs=1e-12)
+    # a 16-bit format slower than fp32 (cast costs more than the halved transfer saves): optimal keeps fp32
+    slow = dataclasses.replace(CM, rs16=AlphaBeta(0.0, 0.6e-9), ag16=AlphaBeta(0.0, 0.6e-9))
+    s = get_planner("optimal")(PROF, slow, 2, wire16=True)
+    assert s.wire16 is None or not any(s.wire16)
+
+
 def test_optimal_sends_16bit_only_the_exposed_bucket():
     dense = get_planner("optimal")(PROF, CM, 2)
     assert dense.predicted_iteration_s == pytest.approx(0.026, abs=1e-12)

@@ -18,6 +18,12 @@ convention; ``s = 1`` means every call pays the whole start-up (e.g. a per-call 
 overhead) and an AR shares one start-up between its two halves. No other sharing exists in the
 model: in particular an RS never gets cheaper because "its" AG moved elsewhere (the reference's
 ``T_ar - alpha`` accounting, which goes negative, is not reproduced).
+
+The 16-bit wire format (gradients cast to fp16/bf16 in the ring's send path, summed in fp32) has its own
+optional constants for RS and AG, fitted like the others over the *fp32* bytes of the bucket
+(:attr:`CostModel.rs16`, :attr:`CostModel.ag16`): the cast and the fp32 accumulation cost CPU per byte, so
+the 16-bit transfer is not exactly half the fp32 one. Without them a 16-bit bucket costs the fp32 constants
+at :data:`WIRE16_RATIO` of its bytes (:meth:`CostModel.reduce_scatter16`).
 """
 
 from __future__ import annotations
@@ -26,12 +32,17 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from lightning_pipedap.plan._jsonfile import check_header, save_json
 from lightning_pipedap.schedule import OpKind
 
-__all__ = ["AlphaBeta", "CostModel", "fit_alpha_beta", "fit_cost_model", "load_cost_model"]
+__all__ = ["AlphaBeta", "CostModel", "WIRE16_RATIO", "fit_alpha_beta", "fit_cost_model", "load_cost_model"]
+
+#: bytes on the wire per gradient byte of a bucket in the 16-bit wire format: 2-byte elements for the
+#: 4-byte fp32 gradients the profile's ``nbytes`` count; used when no 16-bit constants were measured
+#: (then ``T16(n) = alpha + beta * n / 2``: the cast's CPU time is not in the model)
+WIRE16_RATIO = 0.5
 
 COST_MODEL_FORMAT = "lightning_pipedap.cost_model"
 COST_MODEL_VERSION = 1
@@ -168,12 +179,22 @@ class CostModel:
         ag: constants of all-gather.
         ar: constants of all-reduce.
         meta: free-form provenance (backend, world size, hosts, source file, ...).
+        rs16, ag16: optional constants of reduce-scatter and all-gather in the 16-bit wire format, over the
+            bucket's fp32 bytes (measured with the cast; None: the fp32 constants at :data:`WIRE16_RATIO`
+            of the bytes). Both or neither.
     """
 
     rs: AlphaBeta
     ag: AlphaBeta
     ar: AlphaBeta
     meta: dict = field(default_factory=dict, compare=False)
+    rs16: Optional[AlphaBeta] = None
+    ag16: Optional[AlphaBeta] = None
+
+    def __post_init__(self) -> None:
+        if (self.rs16 is None) != (self.ag16 is None):
+            raise ValueError("a cost model has 16-bit wire constants for both RS and AG or for neither, got "
+                             f"rs16={self.rs16!r}, ag16={self.ag16!r}")
 
     # ------------------------------------------------------------------ costs
     def primitive(self, kind: OpKind | str) -> AlphaBeta:
@@ -201,6 +222,16 @@ class CostModel:
         """Seconds of an all-reduce of an ``nbytes``-byte bucket."""
         return self.ar.time(nbytes)
 
+    def reduce_scatter16(self, nbytes: float) -> float:
+        """Seconds of a reduce-scatter of an ``nbytes``-byte (fp32) bucket in the 16-bit wire format: the
+        measured :attr:`rs16`, else the fp32 reduce-scatter of ``WIRE16_RATIO * nbytes``."""
+        return self.rs16.time(nbytes) if self.rs16 is not None else self.rs.time(WIRE16_RATIO * nbytes)
+
+    def all_gather16(self, nbytes: float) -> float:
+        """Seconds of an all-gather rebuilding an ``nbytes``-byte (fp32) bucket in the 16-bit wire format: the
+        measured :attr:`ag16`, else the fp32 all-gather of ``WIRE16_RATIO * nbytes``."""
+        return self.ag16.time(nbytes) if self.ag16 is not None else self.ag.time(WIRE16_RATIO * nbytes)
+
     def fused_saving(self, nbytes: float) -> float:
         """``T_RS + T_AG - T_AR`` in seconds: what one AR saves over RS + AG (may be < 0)."""
         return self.rs.time(nbytes) + self.ag.time(nbytes) - self.ar.time(nbytes)
@@ -217,8 +248,10 @@ class CostModel:
         """Copy with every alpha and beta multiplied (e.g. ``beta_factor=10``: a 10x slower network)."""
         meta = dict(self.meta, alpha_factor=alpha_factor * self.meta.get("alpha_factor", 1.0),
                     beta_factor=beta_factor * self.meta.get("beta_factor", 1.0))
-        return CostModel(self.rs.scaled(alpha_factor, beta_factor), self.ag.scaled(alpha_factor, beta_factor),
-                         self.ar.scaled(alpha_factor, beta_factor), meta)
+        def sc(ab: Optional[AlphaBeta]) -> Optional[AlphaBeta]:
+            return None if ab is None else ab.scaled(alpha_factor, beta_factor)
+
+        return CostModel(sc(self.rs), sc(self.ag), sc(self.ar), meta, sc(self.rs16), sc(self.ag16))
 
     # ----------------------------------------------------------- constructors
     @classmethod
@@ -277,7 +310,7 @@ class CostModel:
             "units": {"alpha": "s", "beta": "s/byte", "size": "bytes of the whole bucket"},
             "primitives": {k.value: asdict(self.primitive(k)) for k in _KINDS},
             "meta": dict(self.meta),
-        }
+        } | ({"wire16": {"RS": asdict(self.rs16), "AG": asdict(self.ag16)}} if self.rs16 is not None else {})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "CostModel":
@@ -292,7 +325,12 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model lacks primitives {missing}; need 'RS', 'AG' and 'AR'")
         ab = {k: AlphaBeta(**prims[k.value]) for k in _KINDS}
-        return cls(ab[OpKind.REDUCE_SCATTER], ab[OpKind.ALL_GATHER], ab[OpKind.ALL_REDUCE], dict(data.get("meta", {})))
+        w16 = data.get("wire16") or {}
+        if w16 and not {"RS", "AG"} <= set(w16):
+            raise ValueError(f"cost model's wire16 section needs 'RS' and 'AG', got {sorted(w16)}")
+        rs16, ag16 = (AlphaBeta(**w16["RS"]), AlphaBeta(**w16["AG"])) if w16 else (None, None)
+        return cls(ab[OpKind.REDUCE_SCATTER], ab[OpKind.ALL_GATHER], ab[OpKind.ALL_REDUCE], dict(data.get("meta", {})),
+                   rs16, ag16)
 
     def save(self, path: str | Path) -> Path:
         """Write the model as JSON to ``path``; return the path."""
@@ -310,7 +348,8 @@ def load_cost_model(path: str | Path) -> CostModel:
 
 
 def fit_cost_model(samples: Mapping[OpKind | str, Iterable[tuple[float, float]]], *,
-                   meta: Mapping[str, Any] | None = None) -> CostModel:
+                   meta: Mapping[str, Any] | None = None,
+                   wire16_samples: Mapping[str, Iterable[tuple[float, float]]] | None = None) -> CostModel:
     """Fit RS, AG and AR constants from micro-benchmark samples.
 
     Args:
@@ -319,6 +358,8 @@ def fit_cost_model(samples: Mapping[OpKind | str, Iterable[tuple[float, float]]]
             taken as ``RS + AG`` (``alpha_AR = alpha_RS + alpha_AG``, same for beta: no start-up
             sharing assumed) and its ``r2`` is ``None``.
         meta: provenance stored with the model (backend, world size, hosts, ...).
+        wire16_samples: optional ``{"RS": [...], "AG": [...]}`` of the 16-bit wire format, ``(fp32 bucket
+            bytes, seconds)`` pairs: fitted into :attr:`CostModel.rs16` / :attr:`CostModel.ag16`.
 
     Returns:
         The fitted :class:`CostModel`; each primitive carries its ``r2`` (fit quality).
@@ -337,4 +378,9 @@ def fit_cost_model(samples: Mapping[OpKind | str, Iterable[tuple[float, float]]]
         ar = fit_alpha_beta(by_kind[OpKind.ALL_REDUCE])
     else:
         ar = AlphaBeta(rs.alpha_s + ag.alpha_s, rs.beta_s_per_byte + ag.beta_s_per_byte)
-    return CostModel(rs, ag, ar, dict(meta or {}))
+    rs16 = ag16 = None
+    if wire16_samples is not None:
+        if not (wire16_samples.get("RS") and wire16_samples.get("AG")):
+            raise ValueError(f"wire16_samples needs 'RS' and 'AG' samples, got {sorted(wire16_samples)}")
+        rs16, ag16 = fit_alpha_beta(wire16_samples["RS"]), fit_alpha_beta(wire16_samples["AG"])
+    return CostModel(rs, ag, ar, dict(meta or {}), rs16, ag16)

@@ -17,18 +17,13 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from lightning_pipedap.plan.compression import CompressionCost
-from lightning_pipedap.plan.cost_model import CostModel
+from lightning_pipedap.plan.cost_model import WIRE16_RATIO, CostModel
 from lightning_pipedap.plan.profile import ModelProfile
 from lightning_pipedap.schedule import Op, OpKind
 
 __all__ = ["Evaluator", "Interval", "K_AG", "K_AR", "K_RS", "K_SKIP", "OpTiming", "WIRE16_RATIO", "check_channels",
            "check_flags", "code_op", "op_code"]
 
-#: bytes on the wire per gradient byte of a bucket in the 16-bit wire format: 2-byte elements for the
-#: 4-byte fp32 gradients the profile's ``nbytes`` count (the ring casts in its send path, so a 16-bit
-#: bucket's RS and AG each move half the bytes: ``T(n) = alpha + beta * n / 2``; the cast's CPU time,
-#: ~0.1 ms/MiB against ~8 ms/MiB of transfer at 1 Gbit/s, is not modelled)
-WIRE16_RATIO = 0.5
 
 _KIND_OF_CODE: tuple[OpKind, ...] = tuple(OpKind)
 _CODE_OF_KIND = {k: i for i, k in enumerate(_KIND_OF_CODE)}
@@ -103,8 +98,10 @@ class Evaluator:
         compression: the compression cost; required when a flag is set.
         world_size: number of ranks, needed by ``collective="AG"`` compression; default
             ``cost_model.meta["world_size"]``.
-        wire16: optional per-bucket flags: the bucket's RS and AG move ``WIRE16_RATIO`` of its bytes
-            (``T_RS(n/2)``, ``T_AG(n/2)``) and its AR is that RS then that AG (the engine runs it so);
+        wire16: optional per-bucket flags: the bucket's RS and AG travel in the 16-bit wire format
+            (:meth:`CostModel.reduce_scatter16`, :meth:`CostModel.all_gather16`: the measured 16-bit
+            constants, else the fp32 ones at ``WIRE16_RATIO`` of the bytes) and its AR is that RS then that AG
+            (the engine runs it so);
             None: no bucket. A bucket may not be both compressed and wire16.
 
     Attributes:
@@ -187,8 +184,7 @@ class Evaluator:
                 cost += [c, 0.0, c]
                 kind += [K_AR, K_SKIP, K_AR]
             elif half[b]:
-                w = WIRE16_RATIO * n
-                rs, ag = cost_model.reduce_scatter(w), cost_model.all_gather(w)
+                rs, ag = cost_model.reduce_scatter16(n), cost_model.all_gather16(n)
                 cost += [rs, ag, rs + ag]
                 kind += [K_RS, K_AG, K_AR]
             else:

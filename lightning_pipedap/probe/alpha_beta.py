@@ -3,7 +3,9 @@
 A short micro-benchmark (all ranks together): for a geometric range of bucket sizes it times each
 primitive a few times (median), then fits ``T = α + β·bytes`` per primitive with
 :func:`lightning_pipedap.plan.cost_model.fit_cost_model` (non-negative least squares, R² reported).
-Rank 0's timings are broadcast so every rank plans with the same model. Results are cached per
+With a 16-bit ``wire_dtype`` the reduce-scatter and all-gather are also timed in that wire format
+(cast in the send path, fp32 sums) and fitted over the fp32 bytes (:attr:`CostModel.rs16`,
+:attr:`CostModel.ag16`). Rank 0's timings are broadcast so every rank plans with the same model. Results are cached per
 (backend, world size, host set, master address) in ``~/.cache/lightning_pipedap`` unless disabled;
 the returned model's ``meta`` says which (:func:`describe_origin`).
 """
@@ -61,6 +63,7 @@ def measure_cost_model(
     repeats: int = 3,
     budget_s: float = 8.0,
     use_cache: bool = True,
+    wire_dtype: str = "fp32",
 ) -> CostModel:
     """Time RS/AG/AR for sizes ``min_bytes·4^k ≤ max_bytes`` and fit the α-β model.
 
@@ -70,7 +73,9 @@ def measure_cost_model(
         max_bytes, min_bytes: size range of the test buckets in bytes.
         repeats: timed runs per size and primitive (median kept; one untimed warm-up run first).
         budget_s: stop adding larger sizes once this many seconds have been spent (rank 0 decides).
-        use_cache: read/write the fitted model from/to the cache directory.
+        use_cache: read/write the fitted model from/to the cache directory (a separate file per 16-bit
+            ``wire_dtype``).
+        wire_dtype: ``"fp32"``, or ``"fp16"`` / ``"bf16"``: also fit the 16-bit wire format's RS and AG.
 
     Returns:
         The fitted :class:`CostModel` (``meta`` holds backend, world size, ``source``: ``"measured"``
@@ -78,16 +83,21 @@ def measure_cost_model(
         the cached fit).
 
     Raises:
-        ValueError: if the size range is empty.
+        ValueError: if the size range is empty or ``wire_dtype`` is not one of the choices.
     """
     if min_bytes > max_bytes:
         raise ValueError(f"empty size range for the α-β fit: min {min_bytes} > max {max_bytes} bytes")
+    if wire_dtype != "fp32" and wire_dtype not in C.WIRE_DTYPES:
+        raise ValueError(f"wire_dtype must be 'fp32' or one of {sorted(C.WIRE_DTYPES)}, got {wire_dtype!r}")
+    wire = C.WIRE_DTYPES[wire_dtype] if wire_dtype != "fp32" else None
     key = _cache_key(comm) if use_cache else None
-    path = CACHE_DIR / f"alpha_beta-{key}.json" if key else None
+    path = CACHE_DIR / f"alpha_beta-{key}{'' if wire is None else '-' + wire_dtype}.json" if key else None
     cached = None
     if path is not None and comm.rank == 0 and path.exists():
         try:
             cached = CostModel.from_dict(json.loads(path.read_text()))
+            if wire is not None and cached.rs16 is None:
+                raise ValueError("no 16-bit constants in the cached model")
             # (a file written before fitted_at was recorded: its modification time is when it was fitted)
             cached.meta.update(source="cached", cache_path=str(path),
                                fitted_at=cached.meta.get("fitted_at") or _utc(path.stat().st_mtime))
@@ -102,7 +112,10 @@ def measure_cost_model(
         OpKind.ALL_GATHER: C.all_gather_,
         OpKind.ALL_REDUCE: C.all_reduce_,
     }
-    samples: dict[OpKind, list[tuple[float, float]]] = {k: [] for k in ops}
+    if wire is not None:
+        ops["RS16"] = lambda b, c: C.reduce_scatter_wire_(b, c, wire)
+        ops["AG16"] = lambda b, c: C.all_gather_wire_(b, c, wire)
+    samples: dict[Any, list[tuple[float, float]]] = {k: [] for k in ops}
     elem = torch.tensor([], dtype=dtype).element_size()
     t_start = time.perf_counter()
     nbytes = min_bytes
@@ -126,12 +139,15 @@ def measure_cost_model(
         if spent > budget_s:
             break
         nbytes *= 4
-    samples = C.broadcast_object({k.value: v for k, v in samples.items()}, src=0)
+    samples = C.broadcast_object({getattr(k, "value", k): v for k, v in samples.items()}, src=0)
     fit_s, fitted_at = C.broadcast_object((time.perf_counter() - t_start, _utc(time.time())), src=0)
-    model = fit_cost_model(samples, meta={"backend": comm.backend, "world_size": comm.world_size,
-                                          "source": "measured", "sizes": len(samples["RS"]),
-                                          "fit_s": fit_s, "fitted_at": fitted_at})
-    good = all(ab.r2 is None or ab.r2 >= 0.5 for ab in (model.rs, model.ag, model.ar))
+    wire16 = {"RS": samples.pop("RS16"), "AG": samples.pop("AG16")} if wire is not None else None
+    model = fit_cost_model(samples, wire16_samples=wire16,
+                           meta={"backend": comm.backend, "world_size": comm.world_size, "source": "measured",
+                                 "sizes": len(samples["RS"]), "fit_s": fit_s, "fitted_at": fitted_at,
+                                 **({"wire_dtype": wire_dtype} if wire is not None else {})})
+    good = all(ab is None or ab.r2 is None or ab.r2 >= 0.5
+               for ab in (model.rs, model.ag, model.ar, model.rs16, model.ag16))
     if path is not None and comm.rank == 0 and good:  # never cache a poor fit
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.to_dict(), indent=1))

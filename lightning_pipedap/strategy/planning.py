@@ -103,7 +103,7 @@ class Planning:
             else:
                 largest = max(p.numel() * p.element_size() for p in params)
                 self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
-                                                     use_cache=cfg.cost_model_cache)
+                                                     use_cache=cfg.cost_model_cache, wire_dtype=cfg.wire_dtype)
                 self.cost_model_origin = describe_origin(self.cost_model.meta)
             spent["alpha_beta"] = time.perf_counter() - t0
             self._log_cost_model()
@@ -121,13 +121,16 @@ class Planning:
     def _log_cost_model(self) -> None:
         """Log the α-β model, where it came from (fitted now, the cache, a file), and warn on a poor fit."""
         cm = self.cost_model
-        poor = [k for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)) if ab.r2 is not None and ab.r2 < 0.5]
+        prims = [("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar)]
+        prims += [(f"RS {self.config.wire_dtype}", cm.rs16), (f"AG {self.config.wire_dtype}", cm.ag16)] \
+            if cm.rs16 is not None else []
+        poor = [k for k, ab in prims if ab.r2 is not None and ab.r2 < 0.5]
         if poor:
             self.warn(f"pipedap: the α-β fit of {poor} is poor (R² < 0.5; typical on an uncontended loopback where "
                       "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False "
                       "to re-measure.")
-        self.info(f"pipedap: {self.cost_model_origin}: " + ", ".join(
-            f"{k} {ab.describe()}" for k, ab in (("RS", cm.rs), ("AG", cm.ag), ("AR", cm.ar))))
+        self.info(f"pipedap: {self.cost_model_origin}: " + ", ".join(f"{k} {ab.describe()}" for k, ab in prims)
+                  + (" (16-bit wire: over the fp32 bytes, cast included)" if cm.rs16 is not None else ""))
 
     def recorder(self) -> StepRecorder:
         """A recorder for one profiling step."""

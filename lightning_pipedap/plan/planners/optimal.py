@@ -46,9 +46,10 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    ``max_exact_nodes``; ``2·3^(L-1)`` searches for ``L`` layers), so small instances are solved
    exactly. The compressed plan replaces the incumbent only if it predicts a shorter iteration.
 7. **16-bit wire format** (only with ``wire16=True``): which uncompressed buckets travel as 16-bit
-   (their RS and AG cost ``T(n/2)``, :data:`~lightning_pipedap.plan.evaluator.WIRE16_RATIO`).
-   Halving the bytes never lengthens an op, but it rounds the gradients, so a bucket goes 16-bit
-   only where that shortens the predicted iteration: greedy flips (largest buckets first, each flag
+   (their RS and AG cost the cost model's measured 16-bit constants, cast included, else ``T(n/2)``:
+   :meth:`~lightning_pipedap.plan.cost_model.CostModel.reduce_scatter16`). A 16-bit op can be slower than
+   the fp32 one where the cast costs more than the halved transfer saves (a fast link), and it rounds the
+   gradients, so a bucket goes 16-bit only where that shortens the predicted iteration: greedy flips (largest buckets first, each flag
    vector evaluated with the structured op lists of stage 2 and the previous op list adapted) from
    no bucket 16-bit (a flip must shorten the prediction) and from every bucket 16-bit, on the
    incumbent's fusion and on the best fusion of stages 2-3 with every bucket 16-bit (a flip back
