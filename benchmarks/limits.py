@@ -42,11 +42,22 @@ from typing import Any, Iterator, Optional
 
 
 def cells(path: str) -> Iterator[dict[str, Any]]:
-    """The cell records of one matrix or replay JSON file (replay cells keep theirs under ``result``)."""
+    """The cell records of one matrix or replay JSON file (replay cells keep theirs under ``result``, with the
+    ratio they replay, e.g. ``"paper*30"``, in ``ratio_spec``)."""
     with open(path) as f:
         data = json.load(f)
     for c in data.get("cells", []):
-        yield c.get("result", c)
+        if "result" in c:
+            yield dict(c["result"], ratio_spec=(c.get("setup") or {}).get("ratio_spec"))
+        else:
+            yield c
+
+
+def _where(cell: dict[str, Any]) -> str:
+    """``"vgg16 1000mbit 2r"``, with the replayed ratio when it is not the real model's 1 Gbit/s one."""
+    ratio = cell.get("ratio_spec")
+    return (f"{cell.get('model')} {cell.get('link')} {cell.get('ranks')}r"
+            + (f" ({ratio})" if ratio and ratio != "1gbit" else ""))
 
 
 def decompose(cell: dict[str, Any], v: dict[str, Any]) -> Optional[dict[str, Any]]:
@@ -79,7 +90,7 @@ def decompose(cell: dict[str, Any], v: dict[str, Any]) -> Optional[dict[str, Any
 
 def _row(cell: dict[str, Any], name: str, d: dict[str, Any]) -> str:
     ms = lambda s: f"{1e3 * s:.0f}"  # noqa: E731
-    where = f"{cell.get('model')} {cell.get('link')} {cell.get('ranks')}r"
+    where = _where(cell)
     return (f"| {where} | {name} | {ms(d['T'])} | {ms(d['C'])} / {ms(d['N'])} | {d['T'] / d['bound']:.2f} | "
             f"{ms(d['W'])} ({ms(2 * d['F'])}) | {ms(d['slowed'])} | {d['comm_x']:.2f} | {d['vs_ddp']:.2f} | "
             f"{d['vs_tuned']:.2f} | {d['limit']} |")
@@ -90,7 +101,7 @@ def _ddp_row(cell: dict[str, Any], name: str, v: dict[str, Any]) -> str:
     so only ``T`` against the bound and the baselines."""
     T, C = v["iter_s"], cell.get("compute_s")
     comm = [x for x in (cell.get("allreduce_s"), cell.get("rs_ag_s")) if x]
-    where = f"{cell.get('model')} {cell.get('link')} {cell.get('ranks')}r"
+    where = _where(cell)
     base = {x["name"]: x["iter_s"] for x in cell.get("variants", []) if x.get("iter_s")}
     ratio = lambda k: f"{base[k] / T:.2f}" if k in base else "nan"  # noqa: E731
     if C is None or not comm:
