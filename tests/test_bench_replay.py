@@ -186,10 +186,14 @@ def test_judge_ratios_and_simulator_error(tmp_path):
     assert "1 of 1 such cells" in lines[1] and "1 of 2 predictions" in lines[2]
     assert "| one 2r | pipedap-optimal | 300 | 1.33 | 1.20 (ddp_tuned) | 1.00 | 320 | +7% |" in A.variants_table([v])
     # the 16-bit wire format is judged against every baseline, DDP's fp16 hook included
-    res.variants += [VariantResult("ddp+fp16hook", 0.25, 10), VariantResult("pipedap-optimal@fp16", 0.24, 10)]
-    lines = A.targets_summary([A.judge(_one_layer_cell(tmp_path), res)])
-    assert any(l.startswith("- `pipedap-optimal@fp16` at least as fast as every baseline (") and "1 of 1 cells" in l
-               for l in lines), lines
+    res.variants += [VariantResult("ddp+fp16hook", 0.20, 10), VariantResult("pipedap-optimal@fp16", 0.24, 10)]
+    v = A.judge(_one_layer_cell(tmp_path), res)
+    assert v.variant("pipedap-optimal@fp16").vs_best_baseline == pytest.approx(0.20 / 0.24)
+    assert v.variant("pipedap-optimal").vs_best_baseline == pytest.approx(1.2)  # (fp32: against ddp_tuned)
+    lines = A.targets_summary([v])
+    assert any(l.startswith("- `pipedap-optimal@fp16` at least as fast as every baseline (") and "0 of 1 cells" in l
+               and "0.83× ddp+fp16hook" in l for l in lines), lines
+    assert A.sends_fewer_bytes("pipedap-optimal@bf16@nice5") and not A.sends_fewer_bytes("pipedap-optimal@part1")
 
 
 def test_cli_quick_and_bad_values():

@@ -19,7 +19,8 @@ from lightning_pipedap.plan.cost_model import CostModel
 #: the variants every pipedap variant is compared with
 BASELINES = BASE_STRATEGIES + tuple(DDP_HOOKS)
 #: the baselines that send every gradient byte (fp32), the ones an uncompressed pipedap variant is held to;
-#: a compressed one (``pipedap-...+<compressor>``) is held to all of :data:`BASELINES`
+#: a compressed one (``pipedap-...+<compressor>``) or a 16-bit wire one (``@fp16``, ``@bf16``) is held to all of
+#: :data:`BASELINES`, DDP's fp16 hook included
 DENSE_BASELINES = BASE_STRATEGIES
 #: targets of issue 17 item 5
 BOUND_TARGET, SIM_TOLERANCE, SIM_SHARE_TARGET = 1.05, 0.10, 0.90
@@ -99,6 +100,12 @@ class CellVerdict:
         return next((v for v in self.variants if v.name == name), None)
 
 
+def sends_fewer_bytes(name: str) -> bool:
+    """Whether pipedap variant ``name`` sends fewer than the fp32 gradient bytes: compressed
+    (``pipedap-...+<compressor>``) or in the 16-bit wire format (an ``@fp16`` / ``@bf16`` suffix)."""
+    return COMPRESS_SEP in name or any("@" + part in WIRE_SUFFIXES for part in name.split("@")[1:])
+
+
 def judge(setup: ReplayCell, result: CellResult, run: str = "") -> CellVerdict:
     """The verdicts of one measured cell (``run``: :attr:`CellVerdict.run`)."""
     bound = window_bound_s(setup, result.compute_s, result.comm_s)
@@ -113,7 +120,7 @@ def judge(setup: ReplayCell, result: CellResult, run: str = "") -> CellVerdict:
     for v in result.variants:
         best = None
         if v.name.startswith(PIPEDAP_PREFIX):
-            best = best_all if COMPRESS_SEP in v.name else best_dense
+            best = best_all if sends_fewer_bytes(v.name) else best_dense
         out.append(VariantVerdict(
             v.name, v.iter_s, ref.iter_s / v.iter_s if ref else None, best.iter_s / v.iter_s if best else None,
             best.name if best else None, v.iter_s / bound, v.predicted_s,
