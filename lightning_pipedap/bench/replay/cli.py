@@ -140,7 +140,7 @@ def format_cell(c: CellVerdict) -> str:
              f"comm {r.comm_s * 1e3:.0f} ms, window bound {c.bound_s * 1e3:.0f} ms"]
     for v in c.variants:
         err = "" if v.sim_error is None else f" predicted {v.predicted_s * 1e3:.0f} ms ({v.sim_error * 100:+.0f}%)"
-        lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  x ddp {v.vs_ddp or 0:.2f}  "
+        lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  x ddp {'   –' if v.vs_ddp is None else f'{v.vs_ddp:.2f}'}  "
                      f"/bound {v.to_bound:.2f}{err}")
     return "\n".join(lines)
 
