@@ -23,6 +23,9 @@ worker's busy time per iteration):
 * **communication slowed** = ``B / N`` with ``B`` = ``comm_busy_s``: the same bytes take this much longer
   while compute runs (CPU per byte under contention).
 
+A 16-bit wire variant (``@fp16``, ``@bf16``) is held to half of ``N`` and ``F``: half the bytes at the fp32
+references' rate, so its "same bytes alone" is the line rate of the 16-bit bytes.
+
 The limit named for a cell: where communication alone is longer than compute and the wire is busy at least 90%
 of the iteration, the *line rate* (busy time within 10% of the bytes alone) or *CPU per byte* (busy time more
 than 10% above it); otherwise the largest of compute slowed (*CPU shared*), exposed communication beyond
@@ -69,6 +72,8 @@ def decompose(cell: dict[str, Any], v: dict[str, Any]) -> Optional[dict[str, Any
     if None in (T, W, B, C) or not comm or not B:
         return None
     N, F = min(comm), cell.get("first_layer_comm_s") or 0.0
+    if any("@" + part in ("@fp16", "@bf16") for part in v.get("name", "").split("@")[1:]):
+        N, F = N / 2, F / 2  # (16-bit wire: half the bytes; the references were measured in fp32)
     bound = max(C, N)
     slowed = T - W - C
     ms = lambda s: f"{1e3 * s:.0f} ms"  # noqa: E731
