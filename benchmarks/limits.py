@@ -97,8 +97,13 @@ def _row(cell: dict[str, Any], name: str, d: dict[str, Any]) -> str:
     ms = lambda s: f"{1e3 * s:.0f}"  # noqa: E731
     where = _where(cell)
     return (f"| {where} | {name} | {ms(d['T'])} | {ms(d['C'])} / {ms(d['N'])} | {d['T'] / d['bound']:.2f} | "
-            f"{ms(d['W'])} ({ms(2 * d['F'])}) | {ms(d['slowed'])} | {d['comm_x']:.2f} | {d['vs_ddp']:.2f} | "
-            f"{d['vs_tuned']:.2f} | {d['limit']} |")
+            f"{ms(d['W'])} ({ms(2 * d['F'])}) | {ms(d['slowed'])} | {d['comm_x']:.2f} | {_x(d['vs_ddp'])} | "
+            f"{_x(d['vs_tuned'])} | {d['limit']} |")
+
+
+def _x(ratio: float) -> str:
+    """A ratio to a baseline, ``–`` when the file has no run of that baseline."""
+    return "–" if ratio != ratio else f"{ratio:.2f}"
 
 
 def _ddp_row(cell: dict[str, Any], name: str, v: dict[str, Any]) -> str:
@@ -108,7 +113,7 @@ def _ddp_row(cell: dict[str, Any], name: str, v: dict[str, Any]) -> str:
     comm = [x for x in (cell.get("allreduce_s"), cell.get("rs_ag_s")) if x]
     where = _where(cell)
     base = {x["name"]: x["iter_s"] for x in cell.get("variants", []) if x.get("iter_s")}
-    ratio = lambda k: f"{base[k] / T:.2f}" if k in base else "nan"  # noqa: E731
+    ratio = lambda k: f"{base[k] / T:.2f}" if k in base else "–"  # noqa: E731
     if C is None or not comm:
         return f"| {where} | {name} | {1e3 * T:.0f} | – | – | – | – | – | {ratio('ddp')} | {ratio('ddp_tuned')} | " \
                "DDP's reducer kept by the measured selection (no timeline) |"
@@ -126,6 +131,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| cell | variant | T ms | C / N ms | T / bound | exposed W ms (2F) | compute slowed ms | comm busy / alone "
           "| vs ddp | vs ddp_tuned | limit |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    rows = 0
     for path in args.files:
         for cell in cells(path):
             for v in cell.get("variants", []):
@@ -135,8 +141,13 @@ def main(argv: Optional[list[str]] = None) -> None:
                 d = decompose(cell, v)
                 if d is not None:
                     print(_row(cell, name, d))
+                    rows += 1
                 elif v.get("iter_s") and "torch_ddp" in (v.get("plan") or ""):
                     print(_ddp_row(cell, name, v))
+                    rows += 1
+    if not rows:
+        print(f"(no pipedap variant with the timeline fields wait_s and comm_busy_s, or with DDP's reducer installed, in "
+              f"{', '.join(args.files)}: not a bench.matrix / bench.replay results file, or run with --no-timeline)")
 
 
 if __name__ == "__main__":

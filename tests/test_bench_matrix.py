@@ -559,9 +559,12 @@ def test_margin_suffix_selects_torch_ddp_margin_and_rejects_bad_values():
     assert (sp.schedule, sp.torch_ddp_margin, sp.partition_mb) == ("optimal", 0.05, None)
     assert M.parse_strategy("pipedap-optimal@part1@margin0").torch_ddp_margin == 0.0
     assert M.parse_strategy("pipedap-optimal").torch_ddp_margin is None
-    for bad in ("pipedap-optimal@margin100", "pipedap-optimal@margin-1", "pipedap-optimal@margin", "pipedap-optimal@margin5.5"):
-        with pytest.raises(ValueError, match=r"valid: @margin<percent> with an integer percent in 0\.\.99"):
+    for bad in ("pipedap-optimal@margin100", "pipedap-optimal@margin-1", "pipedap-optimal@margin", "pipedap-optimal@margin5.5",
+                "pipedap-optimal@margin05"):
+        with pytest.raises(ValueError, match=r"valid: @margin<percent> with an integer percent in 0\.\.99 without"):
             M.parse_strategy(bad)
+    with pytest.raises(ValueError, match=r"@margin<percent> with percent in 0\.\.99 \(each at most once\)"):
+        M.parse_strategy("pipedap-optimal@margin5@margin10")
     for bad in ("pipedap-optimal+fp16@margin5", "pipedap-dear@margin5", "pipedap-optimal@fp16@margin5"):
         with pytest.raises(ValueError, match=r"@margin<percent> needs an uncompressed fp32 pipedap variant"):
             M.parse_strategy(bad)

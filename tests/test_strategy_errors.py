@@ -143,8 +143,10 @@ def test_options_that_do_not_apply_are_named():
     assert Config(wire_dtype="bf16", plan_trials=1).ignored_options() == []  # (no trial at all)
     assert Config(torch_ddp_margin=0.05).ignored_options() == []
     (margin,) = Config(torch_ddp_margin=0.05, torch_ddp_candidate=False).ignored_options()
-    assert margin.startswith("pipedap: torch_ddp_margin=0.05 not used: the torch_ddp candidate is not trialled")
-    assert len(Config(torch_ddp_margin=0.05, schedule="dear").ignored_options()) == 1
+    assert margin == ("pipedap: torch_ddp_margin=0.05 not used: the torch_ddp candidate is not trialled here "
+                      "(torch_ddp_candidate=False)")
+    (fixed,) = Config(torch_ddp_margin=0.05, schedule="dear", wire_dtype="bf16").ignored_options()
+    assert fixed.endswith("not trialled here (schedule 'dear' is fixed, wire_dtype='bf16')")
 
 
 def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once():

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.schedule import Schedule
+from lightning_pipedap.strategy.config import DEFAULT_TORCH_DDP_MARGIN
 from lightning_pipedap.strategy.handover import TorchDDPCandidate
 from lightning_pipedap.strategy.planning import predicted_busy_s
 from lightning_pipedap.strategy.tracing import owner_modules, plan_owners
@@ -89,7 +90,9 @@ class RunEffects:
             self._said_accumulate = True
             rt.info(f"pipedap: the torch_ddp candidate is not trialled with accumulate_grad_batches={accumulate}: "
                     "candidates switch inside an accumulation window, and DDP's reducer would not see which "
-                    "parameters the earlier micro-batches used")
+                    "parameters the earlier micro-batches used"
+                    + (f" (so torch_ddp_margin={cfg.torch_ddp_margin!r} is not used either)"
+                       if cfg.torch_ddp_margin != DEFAULT_TORCH_DDP_MARGIN else ""))
         if rt.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
                 and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's

@@ -94,7 +94,8 @@ def print_list(compressors: Sequence[str]) -> None:
     print(f"  (also any {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>[{INLINE_SUFFIX}]; "
           f"'all' = the above without {INLINE_SUFFIX} and {'/'.join(WIRE_SUFFIXES)}; any pipedap form may end in "
           f"{NICE_SUFFIX}<N>, N in 1..19: train_thread_nice=N; an uncompressed one in {' or '.join(WIRE_SUFFIXES)}: "
-          f"wire_dtype, or in @part<MiB>: partition_mb)")
+          f"wire_dtype, or in @part<MiB>: partition_mb; an uncompressed fp32 one with a planned schedule in "
+          f"@margin<percent>: torch_ddp_margin)")
     print("compressors:", ", ".join(compressor_names()),
           f"(kwargs: {'; '.join(f'{k} {v}' for k, v in COMPRESSOR_KWARGS.items())})")
 

@@ -167,9 +167,9 @@ def parse_strategy(name: str) -> StrategySpec:
     for text in suffixes:
         if ("@" + text).startswith(MARGIN_SUFFIX) and margin is None:
             digits = text[len(MARGIN_SUFFIX) - 1:]
-            if not (digits.isdigit() and 0 <= int(digits) <= 99):
+            if not (digits.isdigit() and 0 <= int(digits) <= 99 and str(int(digits)) == digits):
                 raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {MARGIN_SUFFIX}<percent> with "
-                                 "an integer percent in 0..99, e.g. @margin5")
+                                 "an integer percent in 0..99 without leading zeros, e.g. @margin5")
             margin = int(digits) / 100
             continue
         if "@" + text in WIRE_SUFFIXES and wire == "fp32":
@@ -181,7 +181,8 @@ def parse_strategy(name: str) -> StrategySpec:
         digits = text[len(NICE_SUFFIX) - 1:] if text.startswith(NICE_SUFFIX[1:]) and not nice else ""
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
             raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19, "
-                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0 (each at most once)")
+                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, {MARGIN_SUFFIX}<percent> "
+                             "with percent in 0..99 (each at most once)")
         nice = int(digits)
     spec = _parse_pipedap(name, rest)
     if wire != "fp32" and spec.compressor is not None:
