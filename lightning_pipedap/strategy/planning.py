@@ -126,9 +126,12 @@ class Planning:
             if cm.rs16 is not None else []
         poor = [k for k, ab in prims if ab.r2 is not None and ab.r2 < 0.5]
         if poor:
+            fresh = cm.meta.get("source") == "measured"
             self.warn(f"pipedap: the α-β fit of {poor} is poor (R² < 0.5; typical on an uncontended loopback where "
-                      "start-up noise dominates); plans may be off. Pass cost_model=<file> or cost_model_cache=False "
-                      "to re-measure.")
+                      "start-up noise dominates); plans may be off, and the measured selection's trials decide. "
+                      + ("It was not cached: the next fit measures again. Pass cost_model=<file> to plan with a "
+                         "model of your own." if fresh else
+                         "Pass cost_model=<file>, or cost_model_cache=False to measure again."))
         self.info(f"pipedap: {self.cost_model_origin}: " + ", ".join(f"{k} {ab.describe()}" for k, ab in prims)
                   + (" (16-bit wire: over the fp32 bytes, cast included)" if cm.rs16 is not None else ""))
 
