@@ -463,7 +463,8 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
             lines += ["", "why: " + "; ".join(ran["selection_notes"])]
     st = ran.get("startup") or {}
     if st:
-        lines += ["", f"steady state after {st['total_steps']} steps, {st['total_s']:.2f} s: {describe_startup(st)}"]
+        lines += ["", f"steady state after {st['total_steps']} step{'s' * (st['total_steps'] != 1)}, {st['total_s']:.2f} s: "
+                  f"{describe_startup(st)}"]
     if ran.get("cost_model_origin"):
         lines += ["", f"cost model: {ran['cost_model_origin']}"]
     return "\n".join(lines)

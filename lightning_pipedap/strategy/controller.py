@@ -333,7 +333,7 @@ class Controller:
                 out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
                 out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
                 self.startup = out
-                self.effects.info(f"pipedap: steady state after {out['total_steps']} steps, {out['total_s']:.2f} s "
+                self.effects.info(f"pipedap: steady state after {out['total_steps']} step{'s' * (out['total_steps'] != 1)}, {out['total_s']:.2f} s "
                                   f"since set-up: {describe_startup(out)}")
         self.phase = new
 
