@@ -43,6 +43,8 @@ import argparse
 import json
 from typing import Any, Iterator, Optional
 
+from lightning_pipedap.bench.matrix.spec import WIRE_SUFFIXES
+
 
 def cells(path: str) -> Iterator[dict[str, Any]]:
     """The cell records of one matrix or replay JSON file (replay cells keep theirs under ``result``, with the
@@ -72,7 +74,7 @@ def decompose(cell: dict[str, Any], v: dict[str, Any]) -> Optional[dict[str, Any
     if None in (T, W, B, C) or not comm or not B:
         return None
     N, F = min(comm), cell.get("first_layer_comm_s") or 0.0
-    if any("@" + part in ("@fp16", "@bf16") for part in v.get("name", "").split("@")[1:]):
+    if any("@" + part in WIRE_SUFFIXES for part in v.get("name", "").split("@")[1:]):
         N, F = N / 2, F / 2  # (16-bit wire: half the bytes; the references were measured in fp32)
     bound = max(C, N)
     slowed = T - W - C

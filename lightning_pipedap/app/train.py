@@ -37,7 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
 from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
-from lightning_pipedap.strategy.controller import describe_startup
+from lightning_pipedap.strategy.controller import describe_startup, steps_text
 
 #: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
 #: read a relative path as a package path when the app runs as the ``pipedap-train`` console script.
@@ -463,7 +463,7 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
             lines += ["", "why: " + "; ".join(ran["selection_notes"])]
     st = ran.get("startup") or {}
     if st:
-        lines += ["", f"steady state after {st['total_steps']} step{'s' * (st['total_steps'] != 1)}, {st['total_s']:.2f} s: "
+        lines += ["", f"steady state after {steps_text(st['total_steps'])}, {st['total_s']:.2f} s: "
                   f"{describe_startup(st)}"]
     if ran.get("cost_model_origin"):
         lines += ["", f"cost model: {ran['cost_model_origin']}"]

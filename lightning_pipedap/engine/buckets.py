@@ -147,6 +147,11 @@ class FlatBucket:
         """The used-flag elements, one per slot (``k`` elements)."""
         return self.flag_view
 
+    def some_rank_unused(self, world_size: int) -> bool:
+        """After the reduction (the flags summed over ``world_size`` ranks): whether some rank left a slot's
+        parameter without a gradient (identical on every rank)."""
+        return bool((self.flag_view < world_size - 0.5).any())
+
     def own_data_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of gradient elements (flags and padding excluded) in ``rank``'s shard."""
         start = rank * self.shard_size

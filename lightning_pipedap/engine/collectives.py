@@ -20,7 +20,7 @@ import datetime
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -411,7 +411,8 @@ def ranks_not_stalled(key: str, rank: int, world_size: int, timeout_s: float) ->
     store.set(f"{key}/{rank}", "1")
     deadline = time.monotonic() + timeout_s
     while True:
-        missing = [r for r in range(world_size) if not store.check([f"{key}/{r}"])]
+        marked = _marked(store, key, world_size)
+        missing = [r for r in range(world_size) if r not in marked]
         if not missing or time.monotonic() >= deadline:
             return missing
         time.sleep(0.02)
@@ -421,10 +422,14 @@ def ranks_marked_stalled(key: str, world_size: int) -> list[int]:
     """The ranks that marked ``key`` in :func:`ranks_not_stalled` so far (no wait, no collective); empty when the
     store cannot be reached (the rank that hosts it has exited)."""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        return [r for r in range(world_size) if store.check([f"{key}/{r}"])]
+        return _marked(dist.distributed_c10d._get_default_store(), key, world_size)
     except (RuntimeError, ValueError, OSError):  # (DistStoreError / DistNetworkError derive from RuntimeError)
         return []
+
+
+def _marked(store: Any, key: str, world_size: int) -> list[int]:
+    """The ranks whose ``key/<rank>`` is set in ``store``."""
+    return [r for r in range(world_size) if store.check([f"{key}/{r}"])]
 
 
 def finish_stalled_reduction(params: Sequence[torch.nn.Parameter], comm: CommGroup) -> list[int]:

@@ -197,18 +197,20 @@ def choose_candidate(names: Sequence[str], windows_s: Sequence[Sequence[float]],
     return best, medians, notes
 
 
+def steps_text(n: Any) -> str:
+    """``"1 step"``, ``"3 steps"``."""
+    return f"{n} step{'' if n == 1 else 's'}"
+
+
 def describe_startup(startup: dict[str, float], digits: int = 2) -> str:
     """Every entry of :attr:`Controller.startup` in order, adding up to its ``total_s``:
     ``"trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark 0.70 s, profile 3 steps 0.10 s, planning
     0.30 s, trials 40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals)."""
-    def steps(n: Any) -> str:
-        return f"{n} step{'' if n == 1 else 's'}"
-
-    items = [f"trace {steps(startup.get('trace_steps', 0))} {startup.get('trace_s', 0.0):.{digits}f} s"]
+    items = [f"trace {steps_text(startup.get('trace_steps', 0))} {startup.get('trace_s', 0.0):.{digits}f} s"]
     items += [f"{label} {startup[f'{k}_s']:.{digits}f} s" for k, label in Controller.PARTS if f"{k}_s" in startup]
-    items += [f"profile {steps(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
+    items += [f"profile {steps_text(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
     items += [f"planning {startup['planning_s']:.{digits}f} s"] if "planning_s" in startup else []
-    items += [f"trials {steps(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
+    items += [f"trials {steps_text(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
     return ", ".join(items)
 
 
@@ -333,8 +335,8 @@ class Controller:
                 out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
                 out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
                 self.startup = out
-                self.effects.info(f"pipedap: steady state after {out['total_steps']} step{'s' * (out['total_steps'] != 1)}, {out['total_s']:.2f} s "
-                                  f"since set-up: {describe_startup(out)}")
+                self.effects.info(f"pipedap: steady state after {steps_text(out['total_steps'])}, "
+                                  f"{out['total_s']:.2f} s since set-up: {describe_startup(out)}")
         self.phase = new
 
     # ------------------------------------------------------------------ transitions
@@ -527,8 +529,8 @@ class Controller:
         if self.phase is Phase.PROFILE:
             chosen = next((r["name"] for r in self.selections[-1] if r["chosen"]), "?") if self.selections else None
             what = f"re-plan {self.replans_done}" if self.replans_done else "the plan"
-            return (f"pipedap: the {self.run_noun} ended while profiling for {what}: no candidate was planned or measured, and the "
-                    "profiling schedule (sync mode) ran last"
+            return (f"pipedap: the {self.run_noun} ended while profiling for {what}: no candidate was planned or "
+                    "measured, and the profiling schedule (sync mode) ran last"
                     + (f" (the finished selection before it chose {chosen}, its results are kept)" if chosen else "")
                     + "; train longer")
         if self.phase is not Phase.TRIAL or tr is None:
@@ -539,8 +541,8 @@ class Controller:
             chosen = next((r["name"] for r in self.selections[-1] if r["chosen"]), "?")
             kept = (f" (this was the selection after re-plan {self.replans_done}; the finished selection before it "
                     f"chose {chosen}, its results are kept)")
-        return (f"pipedap: the {self.run_noun} ended during measured plan selection ({tr.window} of {len(tr.order)} windows "
-                f"measured, {self.window_steps} measured steps each after one settling step): no candidate was "
+        return (f"pipedap: the {self.run_noun} ended during measured plan selection ({tr.window} of "
+                f"{len(tr.order)} windows measured, {self.window_steps} measured steps each after one settling step): no candidate was "
                 f"chosen, and the one being measured, {cur.name}, ran last{kept}; train longer, or set "
                 "plan_trials=1 (the plan directly) or fewer trial_rounds / a smaller trial_window_s")
 
@@ -582,8 +584,8 @@ class Controller:
                             f"windows{after})")
         elif self.planned and self.phase in (Phase.TRACE, Phase.PROFILE):
             where = "tracing" if self.phase is Phase.TRACE else "profiling"
-            out.update(status="unfinished", text=f"unfinished (the {self.run_noun} ended while {where}, before candidates were "
-                                                 f"planned{after})")
+            out.update(status="unfinished", text=f"unfinished (the {self.run_noun} ended while {where}, before "
+                                                 f"candidates were planned{after})")
         elif self.how == "selected":
             n = len(self.trial_results)
             out.update(status="finished", measured=n, candidates=n,

@@ -327,7 +327,7 @@ class DeferredUpdates:
             self.nonfinite.scan([bucket], pending.step)  # (logs the first finding of the fit; DDP's update)
         used = engine.used_flags(b)
         if self.track_use and not self.saw_partial_use:
-            self.saw_partial_use = bool((bucket.flags < engine.comm.world_size - 0.5).any())
+            self.saw_partial_use = bucket.some_rank_unused(engine.comm.world_size)
         self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
         if write_grads:
             write_back_grads(bucket, used)

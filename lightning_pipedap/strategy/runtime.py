@@ -43,6 +43,9 @@ from lightning_pipedap.strategy.tracing import consumer_mode
 
 #: run-times built in this process so far (every rank builds them in the same order: a per-fit key)
 _FITS = itertools.count()
+#: what a user can do about a parameter unused on some ranks only under DDP's reducer
+_STALL_REMEDY = ("Pass torch_ddp_candidate=False (pipedap's own engine handles parameters unused on some ranks) or "
+                 "gradient_as_bucket_view=True (the candidate then sets find_unused_parameters)")
 
 
 def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
@@ -213,9 +216,8 @@ class Runtime:
         h = self.handover
         if h is None or not h.stalled():
             return
-        trainer = getattr(self.module, "_trainer", None)
-        step = f"global step {trainer.global_step}" if trainer is not None else "a step"
-        missing = C.ranks_not_stalled(f"pipedap/ddp_stall/{self.fit_id}/{self.stalls}", self.rank, self.comm.world_size,
+        step = self._step_text()
+        missing = C.ranks_not_stalled(self._stall_key(), self.rank, self.comm.world_size,
                                       min(60.0, self.config.wait_timeout_s))
         self.stalls += 1
         if missing:
@@ -224,8 +226,7 @@ class Runtime:
                 f"pipedap: rank {self.rank}: {', '.join(local) or 'a parameter'} got no gradient in {step} under DDP's "
                 f"reducer (the torch_ddp candidate, which runs without find_unused_parameters since every parameter "
                 f"had a gradient in the profiled steps), but rank(s) {missing} had one: DDP cannot average such a step. "
-                "Pass torch_ddp_candidate=False (pipedap's own engine handles parameters unused on some ranks) or "
-                "gradient_as_bucket_view=True (the candidate then sets find_unused_parameters)")
+                + _STALL_REMEDY)
         unused = h.finish_stalled(self.comm)
         assert h.candidate is not None
         self.installed_schedule = h.candidate.describe()
@@ -241,19 +242,23 @@ class Runtime:
         marked a stall (then the failure has another cause). Reads the rendezvous store only."""
         if not self.handed_over:
             return None
-        marked = [r for r in C.ranks_marked_stalled(f"pipedap/ddp_stall/{self.fit_id}/{self.stalls}",
-                                                     self.comm.world_size) if r != self.rank]
+        marked = [r for r in C.ranks_marked_stalled(self._stall_key(), self.comm.world_size) if r != self.rank]
         if not marked:
             return None
+        return (f"pipedap: rank {self.rank}: DDP's reducer failed in {self._step_text()}: rank(s) {marked} got no "
+                "gradient for a parameter that this rank used (the torch_ddp candidate runs without "
+                "find_unused_parameters since every parameter had a gradient in the profiled and trial steps), so the "
+                f"bucket all-reduces this rank launched were never matched; the error of rank(s) {marked} names the "
+                "parameters. " + _STALL_REMEDY)
+
+    def _stall_key(self) -> str:
+        """Rendezvous-store key of this fit's next stall agreement (:func:`C.ranks_not_stalled`)."""
+        return f"pipedap/ddp_stall/{self.fit_id}/{self.stalls}"
+
+    def _step_text(self) -> str:
+        """``"global step 12"`` for messages (``"a step"`` outside a Trainer)."""
         trainer = getattr(self.module, "_trainer", None)
-        step = f"global step {trainer.global_step}" if trainer is not None else "a step"
-        return (f"pipedap: rank {self.rank}: DDP's reducer failed in {step}: rank(s) {marked} got no gradient for "
-                "a parameter that this rank used (the torch_ddp candidate runs without find_unused_parameters "
-                "since every parameter had a gradient in the profiled and trial steps), so the bucket all-reduces "
-                "this rank launched were never matched; the error of rank(s) "
-                f"{marked} names the parameters. Pass torch_ddp_candidate=False (pipedap's own engine handles "
-                "parameters unused on some ranks) or gradient_as_bucket_view=True (the candidate then sets "
-                "find_unused_parameters)")
+        return f"global step {trainer.global_step}" if trainer is not None else "a step"
 
     def trainable_signature(self) -> int:
         return self.tset.key(self.optimizers())
@@ -564,7 +569,7 @@ class Runtime:
                 used = engine.used_flags(b)
                 bucket = engine.wait_done(b)
                 if watching and not self.saw_unused:
-                    self.saw_unused = bool((bucket.flags < self.comm.world_size - 0.5).any())
+                    self.saw_unused = bucket.some_rank_unused(self.comm.world_size)
                 write_back_grads(bucket, used)
         # (the reduced buckets are identical on every rank: every rank finds the same)
         self.nonfinite.verdict = self.nonfinite.scan(engine.buckets) if self.nonfinite.active else None
