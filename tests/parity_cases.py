@@ -441,6 +441,9 @@ TORCH_DDP_CASES = ("accumulate2", "clip_norm", "batchnorm", "frozen", "unused_so
 
 
 #: ... and with ``gradient_as_bucket_view=True`` (DDP's reducer then gets the option too)
+#: find_unused_parameters=False: the user vouches that every parameter gets a gradient (DDP's default)
+_VOUCH = {"find_unused_parameters": False}
+TORCH_DDP_VOUCH_CASES = ("clip_norm", "batchnorm", "unused_late", "unused_rank1")
 TORCH_DDP_VIEW_CASES = ("clip_norm", "unused_some_steps", "unused_late")
 
 
@@ -471,8 +474,9 @@ def run_torch_ddp_case() -> dict[str, Any]:
     ctl.choose_candidate = forced
     log = logging.getLogger("lightning_pipedap")
     try:
-        runs = [(name, {}) for name in TORCH_DDP_CASES] + [(name, _VIEW) for name in TORCH_DDP_VIEW_CASES]
-        for name, options in runs:
+        runs = [(name, {}, "") for name in TORCH_DDP_CASES] + [(name, _VIEW, "_view") for name in TORCH_DDP_VIEW_CASES]
+        runs += [(name, _VOUCH, "_vouch") for name in TORCH_DDP_VOUCH_CASES]
+        for name, options, suffix in runs:
             model_name, model_kw, trainer_kw = CASES[name]
             ref = train(model_name, model_kw, trainer_kw,
                         "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp")
@@ -484,7 +488,7 @@ def run_torch_ddp_case() -> dict[str, Any]:
                 res = train(model_name, model_kw, trainer_kw, st)
             finally:
                 log.removeHandler(said)
-            out[name + ("_view" if options else "")] = {
+            out[name + suffix] = {
                 "diff": max_diff(res, ref), "installed": st.installed_schedule,
                 "stalled": [m for m in said.lines if "got no gradient" in m and "DDP's reducer" in m]}
     finally:

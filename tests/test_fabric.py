@@ -145,7 +145,7 @@ def test_fabric_strategy_refuses_bad_options(kwargs, match):
 
 
 @pytest.mark.parametrize("kwarg,match", [
-    ("find_unused_parameters", "not needed: pipedap detects parameters without gradients"),
+    ("find_unused_parameters", "an option of the Trainer strategy PipeDAPStrategy"),
     ("compression_mode", "an option of the Trainer strategy"),
     ("torch_ddp_margin", "also tries DDP's own reducer \\(the torch_ddp candidate\\), which Fabric's does not"),
     ("nonfinite", "an option of the Trainer strategy PipeDAPStrategy, whose own reduction paths it needs"),

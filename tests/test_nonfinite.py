@@ -17,7 +17,7 @@ import torch
 
 from lightning_pipedap import PipeDAPStrategy
 from lightning_pipedap.engine.buckets import FlatBucket
-from lightning_pipedap.engine.update import clip_coefficient
+from lightning_pipedap.engine.update import clip_norm_coefficient
 from lightning_pipedap.strategy.config import PER_RANK_OPTIONS, PipeDAPConfig
 from lightning_pipedap.strategy.numerics import (NonFiniteCheck, NonFiniteGradientError, first_nonfinite,
                                                  parameter_hashes, skippable_step)
@@ -59,8 +59,8 @@ def test_clip_coefficient_of_a_nan_norm_is_nan_as_torch_clip_grad_norm():
     g.grad = torch.tensor([3.0, float("nan")])
     torch.nn.utils.clip_grad_norm_([g], 1.0)
     assert g.grad.isnan().all()  # torch: every gradient becomes NaN
-    assert math.isnan(clip_coefficient(float("nan"), 1.0))
-    assert clip_coefficient(float("inf"), 1.0) == 0.0
+    assert math.isnan(float(clip_norm_coefficient([torch.tensor([3.0, float("nan")])], 1.0)))
+    assert float(clip_norm_coefficient([torch.tensor([float("inf")])], 1.0)) == 0.0
 
 
 # ---------------------------------------------------------------------------------------- pieces

@@ -9,8 +9,7 @@ from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import (
     BucketOptimizer,
     ClipRequest,
-    clip_coefficient,
-    shard_sum_of_squares,
+    clip_norm_coefficient,
     snapshot_hparams,
     write_back_grads,
 )
@@ -141,26 +140,41 @@ def test_bucket_step_steps_unused_param_with_kept_zero_grad_as_ddp():
         assert torch.equal(params[1], after_step0) != keep  # stepped with its zero grad only when kept
 
 
-def test_clip_value_and_norm_math():
-    assert clip_coefficient(10.0, 1.0) == pytest.approx(1.0 / (10.0 + 1e-6))
-    assert clip_coefficient(0.5, 1.0) == 1.0
-    # sum of squares over rank shards adds up to the full norm, like clip_grad_norm_
+def test_clip_norm_coefficient_is_bit_identical_to_clip_grad_norm():
+    """The factor is torch's own (per-tensor fp32 norms in order, stacked, 2-norm, max/(n+1e-6), clamp): over
+    random gradients of mixed shapes and scales, multiplying by it gives exactly what ``clip_grad_norm_`` leaves
+    in ``.grad`` (the earlier float64 sum of squares over shards differed by 1 ulp in the factor on some)."""
+    gen = torch.Generator().manual_seed(0)
+    old_style_differs = 0
+    for trial in range(200):
+        shapes = [(int(torch.randint(1, 40, (1,), generator=gen)),) * (1 + trial % 2) for _ in range(1 + trial % 7)]
+        grads = [torch.randn(s, generator=gen) * float(10 ** torch.randint(-3, 3, (1,), generator=gen)) for s in shapes]
+        ref = [torch.zeros(s, requires_grad=True) for s in shapes]
+        for r, g in zip(ref, grads):
+            r.grad = g.clone()
+        torch.nn.utils.clip_grad_norm_(ref, 0.5)
+        coef = clip_norm_coefficient([g.clone() for g in grads], 0.5)
+        for r, g in zip(ref, grads):
+            assert torch.equal(r.grad, g * coef), trial
+        total64 = float(sum(g.double().pow(2).sum() for g in grads)) ** 0.5
+        old = min(1.0, 0.5 / (total64 + 1e-6))
+        old_style_differs += any(not torch.equal(r.grad, g * old) for r, g in zip(ref, grads))
+    assert old_style_differs > 0  # (the reason for computing it torch's way)
+    assert clip_norm_coefficient([], 1.0) is None  # torch clips nothing
     p = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
     b = FlatBucket.allocate(0, (0, 1), p, world_size=2)
     b.buffer[:5] = torch.tensor([3.0, 4.0, 1.0, 2.0, 2.0])
-    total = shard_sum_of_squares([b], 0) + shard_sum_of_squares([b], 1)
-    assert total == pytest.approx(9 + 16 + 1 + 4 + 4)
     ref = [torch.tensor([3.0, 4.0, 1.0]).requires_grad_(), torch.tensor([2.0, 2.0]).requires_grad_()]
     for r in ref:
         r.grad = r.detach().clone()
-    norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
-    assert float(norm) == pytest.approx(total**0.5)
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
     opt = torch.optim.SGD(p, lr=1.0)
     b.flags.fill_(1)
+    coef = clip_norm_coefficient([b.grad_view(0).clone(), b.grad_view(1).clone()], 1.0)
     with torch.no_grad():
-        BucketOptimizer(opt, [b]).step(b, snapshot_hparams(opt), ClipRequest(1.0, "norm"), clip_coefficient(total**0.5, 1.0))
+        BucketOptimizer(opt, [b]).step(b, snapshot_hparams(opt), ClipRequest(1.0, "norm"), coef)
     got = torch.cat([-q.detach().reshape(-1) for g in opt.param_groups for q in g["params"]])
-    assert torch.allclose(got, torch.cat([r.grad for r in ref]), atol=1e-6)
+    assert torch.equal(got, torch.cat([r.grad for r in ref]))
 
 
 def test_write_back_keeps_globally_unused_grad():

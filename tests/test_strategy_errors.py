@@ -32,7 +32,7 @@ def test_import_registers_names_idempotently():
         ({"wait_timeout_s": 0}, ValueError, r"wait_timeout_s must be a positive number"),
         ({"warmup_steps": 0}, ValueError, r"warmup_steps must be an integer >= 1, got 0"),
         ({"ddp_comm_hook": print}, TypeError, r"unsupported keyword arguments \['ddp_comm_hook'\]"),
-        ({"find_unused_parameters": True}, TypeError, r"detects parameters without gradients"),
+        ({"find_unused_parameters": "yes"}, ValueError, r"find_unused_parameters must be None .* got 'yes'"),
         ({"train_thread_nice": 25}, ValueError, r"train_thread_nice must be an integer in 0\.\.19 \(0 = off\), got 25"),
         ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1, got 0"),
         ({"torch_ddp_margin": 1.0}, ValueError, r"torch_ddp_margin must be a fraction in \[0, 1\) .*got 1\.0"),

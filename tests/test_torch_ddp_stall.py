@@ -103,7 +103,8 @@ def _rank_dependent_stall_fit(out_dir: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
     strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1,
-                               trial_rounds=1, trial_window_s=0, wait_timeout_s=5, timeout=60)
+                               trial_rounds=1, trial_window_s=0, wait_timeout_s=5, timeout=60,
+                               find_unused_parameters=False)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     rank = int(os.environ["RANK"])
@@ -120,7 +121,7 @@ def _rank_dependent_stall_fit(out_dir: str) -> None:
 @pytest.mark.multiprocess
 def test_a_parameter_unused_on_one_rank_only_names_the_cause_on_every_rank(tmp_path):
     """``extra`` stops getting a gradient on rank 1 only, after DDP's reducer (without
-    ``find_unused_parameters``) took over: rank 1's reduction stalls while rank 0's bucket all-reduces wait for
+    ``find_unused_parameters``: passed False here, the user vouching as under DDP's default) took over: rank 1's reduction stalls while rank 0's bucket all-reduces wait for
     it. Rank 1 raises an error naming the parameter and the remedy after ``min(60 s, wait_timeout_s)``; rank 0,
     whose DDP backward then fails inside gloo, raises one that names rank 1's stall (it printed only gloo's
     error before)."""
@@ -134,10 +135,10 @@ def test_a_parameter_unused_on_one_rank_only_names_the_cause_on_every_rank(tmp_p
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["installed"].startswith("torch_ddp") and "find_unused_parameters" not in r0["installed"], r0
     assert r1["error"] and "rank 1: extra.weight, extra.bias got no gradient" in r1["error"], r1
-    assert "but rank(s) [0] had one" in r1["error"] and "torch_ddp_candidate=False" in r1["error"], r1
+    assert "but rank(s) [0] had one" in r1["error"] and "find_unused_parameters at its default" in r1["error"], r1
     assert r0["error"] and "rank 0: DDP's reducer failed" in r0["error"], r0
     assert "rank(s) [1] got no gradient for a parameter that this rank used" in r0["error"], r0
-    assert "torch_ddp_candidate=False" in r0["error"], r0
+    assert "find_unused_parameters at its default" in r0["error"], r0
 
 
 if __name__ == "__main__":

@@ -85,6 +85,7 @@ class PipeDAPStrategyConf:
     trial_rounds: int = 2
     trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
+    find_unused_parameters: Optional[bool] = None  # None: set for DDP's reducer (torch_ddp); False: you vouch
     torch_ddp_margin: float = 0.10
     train_thread_nice: int = 0
     compression: Optional[str] = None

@@ -42,6 +42,7 @@ __all__ = [
     "WIRE_DTYPES",
     "Heartbeat",
     "ddp_reduction_finished",
+    "ddp_buffers_sync_next",
     "finish_stalled_reduction",
     "ranks_not_stalled",
     "ranks_marked_stalled",
@@ -469,13 +470,19 @@ def finish_stalled_reduction(params: Sequence[torch.nn.Parameter], comm: CommGro
 
 
 def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: float,
-              find_unused_parameters: bool, gradient_as_bucket_view: bool = False) -> torch.nn.Module:
+              find_unused_parameters: bool, gradient_as_bucket_view: bool = False,
+              sync_buffers_next: bool = True) -> torch.nn.Module:
     """Wrap ``module`` in PyTorch's ``DistributedDataParallel`` on the default process group.
 
     The C++ reducer all-reduces gradient buckets of ``bucket_cap_mb`` MiB inside backward (WFBP) and
-    averages them into ``.grad``; construction broadcasts rank 0's parameters and buffers (a collective:
-    every rank must call it at the same point). Dropping the returned wrapper (and collecting it) removes
-    its autograd hooks, so the module computes local gradients again.
+    averages them into ``.grad``. Every rank must wrap at the same step (the reducer's collectives pair by
+    order), but construction communicates nothing (``init_sync=False``): the strategy broadcast rank 0's state
+    once at set-up, as DDP does, and a wrap in the middle of a fit must keep every rank's parameters and
+    buffers as they are (rank-local state, e.g. an EMA codebook updated in place, would be overwritten).
+    The wrapper's buffer rule continues the strategy's: ``sync_buffers_next`` says whether the previous forward
+    synced gradients, so the first forward under the wrapper broadcasts rank 0's buffers exactly when DDP,
+    wrapped once at set-up, would (:func:`ddp_buffers_sync_next`). Dropping the returned wrapper (and
+    collecting it) removes its autograd hooks, so the module computes local gradients again.
 
     Args:
         module: the model (already on ``device``), identical on every rank.
@@ -483,14 +490,24 @@ def torch_ddp(module: torch.nn.Module, device: torch.device, bucket_cap_mb: floa
         bucket_cap_mb: DDP's bucket size, MiB (> 0).
         find_unused_parameters: traverse the graph each step for parameters without a gradient.
         gradient_as_bucket_view: ``.grad`` as views into DDP's buckets (no second gradient copy).
+        sync_buffers_next: whether the first forward under the wrapper broadcasts rank 0's buffers (DDP's rule:
+            the previous forward ran with gradients enabled and synced them).
 
     Returns:
         The ``DistributedDataParallel`` wrapper.
     """
     ids = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
-                                                     find_unused_parameters=find_unused_parameters,
-                                                     gradient_as_bucket_view=gradient_as_bucket_view)
+    ddp = torch.nn.parallel.DistributedDataParallel(module, device_ids=ids, bucket_cap_mb=bucket_cap_mb,
+                                                    find_unused_parameters=find_unused_parameters,
+                                                    gradient_as_bucket_view=gradient_as_bucket_view, init_sync=False)
+    ddp.require_forward_param_sync = sync_buffers_next  # (DDP's flag for "broadcast buffers before the next forward")
+    return ddp
+
+
+def ddp_buffers_sync_next(ddp: torch.nn.Module) -> bool:
+    """Whether DDP's next forward broadcasts rank 0's buffers (``require_forward_param_sync``: set by its forward
+    when gradients are enabled and synced; checked on torch 2.13)."""
+    return bool(getattr(ddp, "require_forward_param_sync", True))
 
 
 def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:

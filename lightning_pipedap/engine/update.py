@@ -13,7 +13,7 @@ ran, so LR schedulers that step in between do not leak into update t.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -50,26 +50,25 @@ class ClipRequest:
     algorithm: str
 
 
-def clip_coefficient(total_norm: float, max_norm: float) -> float:
-    """``min(1, max_norm / (total_norm + 1e-6))``, the factor ``clip_grad_norm_`` applies (torch semantics:
-    a NaN norm gives a NaN factor, so every clipped gradient becomes NaN, as ``torch.clamp`` keeps NaN)."""
-    coef = max_norm / (total_norm + 1e-6)
-    return coef if coef != coef else min(1.0, coef)
+def clip_norm_coefficient(grads: Sequence[torch.Tensor], max_norm: float) -> Optional[torch.Tensor]:
+    """The factor ``torch.nn.utils.clip_grad_norm_(params, max_norm)`` multiplies the gradients by, computed as it
+    computes it: per-tensor norms in the given order (``torch.nn.utils.get_total_norm``: ``_foreach_norm`` per
+    device and dtype, then the 2-norm of the stacked norms), ``max_norm / (total + 1e-6)`` in the norm's dtype,
+    clamped to at most 1 (torch 2.13, ``torch/nn/utils/clip_grad.py``). With the same tensors in the same order
+    the factor is bit-identical to DDP's; a NaN norm gives a NaN factor, as in torch.
 
+    Args:
+        grads: the averaged gradients, each shaped like its parameter, in the order of the optimizer's param
+            groups (Lightning's ``Precision.main_params``), those that are None under DDP left out.
+        max_norm: the clip threshold (> 0).
 
-def shard_sum_of_squares(buckets: Iterable[FlatBucket], rank: int) -> float:
-    """Σ g² over the gradient elements of ``rank``'s shard of every reduced bucket (float64 on host).
-
-    After reduce-scatter each rank holds its own shard reduced, so the global 2-norm is
-    ``sqrt(all_reduce_sum(this))`` with one scalar all-reduce.
+    Returns:
+        A 0-dim tensor (multiply each gradient by it), or None when ``grads`` is empty (torch clips nothing).
     """
-    total = None
-    for b in buckets:
-        lo, hi = b.own_data_range(rank)
-        if hi > lo:
-            s = b.buffer[lo:hi].double().pow(2).sum()
-            total = s if total is None else total + s
-    return 0.0 if total is None else float(total)
+    if not grads:
+        return None
+    total = torch.nn.utils.get_total_norm(list(grads), 2.0, error_if_nonfinite=False)
+    return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
 
 
 class BucketOptimizer:
@@ -130,8 +129,8 @@ class BucketOptimizer:
         """A new optimizer step: every bucket of every split parameter is still to be applied."""
         self._left = {i: set(buckets) for i, (_, _, buckets) in self._split.items()}
 
-    def step(self, bucket: FlatBucket, hparams: list[dict[str, Any]], clip: ClipRequest | None, coef: float | None,
-             used: list[bool] | None = None) -> None:
+    def step(self, bucket: FlatBucket, hparams: list[dict[str, Any]], clip: ClipRequest | None,
+             coef: torch.Tensor | None, used: list[bool] | None = None) -> None:
         """Apply the update of ``bucket`` from its reduced gradients (call under ``torch.no_grad``).
 
         Args:
@@ -142,7 +141,7 @@ class BucketOptimizer:
                 momentum and weight decay move it) and skipped when it is None.
             hparams: :func:`snapshot_hparams` taken at the step's ``optimizer_step``.
             clip: the step's clip request, or ``None``.
-            coef: the global clip-by-norm coefficient (required when ``clip.algorithm == "norm"``).
+            coef: the clip-by-norm factor (:func:`clip_norm_coefficient`; None: nothing to clip).
 
         A piece of a split parameter is clipped here; the parameter is stepped only when this is the last
         of its buckets applied in this optimizer step (see the class docstring).

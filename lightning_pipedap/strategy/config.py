@@ -143,6 +143,15 @@ class PipeDAPConfig:
             need pipedap's own reduction); under it, non-finite gradients behave exactly as under DDP
             and ``nonfinite="warn"`` checks the parameters every 50 steps (a non-finite update leaves
             them non-finite) instead of each step's reduced gradients.
+        find_unused_parameters: DDP's option of that name, for the ``torch_ddp`` candidate (pipedap's own engine
+            needs none: it reduces used-flags with the buckets). ``None`` (default): the candidate runs with it, so a
+            parameter that gets no gradient on some ranks in some step (a head run only ``if positives.any()``)
+            never stops training after DDP's reducer was installed; it costs DDP one more small all-reduce per
+            step, which the trials measure. ``True``: the same, as ``DDPStrategy(find_unused_parameters=True)``.
+            ``False``: you vouch that every trainable parameter gets a gradient on every rank in every step (as
+            DDP's default requires): one collective less per step; the option is still set when a profiled or
+            trial step left a parameter without a gradient, and a parameter that stops getting one on some
+            ranks later stops the fit with an error naming it (as DDP would).
         torch_ddp_margin: fraction in [0, 1): the ``torch_ddp`` candidate is kept unless another candidate
             measured faster than it by more than this (0.10: more than 10%), in the first pass and in the
             confirmation rounds. The default protects against trial windows that mislead on a shared,
@@ -247,6 +256,7 @@ class PipeDAPConfig:
     trial_rounds: int = 2
     trial_window_s: float = 0.25
     torch_ddp_candidate: bool = True
+    find_unused_parameters: Optional[bool] = None
     torch_ddp_margin: float = DEFAULT_TORCH_DDP_MARGIN
     model_contention: bool = True
     nonfinite: NonFinite = "warn"
@@ -278,6 +288,9 @@ class PipeDAPConfig:
         for name in ("calibrate_cost_model", "model_contention", "cost_model_cache", "torch_ddp_candidate",
                      "gradient_as_bucket_view"):
             _boolean(name, getattr(self, name))
+        if self.find_unused_parameters is not None and not isinstance(self.find_unused_parameters, bool):
+            raise ValueError(f"find_unused_parameters must be None (default: set for DDP's reducer), True or False, "
+                             f"got {self.find_unused_parameters!r}")
         if not isinstance(self.nonfinite, str) or self.nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE_CHOICES))}, "
                              f"got {self.nonfinite!r}")

@@ -41,10 +41,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.engine import CommEngine
-from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_coefficient, shard_sum_of_squares,
-                                             snapshot_hparams, write_back_grads)
+from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_norm_coefficient, snapshot_hparams,
+                                             write_back_grads)
 from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.probe.consumers import transform_active
 from lightning_pipedap.strategy.numerics import NonFiniteCheck
@@ -62,7 +61,9 @@ class Pending:
         hparams: every param group's hyper-parameters at the step (``snapshot_hparams``).
         clip: the step's clip request, or None.
         remaining: buckets not applied yet.
-        coef: the global clip-by-norm coefficient, once computed.
+        coef: the clip-by-norm factor, once computed (:meth:`DeferredUpdates._clip_coefficient`; a 0-dim tensor,
+            None when there is nothing to clip).
+        clip_ready: whether ``coef`` was computed.
         step: the optimizer step it belongs to (Lightning's ``global_step`` then), for messages.
         decided: whether the non-finite check that must come before the first bucket has run.
     """
@@ -70,9 +71,10 @@ class Pending:
     hparams: list[dict[str, Any]]
     clip: Optional[ClipRequest]
     remaining: set[int]
-    coef: Optional[float] = None
+    coef: Optional[Tensor] = None
     step: int = -1
     decided: bool = False
+    clip_ready: bool = False
 
 
 class DeferredStep:
@@ -101,8 +103,8 @@ class DeferredUpdates:
 
     Args:
         engine: the installed engine (its buckets, waits, used flags).
-        comm: the engine's group (for this rank's shard in clip-by-norm).
-        device: where the clip norm's scalar all-reduce runs.
+        comm: the engine's group.
+        device: the model's device.
         name_of: ``parameter -> name`` for messages.
         say: log once per key on rank 0 (``say(key, message)``).
         records: the strategy's timeline list (wait/update records are appended when ``timeline()``).
@@ -138,6 +140,7 @@ class DeferredUpdates:
         self._late: set[int] = set()
         self._stale: list[int] = []
         self._landed = False  # leftovers of this step applied already (land_leftovers after training_step)
+        self._index: Optional[dict[int, int]] = None  # id(parameter) -> engine parameter index (clip-by-norm)
 
     # ------------------------------------------------------------------ layout
     def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module) -> None:
@@ -401,15 +404,41 @@ class DeferredUpdates:
         self._unwritten.clear()
 
     def _clip_coefficient(self, pending: Pending) -> None:
-        """Clip-by-norm: the global norm from every rank's reduced shards (one scalar all-reduce on the
-        default group). Computed before ``training_step`` (or at a flush), a point every rank reaches in
-        the same order relative to other collectives, never inside a data-dependent trigger."""
-        if pending.clip is not None and pending.clip.algorithm == "norm" and pending.coef is None:
-            with torch._C.DisableTorchFunction():
-                self.engine.wait_all_reduced()
-                sq = shard_sum_of_squares(self.engine.buckets, self.comm.rank)
-                total = C.all_reduce_scalar(sq, self.device) ** 0.5
-            pending.coef = clip_coefficient(total, pending.clip.value)
+        """Clip-by-norm exactly as ``clip_grad_norm_`` computes it under DDP (:func:`clip_norm_coefficient`): wait
+        for every bucket's all-gather, then take the per-tensor norms of the averaged gradients, shaped like their
+        parameters, in the optimizer's parameter order. Local (every rank holds the same averaged gradients): no
+        collective. The cost: the first bucket of a clipped step lands only after the last all-gather (the
+        all-gathers overlap the gap between steps, no longer the next forward)."""
+        if pending.clip is None or pending.clip.algorithm != "norm" or pending.clip_ready:
+            return
+        engine = self.engine
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            for b in range(engine.num_buckets):
+                engine.wait_done(b)
+            pending.coef = clip_norm_coefficient(self._averaged_grads(), pending.clip.value)
+        pending.clip_ready = True
+
+    def _averaged_grads(self) -> list[Tensor]:
+        """The gradients ``clip_grad_norm_`` would see under DDP now, in the optimizer's parameter order: a parameter
+        some rank produced a gradient for gives its averaged gradient (its bucket view; a split parameter's pieces
+        concatenated, shaped like it), one no rank did gives its ``.grad`` as DDP leaves it (skipped when None)."""
+        engine = self.engine
+        if self._index is None:
+            self._index = {id(p): i for i, p in enumerate(engine.params)}
+        used = {b: engine.used_flags(b) for b in range(engine.num_buckets)}
+        out = []
+        assert self.updater is not None
+        for group in self.updater.optimizer.param_groups:
+            for p in group["params"]:
+                i = self._index.get(id(p))
+                places = engine.places.get(i, []) if i is not None else []
+                if places and used[places[0][0]][places[0][1]]:
+                    views = [engine.buckets[b].grad_view(s) for b, s, _, _ in places]
+                    out.append(views[0] if len(views) == 1 and views[0].shape == p.shape
+                               else torch.cat([v.reshape(-1) for v in views]).view_as(p))
+                elif p.grad is not None:
+                    out.append(p.grad)
+        return out
 
 
 def intercept_clipping(plugin: Any) -> Callable[..., Any]:

@@ -57,7 +57,8 @@ class RunEffects:
     def install_fixed(self) -> None:
         rt = self.rt
         cfg = rt.config
-        rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression), cfg.wire_dtype != "fp32"),
+        name = "dear" if rt.timing_free else cfg.schedule  # (a planned name under deterministic=True: fixed dear)
+        rt.install(rt.order, rt.builtin(rt.order, name, bool(cfg.compression), cfg.wire_dtype != "fp32"),
                    rt.owners, final=True)
 
     def start_profiling(self) -> dict[str, float]:
@@ -97,11 +98,13 @@ class RunEffects:
                 and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
-            # find_unused_parameters (one more collective per step) only when a profiled step left a parameter
-            # without a gradient on some rank (identical on every rank: read from the reduced used-flags); a
-            # parameter that stops getting one later is handled by the handover (finish_stalled)
-            # (with gradient_as_bucket_view a stalled reduction leaves .grad half-averaged in DDP's buffers: always)
-            unused = rt.saw_unused or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view
+            # find_unused_parameters (one more small collective per step): by default always, so that a parameter
+            # that gets no gradient on some ranks in a later step cannot stop the fit under DDP's reducer; with
+            # find_unused_parameters=False (the user vouches) only when a profiled step left a parameter without a
+            # gradient on some rank (identical on every rank: read from the reduced used-flags), and with
+            # gradient_as_bucket_view (a stalled reduction leaves .grad half-averaged in DDP's buffers)
+            unused = cfg.find_unused_parameters is not False or rt.saw_unused \
+                or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view
             schedules = [*schedules, TorchDDPCandidate(
                 cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
                 gradient_as_bucket_view=cfg.gradient_as_bucket_view)]

@@ -77,9 +77,13 @@ class TorchDDPHandover:
     """
 
     def __init__(self, module: torch.nn.Module, device: torch.device, set_model: Callable[[torch.nn.Module], None],
-                 unhook: Callable[[], None], rehook: Callable[[], None]) -> None:
+                 unhook: Callable[[], None], rehook: Callable[[], None],
+                 buffer_sync: Optional[tuple[Callable[[], bool], Callable[[bool], None]]] = None) -> None:
         self.module, self.device, self._set_model = module, device, set_model
         self._unhook, self._rehook = unhook, rehook
+        #: (get, set) of the strategy's "broadcast rank 0's buffers before the next forward" flag (DDP's buffer rule),
+        #: handed to the wrapper on entry and taken back on leaving, so a switch never adds or drops a broadcast
+        self._buffer_sync = buffer_sync
         self.wrapper: Optional[torch.nn.Module] = None
         self.candidate: Optional[TorchDDPCandidate] = None
 
@@ -89,13 +93,15 @@ class TorchDDPHandover:
         return self.wrapper is not None
 
     def enter(self, candidate: TorchDDPCandidate) -> None:
-        """Wrap the model (a collective on the default group: every rank at the same step)."""
+        """Wrap the model (every rank at the same step). Nothing is broadcast: parameters and buffers stay as they
+        are on each rank, and the buffer rule continues where the strategy's left it."""
         if self.wrapper is not None:
             return
         self._unhook()
         self.candidate = candidate
+        sync_next = self._buffer_sync[0]() if self._buffer_sync is not None else True
         self.wrapper = C.torch_ddp(self.module, self.device, candidate.bucket_cap_mb, candidate.find_unused_parameters,
-                                   candidate.gradient_as_bucket_view)
+                                   candidate.gradient_as_bucket_view, sync_buffers_next=sync_next)
         self._set_model(self.wrapper)
 
     def stalled(self) -> bool:
@@ -108,8 +114,7 @@ class TorchDDPHandover:
     def finish_stalled(self, comm: C.CommGroup) -> list[torch.nn.Parameter]:
         """Average this backward's gradients as DDP with ``find_unused_parameters=True`` does
         (:func:`~lightning_pipedap.engine.collectives.finish_stalled_reduction`, on ``comm``; every rank stalled
-        alike) and re-wrap the model with that option, so the next forward finds a reducer that is not waiting
-        (DDP's constructor broadcasts rank 0's parameters, identical on every rank before the optimizer step).
+        alike) and re-wrap the model with that option, so the next forward finds a reducer that is not waiting.
 
         Returns:
             The parameters no rank produced a gradient for.
@@ -127,6 +132,8 @@ class TorchDDPHandover:
         (teardown removes them anyway)."""
         if self.wrapper is None:
             return
+        if self._buffer_sync is not None:
+            self._buffer_sync[1](C.ddp_buffers_sync_next(self.wrapper))
         self._set_model(self.module)
         self.wrapper = None
         gc.collect()  # the reducer removes its autograd hooks when the wrapper is freed

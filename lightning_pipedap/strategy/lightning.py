@@ -130,6 +130,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         trial_rounds: int = 2,
         trial_window_s: float = 0.25,
         torch_ddp_candidate: bool = True,
+        find_unused_parameters: Optional[bool] = None,
         torch_ddp_margin: float = 0.10,
         model_contention: bool = True,
         nonfinite: str = "warn",

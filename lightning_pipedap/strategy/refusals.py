@@ -18,7 +18,6 @@ REJECTED_DDP_KWARGS = {
     "ddp_comm_hook": "pipedap does its own gradient communication; compression comes with `compression=`",
     "ddp_comm_wrapper": "pipedap does its own gradient communication",
     "model_averaging_period": "post-local SGD is a DDP feature; use strategy='ddp'",
-    "find_unused_parameters": "not needed: pipedap detects parameters without gradients by itself",
     "static_graph": "not needed: pipedap traces the forward order itself",
     "gradient_as_bucket_view": "pipedap always uses its own flat buckets",
 }

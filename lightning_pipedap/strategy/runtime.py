@@ -44,8 +44,27 @@ from lightning_pipedap.strategy.tracing import consumer_mode
 #: run-times built in this process so far (every rank builds them in the same order: a per-fit key)
 _FITS = itertools.count()
 #: what a user can do about a parameter unused on some ranks only under DDP's reducer
-_STALL_REMEDY = ("Pass torch_ddp_candidate=False (pipedap's own engine handles parameters unused on some ranks) or "
-                 "gradient_as_bucket_view=True (the candidate then sets find_unused_parameters)")
+_STALL_REMEDY = ("Leave find_unused_parameters at its default (None: DDP's reducer then runs with it), or pass "
+                 "torch_ddp_candidate=False (pipedap's own engine handles parameters unused on some ranks)")
+
+
+def timing_free_reason(config: PipeDAPConfig, world_size: int) -> Optional[str]:
+    """Why a planned schedule must give way to a fixed one, or None: deterministic algorithms are on
+    (``torch.are_deterministic_algorithms_enabled()``: ``Trainer(deterministic=True)``) and the candidates of measured
+    selection can round differently, so the plan (chosen from measured times) would decide the bits. At 2 ranks in
+    fp32 every candidate sums each element as ``a/2 + b/2`` (exact in any order) and none rounds differently: no
+    reason. At >= 3 ranks the ring sums a bucket's elements in an order set by the bucket layout; a 16-bit wire
+    rounds the elements a rank does not own, and compression works per bucket."""
+    if not config.planned or not torch.are_deterministic_algorithms_enabled():
+        return None
+    if world_size >= 3:
+        return (f"at {world_size} processes the order of the sums depends on the bucket layout, which differs "
+                "between candidates")
+    if config.wire_dtype != "fp32":
+        return f"wire_dtype={config.wire_dtype!r} rounds the elements a rank does not own, set by the bucket layout"
+    if config.compression:
+        return f"compression={config.compression!r} works per bucket"
+    return None
 
 
 def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
@@ -121,7 +140,16 @@ class Runtime:
         #: name of the schedule communicating now (final, profiling or warm-up): what ran at the end of a fit
         self.running_schedule: Optional[str] = None
         self._logged_schedule: Optional[str] = None  # the last "pipedap: schedule ..." line, not repeated
-        self.controller = Controller(RunEffects(self), planned=config.planned, warmup_steps=config.warmup_steps,
+        #: Trainer(deterministic=True) where candidates round differently (see :func:`timing_free_reason`): the fixed
+        #: ``dear`` schedule with ``bucket_cap_mb`` fusion runs instead of a plan that depends on measured times
+        self.timing_free = timing_free_reason(config, world_size)
+        if self.timing_free:
+            info(f"pipedap: torch.use_deterministic_algorithms is on (Trainer(deterministic=True)) and {self.timing_free}, "
+                 f"so which schedule runs must not depend on timing: schedule {config.schedule!r} runs as the fixed "
+                 f"'dear' schedule with bucket_cap_mb={config.bucket_cap_mb:g} fusion (no profiling, trials or "
+                 "re-plans); two identical runs then give identical bits")
+        self.controller = Controller(RunEffects(self), planned=config.planned and not self.timing_free,
+                                     warmup_steps=config.warmup_steps,
                                      profile_steps=config.profile_steps, trial_steps=config.trial_steps,
                                      trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
@@ -196,7 +224,11 @@ class Runtime:
 
     def enable_handover(self, set_model: Callable[[torch.nn.Module], None]) -> None:
         """Allow the ``torch_ddp`` candidate: ``set_model(m)`` makes ``m`` what the strategy runs."""
-        self.handover = TorchDDPHandover(self.module, self.device, set_model, self.hooks.remove, self.hooks.reinstall)
+        self.handover = TorchDDPHandover(self.module, self.device, set_model, self.hooks.remove, self.hooks.reinstall,
+                                         (lambda: self.buffers_sync_next, self._set_buffers_sync_next))
+
+    def _set_buffers_sync_next(self, value: bool) -> None:
+        self.buffers_sync_next = value
 
     @property
     def handed_over(self) -> bool:
@@ -224,8 +256,8 @@ class Runtime:
             local = [self.name_of(p) for p in self.params if p.requires_grad and p.grad is None][:5]
             raise RuntimeError(
                 f"pipedap: rank {self.rank}: {', '.join(local) or 'a parameter'} got no gradient in {step} under DDP's "
-                f"reducer (the torch_ddp candidate, which runs without find_unused_parameters since every parameter "
-                f"had a gradient in the profiled steps), but rank(s) {missing} had one: DDP cannot average such a step. "
+                f"reducer (the torch_ddp candidate, which runs without find_unused_parameters: you passed "
+                f"find_unused_parameters=False, and every parameter had a gradient in the profiled steps), but rank(s) {missing} had one: DDP cannot average such a step. "
                 + _STALL_REMEDY)
         unused = h.finish_stalled(self.comm)
         assert h.candidate is not None
@@ -247,7 +279,8 @@ class Runtime:
             return None
         return (f"pipedap: rank {self.rank}: DDP's reducer failed in {self._step_text()}: rank(s) {marked} got no "
                 "gradient for a parameter that this rank used (the torch_ddp candidate runs without "
-                "find_unused_parameters since every parameter had a gradient in the profiled and trial steps), so the "
+                "find_unused_parameters: you passed find_unused_parameters=False, and every parameter had a gradient in "
+                "the profiled and trial steps), so the "
                 f"bucket all-reduces this rank launched were never matched; the error of rank(s) {marked} names the "
                 "parameters. " + _STALL_REMEDY)
 
