@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from lightning_pipedap.strategy.controller import Controller, Phase, choose_candidate, describe_startup, lower_quartile
+from lightning_pipedap.strategy.controller import (DRIFT_CONFIRMATIONS, DRIFT_HOLDOFF_S, Controller, Phase,
+                                                   choose_candidate, describe_startup, lower_quartile)
 
 
 @dataclass
@@ -160,9 +161,10 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     assert agreed == [([[pytest.approx(0.3)], [pytest.approx(0.1)], [pytest.approx(0.2)]], None)]
 
 
-def _trial(fx, clock, step_s, rounds, trial_steps=2):
-    """Drive a whole trial: ``step_s[name]`` is a list of step intervals, one per round."""
-    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=trial_steps, trial_rounds=rounds)
+def _trial(fx, clock, step_s, rounds, trial_steps=2, race_drop=None):
+    """Drive a whole trial: ``step_s[name]`` is a list of step intervals, one per round (no racing unless
+    ``race_drop``: every candidate runs every round)."""
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=trial_steps, trial_rounds=rounds, race_drop=race_drop)
     _start_trial(ctl)
     for r in range(rounds):
         for name in [c.name for c in fx.candidates]:
@@ -277,7 +279,8 @@ def test_drift_beyond_the_margin_rescales_and_replans_once():
     clock = Clock()
     fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,), busy=0.8)  # busy 0.8 vs planned 0.5
     ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=1)
-    for _ in range(5):
+    clock.t += DRIFT_HOLDOFF_S  # (none within the hold-off after the install)
+    for _ in range(1 + 4 * DRIFT_CONFIRMATIONS):  # 3 checks in a row over the margin
         clock.t += 1.5  # 50% slower than predicted
         ctl.at_step_start()
     assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
@@ -347,7 +350,8 @@ def test_after_a_trial_drift_is_checked_against_the_trial_measurement():
         ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.replans_done == 0
     ctl._reset_drift()
-    for _ in range(5):  # 2x the trial, still far below the 0.9 s prediction: a re-plan
+    clock.t += DRIFT_HOLDOFF_S
+    for _ in range(1 + 4 * DRIFT_CONFIRMATIONS):  # 2x the trial, still far below the 0.9 s prediction: a re-plan
         clock.t += 0.2
         ctl.at_step_start()
     assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
@@ -390,7 +394,7 @@ def _b_against_ddp(rounds):
     """A controller in TRIAL with candidates b and torch_ddp (``trial_steps=2``, ``rounds`` rounds)."""
     clock = Clock()
     fx = FakeEffects(candidates=[Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,))
-    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=rounds)
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=rounds, race_drop=None)
     _start_trial(ctl)
     return ctl, fx, clock
 
@@ -521,7 +525,8 @@ def test_a_replan_that_the_fit_does_not_finish_keeps_the_first_selection_and_say
     first = ctl.trial_results
     assert [r["chosen"] for r in first] == [False, True]
     ctl.replan_every, ctl.max_replans = 4, 1
-    for _ in range(5):  # 3x slower than b measured in its trial: re-plan
+    clock.t += DRIFT_HOLDOFF_S
+    for _ in range(1 + 4 * DRIFT_CONFIRMATIONS):  # 3x slower than b measured in its trial: re-plan
         clock.t += 0.3
         ctl.at_step_start()
     assert ctl.phase is Phase.PROFILE and ctl.replans_done == 1
@@ -606,3 +611,100 @@ def test_startup_lists_every_part_and_adds_up():
 def test_describe_startup_omits_parts_that_did_not_run():
     st = {"trace_s": 0.25, "trace_steps": 2, "profile_s": 0.0, "profile_steps": 0, "trial_s": 0.0, "trial_steps": 0}
     assert describe_startup(st, 1) == "trace 2 steps 0.2 s, profile 0 steps 0.0 s, trials 0 steps 0.0 s"
+
+
+# ---------------------------------------------------------------------------------------- racing, budget, drift
+def test_racing_drops_a_clearly_slower_candidate_after_the_first_round():
+    """Successive rounds measure only the candidates within ``race_drop`` (25%) of the fastest: c (2x slower) is
+    dropped after round 1 and measured once; a and b are measured in both rounds."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9), Sched("c", 0.8)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=2)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.20, 0.21, 0.40])  # round 1
+    assert ctl.phase is Phase.TRIAL and ctl.trial.order == [0, 1, 2, 0, 1]
+    assert any(isinstance(c, tuple) and c[0] == "info" and "racing, after round 1: dropped c 400.0 ms" in c[1]
+               for c in fx.calls)
+    _drive_windows(ctl, clock, [0.20, 0.21])  # round 2: a and b only
+    assert ctl.phase is Phase.RUN
+    assert [len(r["windows_s"]) for r in ctl.trial_results] == [2, 2, 1]
+    assert [r["chosen"] for r in ctl.trial_results] == [True, False, False]
+    assert any("dropped c" in n for n in ctl.selection_notes)
+
+
+def test_racing_with_one_candidate_left_decides_after_the_first_round():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=3)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.50, 0.20])
+    assert ctl.phase is Phase.RUN and [r["chosen"] for r in ctl.trial_results] == [False, True]
+    assert ctl.startup["trial_steps"] == 1 + 2 * 3  # the first step, then two windows of a settling step and 2 measured
+
+
+def test_noise_in_one_window_does_not_replan():
+    """One slow drift window (load on a shared machine) is not a slower schedule: a re-plan needs
+    ``DRIFT_CONFIRMATIONS`` windows in a row, and none comes within ``DRIFT_HOLDOFF_S`` of the install."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
+    ctl = _run_phase(fx, clock, replan_every=4, replan_margin=0.15, max_replans=1)
+    for _ in range(40):  # within the hold-off (40 s < 60 s): 50% slower, sustained, still no re-plan
+        clock.t += 1.0 if _ % 8 else 1.5
+        clock.t += 0.5
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0
+    clock.t += DRIFT_HOLDOFF_S
+    for k in range(40):  # after it: a slow window every other check, never 3 in a row
+        clock.t += 1.5 if (k // 4) % 2 == 0 else 1.0
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0
+
+
+def test_no_replan_when_the_rest_of_the_fit_is_too_short_to_pay_for_it():
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("plan", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, replan_every=4, replan_margin=0.15, max_replans=1)
+    ctl.set_total_steps(20)
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.RUN and ctl.startup["total_steps"] == 2
+    clock.t += DRIFT_HOLDOFF_S
+    for _ in range(1 + 4 * DRIFT_CONFIRMATIONS):
+        clock.t += 1.5
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.replans_done == 0  # 5 steps left < 4 x the 2 start-up steps
+    assert any(isinstance(c, tuple) and c[0] == "info" and "not re-planning" in c[1] for c in fx.calls)
+
+
+def test_the_startup_budget_shortens_windows_and_installs_the_best_so_far():
+    """``startup_budget`` x the fit's steps bounds one selection: windows are shortened to fit it (at least 2
+    measured steps), and when it runs out mid-selection the fastest candidate measured so far is installed and the
+    summary says so."""
+    clock = Clock()
+    names = ["a", "b", "c", "d", "e"]
+    fx = FakeEffects(candidates=[Sched(n, 1.0) for n in names], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=3, trial_rounds=2, trial_window_s=100.0, startup_budget=0.1)
+    ctl.set_total_steps(300)  # budget: 30 steps; 2 used by trace and profile, 28 left for 5 x 2 windows
+    ctl.after_sync_step(0.0)
+    ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.TRIAL and ctl.window_steps == 2  # 28 // 10 - 1 = 1, raised to 2 (window_s: 50)
+    ctl.at_step_start()
+    step = {"a": 0.22, "b": 0.21, "c": 0.20, "d": 0.205, "e": 0.215}  # (none dropped by racing)
+    for _ in range(40):
+        if ctl.phase is not Phase.TRIAL:
+            break
+        cur = fx.calls[[k for k, c in enumerate(fx.calls) if isinstance(c, tuple) and c[0] == "install_run"][-1]][1]
+        clock.t += step[cur]
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.startup["total_steps"] == 30  # stopped exactly at the budget
+    sel = ctl.plan_selection()
+    assert sel["status"] == "finished" and sel["text"].startswith("finished at the start-up budget")
+    assert "ran out after" in ctl.budget_note
+    assert [r["name"] for r in ctl.trial_results if r["chosen"]] == ["c"]
+    ctl2 = _ctl(FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1,)), Clock(), profile_steps=1,
+                startup_budget=0.05)
+    ctl2.set_total_steps(60)  # 3 steps: no room for trial windows after trace and profile
+    ctl2.after_sync_step(0.0)
+    ctl2.after_sync_step(0.0)
+    assert ctl2.phase is Phase.RUN and ctl2.plan_selection()["text"] == (
+        "not run (the start-up budget left no room for trials)")

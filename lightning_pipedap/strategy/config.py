@@ -134,6 +134,12 @@ class PipeDAPConfig:
         trial_rounds: interleaved rounds over the candidates (>= 1): with 2, every candidate is
             measured twice, a burst of load on a shared machine hits one round of one candidate, and
             the spread of its two rounds is the noise the choice allows for.
+        startup_budget: fraction in (0, 1] of the fit's optimizer steps (Lightning's
+            ``Trainer.estimated_stepping_batches``) that one selection may take: trace, profiling and measured plan
+            selection, and again each drift re-plan. Trial windows are shortened to fit it (at least 2 measured
+            steps each); when it runs out, the fastest candidate measured so far is installed, and the log and the
+            summary say so. 0.1 (default): at most 10% of a short fit is start-up. None: no budget (also when the
+            fit's length is unknown, e.g. ``max_epochs=-1`` or Fabric).
         torch_ddp_candidate: measure PyTorch's own ``DistributedDataParallel`` reducer (WFBP
             all-reduce inside backward, ``bucket_cap_mb`` buckets) among the trial candidates and, when
             it is the fastest, train the rest of the fit under it
@@ -255,6 +261,7 @@ class PipeDAPConfig:
     trial_steps: int = 3
     trial_rounds: int = 2
     trial_window_s: float = 0.25
+    startup_budget: Optional[float] = 0.1
     torch_ddp_candidate: bool = True
     find_unused_parameters: Optional[bool] = None
     torch_ddp_margin: float = DEFAULT_TORCH_DDP_MARGIN
@@ -288,6 +295,13 @@ class PipeDAPConfig:
         for name in ("calibrate_cost_model", "model_contention", "cost_model_cache", "torch_ddp_candidate",
                      "gradient_as_bucket_view"):
             _boolean(name, getattr(self, name))
+        if self.startup_budget is not None:
+            if isinstance(self.startup_budget, bool) or not isinstance(self.startup_budget, numbers.Real) \
+                    or not 0 < self.startup_budget <= 1:
+                raise ValueError(f"startup_budget must be None (no budget) or a fraction in (0, 1] of the fit's "
+                                 f"optimizer steps (0.1 = at most 10% for trace, profiling and trials), got "
+                                 f"{self.startup_budget!r}")
+            object.__setattr__(self, "startup_budget", float(self.startup_budget))
         if self.find_unused_parameters is not None and not isinstance(self.find_unused_parameters, bool):
             raise ValueError(f"find_unused_parameters must be None (default: set for DDP's reducer), True or False, "
                              f"got {self.find_unused_parameters!r}")

@@ -34,6 +34,16 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 MAX_WINDOW_STEPS = 50
 #: candidates kept unless another is faster by more than ``choose_candidate``'s ``prefer_margin``
 PREFERRED = ("torch_ddp",)
+#: racing: after each round of trial windows, a candidate whose median so far is slower than the leader's by more
+#: than this fraction is measured no more (successive halving's idea, with a noise-sized margin)
+RACE_DROP = 0.25
+#: a drift re-plan needs this many consecutive drift checks over the margin (one slow window on a shared machine
+#: is load, not a slower schedule)
+DRIFT_CONFIRMATIONS = 3
+#: and none within this many seconds after a schedule was installed (rank 0's clock)
+DRIFT_HOLDOFF_S = 60.0
+#: fewest measured steps of a trial window when the start-up budget shortens the windows
+MIN_BUDGET_WINDOW = 2
 
 
 class Phase(enum.Enum):
@@ -100,7 +110,8 @@ class Trial:
     Attributes:
         schedules: candidate engine schedules (``name``, ``describe()``, ``predicted_iteration_s``).
         no_overlap_s: no-overlap time of each candidate (s).
-        order: the candidate index of each measurement window (``rounds`` interleaved rounds).
+        order: the candidate index of each measurement window, one round at a time (racing appends the next
+            round of the candidates still in the race).
         window: the window being measured (index into ``order``).
         starts: clock at each step start of the current window (s).
         gaps_s: per candidate, every step interval of each of its windows, the settling one first (s).
@@ -116,6 +127,11 @@ class Trial:
     starts: list[float] = field(default_factory=list)
     gaps_s: list[list[list[float]]] = field(default_factory=list)
     confirm: Optional[tuple[int, int, int]] = None
+    #: candidates still raced (indices); rounds of windows finished
+    alive: list[int] = field(default_factory=list)
+    rounds_done: int = 0
+    #: racing notes (which candidate was dropped after which round, with the numbers)
+    dropped: list[str] = field(default_factory=list)
 
 
 def lower_quartile(values: Sequence[float]) -> float:
@@ -237,6 +253,11 @@ class Controller:
         run_noun: what the end-of-training messages call one training run (``"fit"``; Fabric: ``"run"``).
         prefer_margin: DDP's reducer (``torch_ddp``) is kept unless a candidate is faster by more than this
             fraction (``torch_ddp_margin``; :func:`choose_candidate`'s ``prefer_margin``).
+        startup_budget: fraction of the fit's optimizer steps (:meth:`set_total_steps`) that one selection (trace or
+            re-plan, profiling, trial windows) may take; past it the fastest candidate measured so far is installed.
+            Trial windows are shortened to fit it. None: no budget.
+        race_drop: after each round of trial windows, stop measuring a candidate slower than the fastest by more
+            than this fraction (:data:`RACE_DROP`); None: every candidate runs every round.
 
     Attributes (read by the strategy and the measurement callbacks):
         phase: the current :class:`Phase`.
@@ -269,8 +290,19 @@ class Controller:
                  trial_steps: int = 3, trial_rounds: int = 1, trial_window_s: float = 0.0, replan_every: int = 50,
                  replan_margin: float = 0.15, max_replans: int = 1,
                  clock: Callable[[], float] = time.perf_counter, run_noun: str = "fit",
-                 prefer_margin: float = 0.10) -> None:
+                 prefer_margin: float = 0.10, startup_budget: Optional[float] = None,
+                 race_drop: Optional[float] = RACE_DROP) -> None:
         self.effects = effects
+        self.race_drop = race_drop
+        self.startup_budget = startup_budget
+        #: the fit's optimizer steps, when known (:meth:`set_total_steps`); the budget applies only then
+        self.total_steps: Optional[int] = None
+        self._selection_steps = 0  # steps since this selection (start-up or re-plan) began
+        self._steps_done = 0  # optimizer steps reported so far (sync and final schedules)
+        #: why the last selection stopped early (the start-up budget), in words; None when it did not
+        self.budget_note: Optional[str] = None
+        self._drift_strikes = 0  # consecutive drift checks over the margin
+        self._t_installed = clock()  # when the schedule running now was installed (drift hold-off)
         self.run_noun = run_noun  # what the end-of-training messages call it: "fit" (Trainer), "run" (Fabric)
         self.prefer_margin = prefer_margin
         self.planned = planned
@@ -286,7 +318,8 @@ class Controller:
         self.selections: list[list[dict[str, Any]]] = []
         self.selection_notes: list[str] = []
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
-        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection)
+        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection),
+        #: "budget" (a selection the start-up budget stopped), "no_room" (the budget left no room for trials)
         self.how = "trace"
         self.predictions: dict[str, dict[str, float]] = {}
         self.predicted_iteration_s: Optional[float] = None
@@ -319,6 +352,21 @@ class Controller:
             self._spent[f"{name}_s"] = self._spent.get(f"{name}_s", 0.0) + seconds
             self._t_phase += seconds  # the phase's clock skips the part
 
+    def set_total_steps(self, total: Optional[float]) -> None:
+        """The fit's optimizer steps (Lightning's ``estimated_stepping_batches``); None or infinite: unknown."""
+        self.total_steps = int(total) if total is not None and math.isfinite(total) and total > 0 else None
+
+    @property
+    def budget_steps(self) -> Optional[int]:
+        """Steps one selection may take (``startup_budget`` x the fit's steps, at least 1), None without a budget."""
+        if self.startup_budget is None or self.total_steps is None:
+            return None
+        return max(1, math.floor(self.startup_budget * self.total_steps))
+
+    def _over_budget(self) -> bool:
+        budget = self.budget_steps
+        return budget is not None and self._selection_steps >= budget
+
     def _leave(self, new: Phase) -> None:
         """Account the time and steps of the phase being left (until RUN is first reached)."""
         if not self.startup:
@@ -344,6 +392,7 @@ class Controller:
         """Back to TRACE (the trainable set changed): the next sync steps trace and plan again."""
         self._leave(Phase.TRACE)
         self.sync_steps, self.trial, self.how = 0, None, "trace"
+        self._selection_steps = 0
 
     def resumed(self, predicted_s: Optional[float], no_overlap_s: Optional[float],
                 planned_busy_s: Optional[float]) -> None:
@@ -359,6 +408,8 @@ class Controller:
         self.sync_steps += 1
         if not self.phase.deferrable:  # (a sync-mode TRIAL step is counted by at_step_start)
             self._phase_steps += 1
+            self._selection_steps += 1
+            self._steps_done += 1
         if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
             self.effects.adopt_trace()
             if self.planned:
@@ -375,8 +426,10 @@ class Controller:
 
     def at_step_start(self) -> None:
         """A step of a final schedule starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
+        self._steps_done += 1
         if self.phase is Phase.TRIAL:
             self._phase_steps += 1
+            self._selection_steps += 1
             self._trial_step()
         elif self.phase is Phase.RUN:
             self._drift_step()
@@ -388,19 +441,32 @@ class Controller:
         self.account({"planning": self.clock() - t0})  # the planners' search and the plan broadcast
         # (trial_results keep the last finished selection: a re-plan that the fit does not finish must not
         # erase what was measured and chosen before it)
+        self.budget_note = None
+        n = len(schedules)
+        budget = self.budget_steps
+        left = None if budget is None else budget - self._selection_steps
+        if n > 1 and left is not None and left < n * (MIN_BUDGET_WINDOW + 1):
+            self.budget_note = (f"the start-up budget ({steps_text(budget)}, startup_budget={self.startup_budget:g} of "
+                                f"{self.total_steps} steps) left no room for trial windows: the planner's schedule "
+                                "was installed without measuring")
+            self.effects.info(f"pipedap: {self.budget_note}")
+            schedules, no_overlap = schedules[:1], no_overlap[:1]
         if len(schedules) > 1:
             rounds = self.trial_rounds
             step_s = no_overlap[0]
             longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
             self.window_steps = max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
+            fits = ""
+            if left is not None and n * rounds * (self.window_steps + 1) > left:  # (shorter windows fit the budget)
+                self.window_steps = max(MIN_BUDGET_WINDOW, min(self.window_steps, left // (n * rounds) - 1))
+                fits = f", shortened to fit the start-up budget of {steps_text(budget)}"
             self.how = "trial"
-            self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.window_steps} "
-                              f"measured steps each (after one settling step per window)"
-                              f"{f' in {rounds} interleaved rounds' if rounds > 1 else ''}: "
+            self.effects.info(f"pipedap: measuring {n} candidate schedules for {self.window_steps} "
+                              f"measured steps each (after one settling step per window{fits})"
+                              f"{self._rounds_text(rounds)}: "
                               f"{', '.join(s.name for s in schedules)}")
-            n = len(schedules)
-            self.trial = Trial(list(schedules), list(no_overlap), order=[i for _ in range(rounds) for i in range(n)],
-                               gaps_s=[[] for _ in range(n)])
+            self.trial = Trial(list(schedules), list(no_overlap), order=list(range(n)), gaps_s=[[] for _ in range(n)],
+                               alive=list(range(n)))
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.TRIAL)
             # The first window starts with the first step of the candidate, as every later one does (the step
@@ -408,12 +474,13 @@ class Controller:
             # interval; the time from here to it (the loop's gap between steps) is no step and is not counted.
             self.trial.starts = []
         else:
-            self.how = "single"
+            self.how = "no_room" if self.budget_note else "single"
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.RUN)
 
     def _enter(self, schedule: Any, no_overlap_s: float) -> None:
         self.trial_reference_s = None
+        self._t_installed = self.clock()
         self._replannable = getattr(schedule, "replannable", True)
         self._planned_busy_s = self.effects.install_run(schedule)
         self.predicted_iteration_s = schedule.predicted_iteration_s
@@ -424,26 +491,40 @@ class Controller:
         self._starts.clear()
         self._busy.clear()
         self._run_steps = 0
+        self._drift_strikes = 0
 
     # ------------------------------------------------------------------ TRIAL
     def _trial_step(self) -> None:
-        """The choice is rank 0's (its iteration time is the group's: the ranks are coupled by collectives)."""
+        """The choice is rank 0's (its iteration time is the group's: the ranks are coupled by collectives). Every
+        rank counts the same steps, so the start-up budget stops the selection at the same step everywhere."""
         tr = self.trial
         assert tr is not None
         tr.starts.append(self.clock())
-        if len(tr.starts) < self.window_steps + 2:  # the first interval after a switch settles, not counted
+        over = self._over_budget()
+        if len(tr.starts) < self.window_steps + 2 and not over:  # the first interval after a switch settles
             return
-        gaps = [b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])]
-        tr.gaps_s[tr.order[tr.window]].append(gaps)
+        if len(tr.starts) >= 3:  # (a window cut by the budget counts if it measured a step after settling)
+            tr.gaps_s[tr.order[tr.window]].append([b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])])
         self.effects.flush()  # the previous step's updates, before the engine changes
         tr.window += 1
-        if tr.window < len(tr.order):
+        if not over and (tr.window < len(tr.order) or (tr.confirm is None and self._race(tr))):
             self._next_window(tr)
             return
         windows = [[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s]
         windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
         names = [s.name for s in tr.schedules]
-        if tr.confirm is None:
+        installed = tr.order[tr.window - 1]
+        if over:
+            measured_k = sum(1 for w in windows if w)
+            self.budget_note = (f"the start-up budget ({steps_text(self.budget_steps)}, startup_budget="
+                                f"{self.startup_budget:g} of {self.total_steps} steps) ran out after {tr.window} of "
+                                f"{self._planned_windows(tr)} windows ({measured_k} of {len(names)} candidates measured): the fastest "
+                                "measured so far is installed")
+            self.effects.info(f"pipedap: {self.budget_note}")
+        if over and (tr.confirm is not None or sum(1 for w in windows if w) < len(names)):
+            best, measured, deciding, notes = self._choose_measured(tr, names, windows, floor, installed)
+            decided_in = ["start-up budget"] * len(names)
+        elif tr.confirm is None:
             best, measured, notes = choose_candidate(names, windows, floor, prefer_margin=self.prefer_margin)
             if self._confirm(tr, names, best, measured):
                 self._next_window(tr)
@@ -452,34 +533,100 @@ class Controller:
         else:
             best, measured, deciding, notes = self._confirmed(tr, names, windows, floor)
             decided_in = ["confirmation" if i in tr.confirm[:2] else "first pass" for i in range(len(names))]
+        notes = tr.dropped + notes
         self.trial = None
         self.trial_results = [
-            {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s, "measured_s": m,
-             "deciding_s": deciding[i], "decided_in": decided_in[i],
+            {"name": s.name, "describe": s.describe(), "predicted_s": s.predicted_iteration_s,
+             "measured_s": m if math.isfinite(m) else None,
+             "deciding_s": deciding[i] if math.isfinite(deciding[i]) else None, "decided_in": decided_in[i],
              "chosen": i == best, "windows_s": windows[i], "steps_s": tr.gaps_s[i],
              **self.predictions.get(s.name, {})}
             for i, (s, m) in enumerate(zip(tr.schedules, measured))
         ]
         self.selections.append(self.trial_results)
         self.selection_notes = list(notes)
-        self.how = "selected"
+        self.how = "budget" if over else "selected"
         confirmed = tr.confirm is not None
         self.effects.info("pipedap: measured candidates (lower-quartile step of each window; the median the choice "
                           "was made on" + (", confirmation rounds for the two confirmed" if confirmed else "")
                           + "): " + "; ".join(
-            f"{r['name']} {r['deciding_s'] * 1e3:.1f} ms "
-            + (f"[{r['decided_in']}, all windows {r['measured_s'] * 1e3:.1f} ms] " if confirmed else "")
+            f"{r['name']} " + ("not measured " if r["deciding_s"] is None else f"{r['deciding_s'] * 1e3:.1f} ms ")
+            + (f"[{r['decided_in']}, all windows {r['measured_s'] * 1e3:.1f} ms] "
+               if confirmed and r["measured_s"] is not None else "")
             + (f"(predicted {r['predicted_s'] * 1e3:.1f} ms)" if r["predicted_s"] is not None else "(no prediction)")
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
-        for note in notes:
+        for note in notes[len(tr.dropped):]:  # (the racing notes were logged when they happened)
             self.effects.info(f"pipedap: {note}")
-        if best != tr.order[-1]:  # the last window's candidate is the one installed now
+        if best != installed:  # the last window's candidate is the one installed now
             self._enter(tr.schedules[best], tr.no_overlap_s[best])
         else:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
         self.trial_reference_s = measured[best]  # drift is checked against what the trial measured
         self._leave(Phase.RUN)
+
+    def _rounds_text(self, rounds: int) -> str:
+        if rounds < 2:
+            return ""
+        if self.race_drop is None:
+            return f" in {rounds} interleaved rounds"
+        return (f" in up to {rounds} interleaved rounds, a candidate dropped once it is more than "
+                f"{self.race_drop:.0%} slower than the fastest")
+
+    def _planned_windows(self, tr: Trial) -> int:
+        """Windows of the selection as planned now: those in ``order`` plus the rounds still to come of the
+        candidates left in the race (before a confirmation adds any)."""
+        if tr.confirm is not None:
+            return len(tr.order)
+        return len(tr.order) + max(0, self.trial_rounds - tr.rounds_done - 1) * len(tr.alive)
+
+    def _race(self, tr: Trial) -> bool:
+        """After a round of windows: drop the candidates slower than the fastest by more than :data:`RACE_DROP`
+        (medians of their windows so far, rank 0's), and append another round of those left while fewer than
+        ``trial_rounds`` rounds ran and two or more are left (in trial order).
+        Returns whether a round was appended."""
+        tr.rounds_done += 1
+        if tr.rounds_done >= self.trial_rounds or len(tr.alive) < 2:
+            return False
+        out: list[int] = []
+        if self.race_drop is not None:
+            windows = self.effects.agree([[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s])
+            med = {i: statistics.median(windows[i]) for i in tr.alive if windows[i]}
+            lead = min(med, key=med.__getitem__) if med else None
+            if lead is not None:
+                out = [i for i in tr.alive if i in med and med[i] > med[lead] * (1.0 + self.race_drop)]
+        if out:
+            assert lead is not None and self.race_drop is not None
+            note = (f"racing, after round {tr.rounds_done}: dropped " + ", ".join(
+                f"{tr.schedules[i].name} {med[i] * 1e3:.1f} ms" for i in out)
+                + f" (more than {self.race_drop:.0%} slower than {tr.schedules[lead].name} {med[lead] * 1e3:.1f} ms)")
+            tr.dropped.append(note)
+            self.effects.info(f"pipedap: {note}")
+        tr.alive = [i for i in tr.alive if i not in out]
+        if len(tr.alive) < 2:
+            return False
+        tr.order += list(tr.alive)  # (trial order again: a rerun interleaves alike)
+        return True
+
+    def _choose_measured(self, tr: Trial, names: list[str], windows: list[list[float]], floor: Optional[float],
+                         installed: int) -> tuple[int, list[float], list[float], list[str]]:
+        """The choice when the start-up budget stops a selection: among the candidates measured so far (with
+        :func:`choose_candidate`); a confirmation cut short keeps the preferred candidate (DDP's reducer), the
+        first pass's winner not having beaten it twice; nothing measured keeps the installed one. Returns
+        ``(chosen, median per candidate (s; inf when unmeasured), deciding (s), notes)``."""
+        measured = [statistics.median(w) if w else math.inf for w in windows]
+        if tr.confirm is not None:
+            winner, pref, first = tr.confirm
+            if not windows[winner][first:] or not windows[pref][first:]:
+                return pref, measured, list(measured), [f"confirmation cut by the start-up budget: kept {names[pref]}"]
+            best, _, deciding, notes = self._confirmed(tr, names, windows, floor)
+            return best, measured, deciding, notes
+        idx = [i for i, w in enumerate(windows) if w]
+        if not idx:
+            return installed, measured, list(measured), [f"nothing measured: kept {names[installed]}"]
+        k, _, notes = choose_candidate([names[i] for i in idx], [windows[i] for i in idx], floor,
+                                       prefer_margin=self.prefer_margin)
+        return idx[k], measured, list(measured), notes
 
     def _confirm(self, tr: Trial, names: list[str], best: int, measured: list[float]) -> bool:
         """When the first pass's winner displaces a preferred candidate (DDP's reducer), measure the two again
@@ -542,7 +689,7 @@ class Controller:
             kept = (f" (this was the selection after re-plan {self.replans_done}; the finished selection before it "
                     f"chose {chosen}, its results are kept)")
         return (f"pipedap: the {self.run_noun} ended during measured plan selection ({tr.window} of "
-                f"{len(tr.order)} windows measured, {self.window_steps} measured steps each after one settling step): no candidate was "
+                f"{self._planned_windows(tr)} windows measured, {self.window_steps} measured steps each after one settling step): no candidate was "
                 f"chosen, and the one being measured, {cur.name}, ran last{kept}; train longer, or set "
                 "plan_trials=1 (the plan directly) or fewer trial_rounds / a smaller trial_window_s")
 
@@ -580,7 +727,7 @@ class Controller:
             n = len(tr.schedules)
             k = sum(1 for per in tr.gaps_s if per)
             out.update(status="unfinished", measured=k, candidates=n,
-                       text=f"unfinished ({k} of {n} candidates measured, {tr.window} of {len(tr.order)} "
+                       text=f"unfinished ({k} of {n} candidates measured, {tr.window} of {self._planned_windows(tr)} "
                             f"windows{after})")
         elif self.planned and self.phase in (Phase.TRACE, Phase.PROFILE):
             where = "tracing" if self.phase is Phase.TRACE else "profiling"
@@ -590,9 +737,16 @@ class Controller:
             n = len(self.trial_results)
             out.update(status="finished", measured=n, candidates=n,
                        text=f"finished ({n} of {n} candidates measured{after})")
+        elif self.how == "budget":
+            n = len(self.trial_results)
+            k = sum(1 for r in self.trial_results if r["measured_s"] is not None)
+            out.update(status="finished", measured=k, candidates=n,
+                       text=f"finished at the start-up budget ({k} of {n} candidates measured{after}; the fastest "
+                            "measured was installed)")
         else:
             why = {"fixed": "a fixed schedule", "resumed": "the plan came from the checkpoint",
-                   "single": "one candidate, installed directly"}.get(self.how, "no plan yet")
+                   "single": "one candidate, installed directly",
+                   "no_room": "the start-up budget left no room for trials"}.get(self.how, "no plan yet")
             out.update(status="not run", text=f"not run ({why}{after})")
         return out
 
@@ -619,9 +773,24 @@ class Controller:
         # trial (the same statistic) or, without trials, the plan's prediction
         measured = lower_quartile(gaps)
         ratio = statistics.median(self._busy) / self._planned_busy_s if self._busy and self._planned_busy_s else 1.0
-        # only a slower run re-plans: a faster one than predicted is not a reason to change the schedule
-        drift, ratio = self.effects.agree((measured / ref - 1.0, ratio))
-        if drift <= self.replan_margin:
+        # only a slower run re-plans: a faster one than predicted is not a reason to change the schedule; and only a
+        # sustained slowdown (DRIFT_CONFIRMATIONS checks in a row), not within DRIFT_HOLDOFF_S of the install (rank
+        # 0's clock), and only while the rest of the fit is long enough to pay for another selection
+        held = self.clock() - self._t_installed < DRIFT_HOLDOFF_S
+        drift, ratio, held = self.effects.agree((measured / ref - 1.0, ratio, held))
+        if drift <= self.replan_margin or held:
+            self._drift_strikes = 0
+            return
+        self._drift_strikes += 1
+        if self._drift_strikes < DRIFT_CONFIRMATIONS:
+            return
+        used = self.startup.get("total_steps") if self.startup else None
+        if self.total_steps is not None and used and self.total_steps - self._steps_done < 4 * used:
+            self._drift_strikes = 0
+            self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms, {drift:.0%} slower than the "
+                              f"reference, but {self.total_steps - self._steps_done} steps are left, fewer than 4x "
+                              f"the {steps_text(used)} a selection took: not re-planning")
+            self.max_replans = self.replans_done  # (the rest of the fit only gets shorter)
             return
         if ratio > 1.05 and self.effects.rescale_cost_model(ratio):
             # communication is slower during training than in the idle micro-benchmark (compute, gloo
@@ -632,6 +801,7 @@ class Controller:
                           f"{ref * 1e3:.1f} ms {what} ({drift:.0%} slower, more than the margin "
                           f"{self.replan_margin:.0%}): re-planning")
         self.replans_done += 1
+        self._selection_steps = 0
         self.effects.flush()
         self.account(self.effects.start_profiling())
         self._leave(Phase.PROFILE)

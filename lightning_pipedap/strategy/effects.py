@@ -123,6 +123,12 @@ class RunEffects:
             rt.running_schedule = schedule.name
             rt._logged_schedule = f"pipedap: schedule {schedule.describe()}"
             rt.info(rt._logged_schedule)
+            if schedule.find_unused_parameters and rt.config.find_unused_parameters is None:
+                rt.say("ddp-find-unused", "pipedap: DDP's reducer runs with find_unused_parameters (the default, "
+                       "find_unused_parameters=None), so that a parameter that gets no gradient on some ranks in a "
+                       "later step cannot stop the fit; DDP may warn that it found no unused parameter. Pass "
+                       "find_unused_parameters=False if every parameter gets a gradient on every rank in every step "
+                       "(one collective less per step)")
             return None
         rt.install(rt.order, schedule, rt.owners, final=True)
         cm = rt.planning.cost_model

@@ -19,6 +19,8 @@ optimizer step runs as with DDP.
 
 from __future__ import annotations
 
+import math
+
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Optional, Union
@@ -129,6 +131,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         trial_steps: int = 3,
         trial_rounds: int = 2,
         trial_window_s: float = 0.25,
+        startup_budget: Optional[float] = 0.1,
         torch_ddp_candidate: bool = True,
         find_unused_parameters: Optional[bool] = None,
         torch_ddp_margin: float = 0.10,
@@ -245,6 +248,16 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def _set_model(self, model: torch.nn.Module) -> None:
         """The ``torch_ddp`` candidate: ``model`` (DDP's wrapper, or the module again) is what Lightning runs."""
         self.model = model
+
+    @override
+    def on_train_start(self) -> None:
+        """The start-up budget's reference: the optimizer steps this fit will run (Lightning's estimate, less those a
+        resumed checkpoint already ran; unknown, e.g. ``max_epochs=-1``: no budget)."""
+        super().on_train_start()
+        if self._rt is not None:
+            trainer = self.lightning_module.trainer
+            total = trainer.estimated_stepping_batches
+            self._rt.controller.set_total_steps(total - trainer.global_step if math.isfinite(total) else None)
 
     # ------------------------------------------------------------------ hooks on parameters and modules
     def _on_grad_ready(self, p: Tensor) -> None:

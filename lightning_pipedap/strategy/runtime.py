@@ -154,7 +154,7 @@ class Runtime:
                                      trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
                                      max_replans=config.max_replans, run_noun=run_noun,
-                                     prefer_margin=config.torch_ddp_margin)
+                                     prefer_margin=config.torch_ddp_margin, startup_budget=config.startup_budget)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
         for note in config.ignored_options():  # (once per fit: options that do not apply are not silent)
             info(note)
