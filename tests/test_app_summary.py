@@ -14,6 +14,7 @@ from lightning_pipedap.app.sweep import write_summary
 from lightning_pipedap.app.train import format_summary, startup_cost_s, what_ran_markdown
 from lightning_pipedap.strategy import PipeDAPStrategy
 from lightning_pipedap.strategy.controller import Phase
+from lightning_pipedap.strategy.controller import DRIFT_CONFIRMATIONS, DRIFT_HOLDOFF_S
 from tests.test_strategy_controller import Clock, FakeEffects, Sched, _trial
 
 
@@ -23,7 +24,8 @@ def _replanned_mid_trial():
     fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9)], profiled=(1, 1))
     ctl = _trial(fx, clock, {"a": [0.30], "b": [0.10]}, rounds=1)
     ctl.replan_every, ctl.max_replans = 4, 1
-    for _ in range(5):
+    clock.t += DRIFT_HOLDOFF_S
+    for _ in range(1 + 4 * DRIFT_CONFIRMATIONS):
         clock.t += 0.3
         ctl.at_step_start()
     ctl.after_sync_step(clock.t)
