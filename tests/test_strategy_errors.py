@@ -34,7 +34,7 @@ def test_import_registers_names_idempotently():
         ({"ddp_comm_hook": print}, TypeError, r"unsupported keyword arguments \['ddp_comm_hook'\]"),
         ({"find_unused_parameters": "yes"}, ValueError, r"find_unused_parameters must be None .* got 'yes'"),
         ({"train_thread_nice": 25}, ValueError, r"train_thread_nice must be an integer in 0\.\.19 \(0 = off\), got 25"),
-        ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1, got 0"),
+        ({"plan_trials": 0}, ValueError, r"plan_trials must be an integer >= 1 or None .*, got 0"),
         ({"torch_ddp_margin": 1.0}, ValueError, r"torch_ddp_margin must be a fraction in \[0, 1\) .*got 1\.0"),
         ({"torch_ddp_margin": "5%"}, ValueError, r"torch_ddp_margin must be a fraction in \[0, 1\) .*got '5%'"),
         ({"calibrate_cost_model": "yes"}, ValueError, r"calibrate_cost_model must be True or False, got 'yes'"),

@@ -80,7 +80,7 @@ class PipeDAPStrategyConf:
     max_replans: int = 1
     calibrate_cost_model: bool = True
     model_contention: bool = True
-    plan_trials: int = 4
+    plan_trials: Optional[int] = None  # null: 4 for optimal (measured selection), 1 for a named planner
     trial_steps: int = 3
     trial_rounds: int = 2
     trial_window_s: float = 0.25

@@ -60,6 +60,8 @@ def _boolean(name: str, value: Any) -> None:
 
 #: ``torch_ddp_margin``'s default: DDP's reducer is kept unless a candidate measured more than 10% faster
 DEFAULT_TORCH_DDP_MARGIN = 0.10
+#: ``plan_trials`` of ``schedule="optimal"`` when not given: the planner's schedule, DeAR, WFBP and the next planner
+DEFAULT_PLAN_TRIALS = 4
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,10 @@ class PipeDAPConfig:
             once the communication threads exist, so the communication worker, gloo's I/O threads and
             the kernel's TCP work get the cores first when compute keeps every core busy (0 = off).
             Without ``CAP_SYS_NICE`` the thread keeps the lower priority after training.
-        plan_trials: measured plan selection, for planned schedules without compression: after
+        plan_trials: measured plan selection, for planned schedules without compression. ``None``
+            (default): 4 for ``schedule="optimal"`` (the default: the fastest by measurement), 1 for a
+            named planner (``"pipedap"``, ``"wfbp"``, ``"dear_tuned"``, ``"no_overlap"``: the schedule you
+            name is the schedule that runs). An integer > 1: after
             planning, run up to this many candidate schedules (the planner's, DeAR and WFBP with
             ``bucket_cap_mb`` fusion, then the other planners; see
             :func:`~lightning_pipedap.plan.candidates.trial_candidates`), plus ``torch_ddp`` when
@@ -257,7 +262,7 @@ class PipeDAPConfig:
     compression_threads: int = 1
     wire_dtype: WireDtype = "fp32"
     gradient_as_bucket_view: bool = False
-    plan_trials: int = 4
+    plan_trials: Optional[int] = None
     trial_steps: int = 3
     trial_rounds: int = 2
     trial_window_s: float = 0.25
@@ -287,8 +292,12 @@ class PipeDAPConfig:
         object.__setattr__(self, "torch_ddp_margin", float(self.torch_ddp_margin))
         if self.wait_timeout_s == float("inf"):
             raise ValueError("wait_timeout_s must be finite (seconds), got inf")
+        if self.plan_trials is None and self.planned:  # ("optimal" selects by measurement; a named planner runs)
+            object.__setattr__(self, "plan_trials", DEFAULT_PLAN_TRIALS if self.schedule == "optimal" else 1)
+        if self.plan_trials is not None:
+            _integer("plan_trials", self.plan_trials, 1, note=" or None (4 for 'optimal', 1 for a named planner)")
         for name, low in (("warmup_steps", 1), ("profile_steps", 1), ("replan_every", 2), ("max_replans", 0),
-                          ("plan_trials", 1), ("trial_steps", 1), ("trial_rounds", 1),
+                          ("trial_steps", 1), ("trial_rounds", 1),
                           ("compression_threads", 1)):
             _integer(name, getattr(self, name), low)
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
@@ -400,7 +409,7 @@ class PipeDAPConfig:
         untrialled = [why for bad, why in (
             (not self.planned, f"schedule {self.schedule!r} is fixed"),
             (not self.torch_ddp_candidate, "torch_ddp_candidate=False"),
-            (self.plan_trials < 2, f"plan_trials={self.plan_trials}"),
+            (self.planned and (self.plan_trials or 1) < 2, f"plan_trials={self.plan_trials}"),
             (self.compression is not None, f"compression={self.compression!r}"),
             (self.wire_dtype != "fp32", f"wire_dtype={self.wire_dtype!r}"),
             (self.nonfinite in ("raise", "skip"), f"nonfinite={self.nonfinite!r}"),
@@ -413,6 +422,21 @@ class PipeDAPConfig:
                    else f"compression={self.compression!r} is set (a compressor works on whole parameters)")
             out.append(f"pipedap: partition_mb={self.partition_mb:g} not used: {why}")
         return out
+
+    def what_runs(self) -> str:
+        """What ``schedule`` means with these options, in words, for the first line of a fit's log: the schedule
+        named is the schedule that runs, except ``"optimal"`` (the default), which measures candidates."""
+        if not self.planned:
+            fixed = {"dear": "reduce-scatter in backward, all-gather before the next forward",
+                     "allreduce": "WFBP, one all-reduce per bucket in backward"}.get(self.schedule, "fixed")
+            return (f"schedule {self.schedule!r}: the fixed schedule ({fixed}, {self.bucket_cap_mb:g} MiB buckets), "
+                    "no profiling or trials")
+        if (self.plan_trials or 1) > 1 and self.compression is None:
+            return (f"schedule {self.schedule!r}: the fastest, measured in trials, of up to {self.plan_trials} planned "
+                    "candidates" + (" and DDP's own reducer" if self.torch_ddp_candidate else "")
+                    + " (the plan below says which runs)")
+        return (f"schedule {self.schedule!r}: the {PLANNED[self.schedule]} planner's plan from a profile of the first "
+                f"steps{', compressed' if self.compression else ''}, no trials")
 
     @property
     def planned(self) -> bool:

@@ -256,6 +256,7 @@ class Controller:
         startup_budget: fraction of the fit's optimizer steps (:meth:`set_total_steps`) that one selection (trace or
             re-plan, profiling, trial windows) may take; past it the fastest candidate measured so far is installed.
             Trial windows are shortened to fit it. None: no budget.
+        asked: the schedule name the user gave (``"optimal"``), for the line that says what runs.
         race_drop: after each round of trial windows, stop measuring a candidate slower than the fastest by more
             than this fraction (:data:`RACE_DROP`); None: every candidate runs every round.
 
@@ -291,8 +292,9 @@ class Controller:
                  replan_margin: float = 0.15, max_replans: int = 1,
                  clock: Callable[[], float] = time.perf_counter, run_noun: str = "fit",
                  prefer_margin: float = 0.10, startup_budget: Optional[float] = None,
-                 race_drop: Optional[float] = RACE_DROP) -> None:
+                 race_drop: Optional[float] = RACE_DROP, asked: str = "") -> None:
         self.effects = effects
+        self.asked = asked  # the schedule the user named (for "asked: X -> running: Y")
         self.race_drop = race_drop
         self.startup_budget = startup_budget
         #: the fit's optimizer steps, when known (:meth:`set_total_steps`); the budget applies only then
@@ -557,6 +559,13 @@ class Controller:
             + (" <- chosen" if r["chosen"] else "") for r in self.trial_results))
         for note in notes[len(tr.dropped):]:  # (the racing notes were logged when they happened)
             self.effects.info(f"pipedap: {note}")
+        first, chosen = self.trial_results[0], self.trial_results[best]
+        if best != 0 and first["deciding_s"] and chosen["deciding_s"]:
+            gain = f" (measured {first['deciding_s'] / chosen['deciding_s'] - 1:.0%} faster than {first['name']})"
+        else:
+            gain = " (the planner's own plan)" if best == 0 else ""
+        self.effects.info(f"pipedap: asked: {self.asked or tr.schedules[0].name} -> running: "
+                          f"{tr.schedules[best].name}{gain}")
         if best != installed:  # the last window's candidate is the one installed now
             self._enter(tr.schedules[best], tr.no_overlap_s[best])
         else:

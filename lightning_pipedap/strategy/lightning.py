@@ -127,7 +127,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         compression_threads: int = 1,
         wire_dtype: str = "fp32",
         gradient_as_bucket_view: bool = False,
-        plan_trials: int = 4,
+        plan_trials: Optional[int] = None,
         trial_steps: int = 3,
         trial_rounds: int = 2,
         trial_window_s: float = 0.25,

@@ -154,8 +154,10 @@ class Runtime:
                                      trial_rounds=config.trial_rounds, trial_window_s=config.trial_window_s,
                                      replan_every=config.replan_every, replan_margin=config.replan_margin,
                                      max_replans=config.max_replans, run_noun=run_noun,
-                                     prefer_margin=config.torch_ddp_margin, startup_budget=config.startup_budget)
+                                     prefer_margin=config.torch_ddp_margin, startup_budget=config.startup_budget,
+                                     asked=config.schedule)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
+        info(f"pipedap: {config.what_runs()}")
         for note in config.ignored_options():  # (once per fit: options that do not apply are not silent)
             info(note)
         self.carry = (R.CompressionCarry(config.compression, config.compression_kwargs, self.engine_param_info, info)
