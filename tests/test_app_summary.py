@@ -209,3 +209,17 @@ def test_the_summary_says_why_a_slower_looking_candidate_was_chosen():
     assert "candidates      b 190.0 ms, torch_ddp 200.0 ms (chosen)\n" in text
     assert "why             b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%: chose torch_ddp" in text
     assert "why: b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%" in what_ran_markdown(ran)
+
+
+def test_the_summary_says_how_little_communication_there_is_to_hide_and_where_the_gain_appears():
+    """Measured while profiling: a few % of a step on one machine over loopback. The summary says so plainly and
+    names a command that shows where the gain appears (the what-if simulator on a published profile)."""
+    from lightning_pipedap.app.train import WHAT_IF_COMMAND, communication_text
+
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None,
+           "communication": {"busy_s": 0.0004, "compute_s": 0.0080, "share": 0.0476}}
+    text = format_summary(_res(ran))
+    assert "communication   0.4 ms busy per step beside 8.0 ms of forward + backward (5% of the two)" in text
+    assert "little communication to hide" in text and WHAT_IF_COMMAND in text
+    busy = communication_text({"busy_s": 0.05, "compute_s": 0.05, "share": 0.5}, 8)
+    assert "(50% of the two)" in busy and "little" not in busy

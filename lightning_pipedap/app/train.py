@@ -303,6 +303,25 @@ def candidates_text(cands: list[dict[str, Any]]) -> str:
     return text
 
 
+#: below this share of a step, the summary says there is little communication to hide here
+LITTLE_COMMUNICATION = 0.2
+#: a command that shows where the gain appears, without a cluster or root
+WHAT_IF_COMMAND = "pipedap-simulate --profile resnet50 --world-size 8 --alpha 0.0005 --bandwidth 0.125"  # (1 Gbit/s)
+
+
+def communication_text(comm: dict[str, float], processes: int) -> str:
+    """The summary's line on what communication weighs here (measured while profiling), and, when it is little,
+    where the gain appears instead."""
+    line = (f"communication   {comm['busy_s'] * 1e3:.1f} ms busy per step beside {comm['compute_s'] * 1e3:.1f} ms of "
+            f"forward + backward ({comm['share']:.0%} of the two), measured while profiling")
+    if comm["share"] < LITTLE_COMMUNICATION:
+        line += (f": with {processes} processes on one machine there is little communication to hide, so pipedap "
+                 "cannot be much faster than DDP here (its trials keep DDP's own reducer when nothing is faster); "
+                 f"the gain appears where communication is a large share of a step (slower links, more workers): "
+                 f"`{WHAT_IF_COMMAND}` predicts it from a published profile, BENCHMARKS.md has the measured testbed")
+    return line
+
+
 def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
@@ -354,6 +373,7 @@ def format_summary(res: dict[str, Any]) -> str:
         *([f"start-up        {ran['startup']['total_steps']} steps, {ran['startup']['total_s']:.1f} s to steady state "
            f"({describe_startup(ran['startup'], 1)})"] if ran.get("startup") else []),
         *([f"cost model      {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
+        *([communication_text(ran["communication"], res["processes"])] if ran.get("communication") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",

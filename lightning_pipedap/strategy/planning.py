@@ -150,6 +150,16 @@ class Planning:
                 self._t_updates.append(max(0.0, t_step_end - t_backward_done))
         return len(self._profiled)
 
+    def communication_share(self) -> Optional[dict[str, float]]:
+        """What communication weighs on this machine, measured in the profiling steps: ``{"busy_s": median
+        communication busy time per step (s), "compute_s": forward + backward of the median profile (s),
+        "share": busy / (busy + compute)}``; None before profiling (a fixed schedule profiles nothing)."""
+        if not self._profile_busy or not self.profile:
+            return None
+        busy = statistics.median(self._profile_busy)
+        compute = sum(layer["t_f"] + layer["t_b"] for layer in self.profile["layers"])
+        return {"busy_s": busy, "compute_s": compute, "share": busy / (busy + compute) if busy + compute > 0 else 0.0}
+
     # ------------------------------------------------------------------ planning (rank 0) and broadcast
     def plan(self, model_name: str, layer_names: list[str], params: list[torch.Tensor],
              engine: Any) -> tuple[list[Schedule], list[float]]:

@@ -166,6 +166,7 @@ class RunResults:
             "selection_notes": list(rt.controller.selection_notes) if rt is not None else [],
             "replans": self.replans_done, "startup": dict(self.startup),
             "cost_model_origin": getattr(getattr(rt, "planning", None), "cost_model_origin", None),
+            "communication": rt.planning.communication_share() if rt is not None else None,
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
