@@ -149,6 +149,7 @@ class RunResults:
             return dict(self._what_ran_in_worker)  # (the fit ran in spawned processes)
         final = rt.final_schedule if rt is not None else None
         method = self.config.compression
+        planning = getattr(rt, "planning", None)
         compressed = final.num_compressed if final is not None else 0
         note = None
         if method and final is not None and compressed == 0:
@@ -165,8 +166,8 @@ class RunResults:
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
             "selection_notes": list(rt.controller.selection_notes) if rt is not None else [],
             "replans": self.replans_done, "startup": dict(self.startup),
-            "cost_model_origin": getattr(getattr(rt, "planning", None), "cost_model_origin", None),
-            "communication": rt.planning.communication_share() if rt is not None else None,
+            "cost_model_origin": getattr(planning, "cost_model_origin", None),
+            "communication": planning.communication_share() if planning is not None else None,
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
