@@ -37,7 +37,7 @@ class FakeEffects:
     def adopt_trace(self):
         self.calls.append("adopt_trace")
 
-    def install_fixed(self):
+    def install_fixed(self, name=None):
         self.calls.append("install_fixed")
 
     def start_profiling(self):

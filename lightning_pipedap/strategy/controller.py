@@ -34,6 +34,11 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 MAX_WINDOW_STEPS = 50
 #: candidates kept unless another is faster by more than ``choose_candidate``'s ``prefer_margin``
 PREFERRED = ("torch_ddp",)
+#: profiling steps that may end unprofiled (no forward with a backward pass observed in the step) before the
+#: fixed schedule is installed instead of a plan: ``max(UNPROFILED_STEPS, 2 * profile_steps)``
+UNPROFILED_STEPS = 8
+#: the fixed schedule installed when profiling cannot profile a step
+FALLBACK_SCHEDULE = "dear"
 
 
 class Phase(enum.Enum):
@@ -56,8 +61,8 @@ class Effects(Protocol):
     def adopt_trace(self) -> None:
         """Turn the traced step into the parameter order and owners (all ranks, one collective)."""
 
-    def install_fixed(self) -> None:
-        """Install the fixed (built-in) schedule over the traced order, final."""
+    def install_fixed(self, name: Optional[str] = None) -> None:
+        """Install the fixed (built-in) schedule over the traced order, final: the configured one, or ``name``."""
 
     def start_profiling(self) -> Optional[dict[str, float]]:
         """Install the profiling schedule and measure the cost model (first time only); returns the seconds
@@ -286,8 +291,12 @@ class Controller:
         self.selections: list[list[dict[str, Any]]] = []
         self.selection_notes: list[str] = []
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
-        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection)
+        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection),
+        #: "unprofiled" (the fixed schedule: profiling could not profile a step, :attr:`unprofiled_note` says why)
         self.how = "trace"
+        #: why the fixed schedule replaced a plan ("unprofiled"), in words; None otherwise
+        self.unprofiled_note: Optional[str] = None
+        self._profile_tries = 0  # steps of the current PROFILE phase
         self.predictions: dict[str, dict[str, float]] = {}
         self.predicted_iteration_s: Optional[float] = None
         self.measured_iteration_s: Optional[float] = None
@@ -337,6 +346,8 @@ class Controller:
                 self.startup = out
                 self.effects.info(f"pipedap: steady state after {steps_text(out['total_steps'])}, "
                                   f"{out['total_s']:.2f} s since set-up: {describe_startup(out)}")
+        if new is Phase.PROFILE:
+            self._profile_tries = 0
         self.phase = new
 
     # ------------------------------------------------------------------ transitions
@@ -369,9 +380,12 @@ class Controller:
                 self.how = "fixed"
                 self._leave(Phase.RUN)
         elif self.phase is Phase.PROFILE:
-            done = self.effects.take_profile_step(t_step_end)
-            if done is not None and done >= self.profile_steps:
+            self._profile_tries += 1
+            done = self.effects.take_profile_step(t_step_end) or 0
+            if done >= self.profile_steps:
                 self._finish_profiling()
+            elif self._profile_tries - done >= max(UNPROFILED_STEPS, 2 * self.profile_steps):
+                self._give_up_profiling(done)
 
     def at_step_start(self) -> None:
         """A step of a final schedule starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
@@ -411,6 +425,23 @@ class Controller:
             self.how = "single"
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.RUN)
+
+    def _give_up_profiling(self, done: int) -> None:
+        """Too many profiling steps without a forward and a backward pass observed in the same step (a training
+        loop whose steps cannot be profiled): install the fixed schedule, final, and say why, rather than run
+        the profiling schedule for the rest of the fit."""
+        tries = self._profile_tries
+        what = f"re-plan {self.replans_done}" if self.replans_done else "the plan"
+        self.unprofiled_note = (
+            f"pipedap: {tries} steps of the profiling schedule for {what} and only {done} of the {self.profile_steps} "
+            "profiled steps needed: a profiled step is a training step whose forward and a backward pass with "
+            "gradient sync are both observed (none here: no backward inside the step, or only under "
+            f"no_sync/accumulation); installing the fixed schedule {FALLBACK_SCHEDULE!r} instead of a plan "
+            "(no candidate planned or measured)")
+        self.effects.info(self.unprofiled_note)
+        self.effects.install_fixed(FALLBACK_SCHEDULE)
+        self.how = "unprofiled"
+        self._leave(Phase.RUN)
 
     def _enter(self, schedule: Any, no_overlap_s: float) -> None:
         self.trial_reference_s = None
@@ -592,7 +623,9 @@ class Controller:
                        text=f"finished ({n} of {n} candidates measured{after})")
         else:
             why = {"fixed": "a fixed schedule", "resumed": "the plan came from the checkpoint",
-                   "single": "one candidate, installed directly"}.get(self.how, "no plan yet")
+                   "single": "one candidate, installed directly",
+                   "unprofiled": f"the fixed schedule {FALLBACK_SCHEDULE!r}: no step could be profiled"
+                   }.get(self.how, "no plan yet")
             out.update(status="not run", text=f"not run ({why}{after})")
         return out
 

@@ -54,11 +54,11 @@ class RunEffects:
         rt.order, owner_names = C.broadcast_object(plan, src=0)
         rt.owners = owner_modules(owner_names, rt.module)
 
-    def install_fixed(self) -> None:
+    def install_fixed(self, name: Optional[str] = None) -> None:
         rt = self.rt
         cfg = rt.config
-        rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression), cfg.wire_dtype != "fp32"),
-                   rt.owners, final=True)
+        rt.install(rt.order, rt.builtin(rt.order, name or cfg.schedule, bool(cfg.compression),
+                                        cfg.wire_dtype != "fp32"), rt.owners, final=True)
 
     def start_profiling(self) -> dict[str, float]:
         """Profiling buckets (fixed fusion, all-reduce, sync mode), layers and the α-β model of the live group;
