@@ -8,7 +8,8 @@
       │                            ▲  (one candidate) ─────────────────────────────────────────┘ │
       │                            └──────────────── drift > replan_margin (re-plan) ───────────┘
       └◀──────────── the trainable set changed (restart), from any phase
-    (resume from a checkpoint whose plan fits: straight to RUN)
+    (resume from a checkpoint whose plan fits: straight to RUN; PROFILE whose steps cannot be profiled: RUN with
+    the fixed schedule FALLBACK_SCHEDULE, logged)
 
 :class:`Controller` decides *when* to move; :class:`Effects` (implemented by the strategy's
 run-time) does *what* a transition needs: install an engine, measure, plan, flush. The controller
@@ -16,7 +17,8 @@ has no Lightning, torch or ``torch.distributed`` import, takes an injectable clo
 decision that must be identical on all ranks goes through :meth:`Effects.agree` (rank 0's value).
 Steps of the warm-up schedules (TRACE, PROFILE) report :meth:`Controller.after_sync_step`; steps
 with a final schedule installed (TRIAL, RUN; deferred where the step allows it, else in sync mode)
-report :meth:`Controller.at_step_start`.
+report :meth:`Controller.at_step_start`. A step is one optimizer step with automatic optimization, one
+``training_step`` under manual optimization (whatever backward passes and optimizer steps it runs).
 """
 
 from __future__ import annotations

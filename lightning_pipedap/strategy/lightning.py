@@ -14,7 +14,9 @@ controller). Life of one training step ``t`` in deferred mode (phases TRIAL and 
 Warm-up and profiling steps, manual optimization, several optimizers, closure-based optimizers,
 fp16 with a grad scaler, and user hooks that read ``.grad`` use *sync mode*: the same engine, but
 backward waits for every bucket and writes the averaged gradients into ``.grad``, and the real
-optimizer step runs as with DDP.
+optimizer step runs as with DDP. Under manual optimization the run-time's step is the whole
+``training_step`` (its backward passes and ``optimizer.step()`` calls inside): the controller advances
+when it returns, and candidates switch when the next one starts.
 """
 
 from __future__ import annotations
