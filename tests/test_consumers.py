@@ -120,3 +120,25 @@ def test_grad_reads_and_aliases_are_reported():
         lin.weight.grad.sum()
         state.add(1)
     assert seen[0] == (0, True) and (1, False) in seen
+
+
+def test_metadata_reads_are_no_consumption():
+    """``LightningModule.toggle_optimizer`` reads and sets ``requires_grad`` of every parameter at the start of a
+    manual ``training_step``, outside any forward; ``zero_grad`` and shape checks read no data either: the first
+    consumer stays the module whose forward reads the weights."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+
+    def run():
+        state = {p: p.requires_grad for p in model.parameters()}
+        for p in model.parameters():
+            p.requires_grad = False
+            assert p.shape == p.size() and p.dim() in (1, 2) and p.numel() > 0 and p.is_leaf
+        for p, rg in state.items():
+            p.requires_grad_(rg)
+        model(x).sum()
+
+    owners, order = _trace(model, run)
+    assert owners == {"0.weight": ("0", False), "0.bias": ("0", False), "1.weight": ("1", False),
+                      "1.bias": ("1", False)}
+    assert order == ["0.weight", "0.bias", "1.weight", "1.bias"]

@@ -35,6 +35,34 @@ def test_step_recorder_segments_add_up():
     assert sum(t_f) == 11.5 and sum(t_b) == 5.0
 
 
+def test_several_backward_passes_in_one_step():
+    """Manual optimization: two forward segments, each followed by a backward pass inside training_step (a GAN's
+    generator then discriminator step); a layer used again after a pass counts again, a module call inside a
+    pass (recomputation) does not, and the optimizer step after the last pass goes to the layer used last."""
+    ts = iter([0.0, 1.0, 2.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 11.0, 12.0, 13.0, 16.0])
+    r = StepRecorder([0, 1], 2, clock=lambda: next(ts))
+    r.forward_start()          # 0
+    r.layer_used(0)            # 1
+    r.layer_used(1)            # 2
+    r.backward_start()         # 4   (layer 1 forward 2..4)
+    r.layer_used(0)            # (inside the pass: ignored, clock not read)
+    r.param_ready(1)           # 5
+    r.param_ready(0)           # 6
+    r.backward_end()           # 7
+    r.layer_used(1)            # 8   (second segment: the 1 s after the pass goes to the first layer used then)
+    r.layer_used(0)            # 9
+    r.backward_start()         # 11
+    r.param_ready(0)           # 12  (layer 1 got no gradient in this pass)
+    r.backward_end()           # 13
+    assert r.complete is False  # (training_step has not returned)
+    r.forward_end()            # 16  (the last optimizer step: 3 s to the layer used last)
+    assert r.complete and r.passes == 2 and (r.t_bwd0, r.t_bwd1) == (4.0, 13.0)
+    t_f, t_b = r.times()
+    assert t_f == [1.0 + 1.0 + 2.0 + 3.0, 2.0 + 1.0 + 1.0]
+    assert t_b == [1.0 + 1.0 + 1.0 + 1.0, 1.0]
+    assert sum(t_f) + sum(t_b) == 16.0  # the whole step: forward host time and both passes
+
+
 def test_incomplete_step_is_an_error():
     r = StepRecorder([0], 1, clock=lambda: 0.0)
     r.forward_start()

@@ -38,8 +38,8 @@ class FakeEffects:
     def adopt_trace(self):
         self.calls.append("adopt_trace")
 
-    def install_fixed(self):
-        self.calls.append("install_fixed")
+    def install_fixed(self, name=None):
+        self.calls.append("install_fixed" if name is None else ("install_fixed", name))
 
     def start_profiling(self):
         self.calls.append("start_profiling")
@@ -130,6 +130,28 @@ def test_planned_schedule_profiles_then_runs_the_single_candidate():
     assert ctl.phase is Phase.RUN
     assert _names(fx.calls)[-2:] == ["plan", ("install_run", "plan")]
     assert (ctl.predicted_iteration_s, ctl.no_overlap_time_s) == (1.0, 2.0)
+
+
+def test_profiling_that_never_profiles_a_step_installs_the_fixed_schedule_and_says_why():
+    """A training loop whose steps cannot be profiled (no backward observed inside a step) must not run the
+    profiling schedule for the rest of the fit: after max(8, 2 * profile_steps) unprofiled steps the fixed
+    'dear' schedule is installed, final, with a log line."""
+    fx = FakeEffects(profiled=[None, 0, 1] + [1] * 20)  # one step profiled, then none
+    ctl = _ctl(fx, profile_steps=2)
+    ctl.after_sync_step(0.0)  # trace -> profile
+    for _ in range(8):
+        assert ctl.phase is Phase.PROFILE
+        ctl.after_sync_step(0.0)
+    assert ctl.phase is Phase.PROFILE  # 8 profiling steps, 1 profiled: 7 unprofiled
+    ctl.after_sync_step(0.0)  # the 8th unprofiled one
+    assert ctl.phase is Phase.RUN and ctl.how == "unprofiled" and ctl.phase.deferrable
+    assert _names(fx.calls)[-1] == ("install_fixed", "dear") and "plan" not in fx.calls
+    note = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "info" and "profiling schedule" in c[1]]
+    assert note and "9 steps of the profiling schedule" in note[0] and "only 1 of the 2" in note[0]
+    assert ctl.unprofiled_note == note[0] and ctl.unfinished_trial() is None
+    sel = ctl.plan_selection()
+    assert sel["status"] == "not run" and "no step could be profiled" in sel["text"]
+    assert ctl.startup["profile_steps"] == 9
 
 
 def test_trial_measures_every_candidate_and_keeps_the_fastest():

@@ -199,6 +199,8 @@ class ConsumerTrace(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
         kwargs = kwargs or {}
+        if _metadata_only(func):
+            return func(*args, **kwargs)
         hits = self._hits(args)
         if kwargs:
             hits += self._hits(kwargs.values())
@@ -228,6 +230,21 @@ class ConsumerTrace(TorchFunctionMode):
 
 
 _GRAD_ATTRIBUTE = torch.Tensor.grad  # the descriptor whose ``__get__`` a read of ``param.grad`` calls
+#: attributes (their descriptors' ``__get__`` / ``__set__``) and methods that read no element of a tensor: a
+#: pending update cannot change what they see, so they are no consumption (``LightningModule.toggle_optimizer``
+#: reads and sets ``requires_grad`` of every parameter at the start of a manual ``training_step``, outside any
+#: forward: counted, it made the root the first consumer of every parameter)
+_METADATA_ATTRIBUTES = frozenset(id(getattr(torch.Tensor, n)) for n in (
+    "requires_grad", "shape", "dtype", "device", "is_leaf", "ndim", "layout", "grad_fn", "is_cuda", "is_sparse",
+    "is_meta", "is_quantized", "names") if hasattr(torch.Tensor, n))
+_METADATA_METHODS = frozenset(id(getattr(torch.Tensor, n)) for n in (
+    "size", "dim", "numel", "requires_grad_", "element_size", "nelement", "is_floating_point", "is_complex",
+    "__hash__") if hasattr(torch.Tensor, n))
+
+
+def _metadata_only(func: Any) -> bool:
+    """Whether ``func`` (as given to ``__torch_function__``) reads a tensor's metadata only."""
+    return id(getattr(func, "__self__", None)) in _METADATA_ATTRIBUTES or id(func) in _METADATA_METHODS
 
 
 def consumer_order(num_params: int, first: dict[int, Consumption]) -> list[int]:

@@ -8,7 +8,8 @@
       │                            ▲  (one candidate) ─────────────────────────────────────────┘ │
       │                            └──────────────── drift > replan_margin (re-plan) ───────────┘
       └◀──────────── the trainable set changed (restart), from any phase
-    (resume from a checkpoint whose plan fits: straight to RUN)
+    (resume from a checkpoint whose plan fits: straight to RUN; PROFILE whose steps cannot be profiled: RUN with
+    the fixed schedule FALLBACK_SCHEDULE, logged)
 
 :class:`Controller` decides *when* to move; :class:`Effects` (implemented by the strategy's
 run-time) does *what* a transition needs: install an engine, measure, plan, flush. The controller
@@ -16,7 +17,8 @@ has no Lightning, torch or ``torch.distributed`` import, takes an injectable clo
 decision that must be identical on all ranks goes through :meth:`Effects.agree` (rank 0's value).
 Steps of the warm-up schedules (TRACE, PROFILE) report :meth:`Controller.after_sync_step`; steps
 with a final schedule installed (TRIAL, RUN; deferred where the step allows it, else in sync mode)
-report :meth:`Controller.at_step_start`.
+report :meth:`Controller.at_step_start`. A step is one optimizer step with automatic optimization, one
+``training_step`` under manual optimization (whatever backward passes and optimizer steps it runs).
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ DRIFT_CONFIRMATIONS = 3
 DRIFT_HOLDOFF_S = 60.0
 #: fewest measured steps of a trial window when the start-up budget shortens the windows
 MIN_BUDGET_WINDOW = 2
+#: profiling steps that may end unprofiled (no forward with a backward pass observed in the step) before the
+#: fixed schedule is installed instead of a plan: ``max(UNPROFILED_STEPS, 2 * profile_steps)``
+UNPROFILED_STEPS = 8
+#: the fixed schedule installed when profiling cannot profile a step
+FALLBACK_SCHEDULE = "dear"
 
 
 class Phase(enum.Enum):
@@ -66,8 +73,8 @@ class Effects(Protocol):
     def adopt_trace(self) -> None:
         """Turn the traced step into the parameter order and owners (all ranks, one collective)."""
 
-    def install_fixed(self) -> None:
-        """Install the fixed (built-in) schedule over the traced order, final."""
+    def install_fixed(self, name: Optional[str] = None) -> None:
+        """Install the fixed (built-in) schedule over the traced order, final: the configured one, or ``name``."""
 
     def start_profiling(self) -> Optional[dict[str, float]]:
         """Install the profiling schedule and measure the cost model (first time only); returns the seconds
@@ -322,7 +329,11 @@ class Controller:
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
         #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection),
         #: "budget" (a selection the start-up budget stopped), "no_room" (the budget left no room for trials)
+        #: "unprofiled" (the fixed schedule: profiling could not profile a step, :attr:`unprofiled_note` says why)
         self.how = "trace"
+        #: why the fixed schedule replaced a plan ("unprofiled"), in words; None otherwise
+        self.unprofiled_note: Optional[str] = None
+        self._profile_tries = 0  # steps of the current PROFILE phase
         self.predictions: dict[str, dict[str, float]] = {}
         self.predicted_iteration_s: Optional[float] = None
         self.measured_iteration_s: Optional[float] = None
@@ -387,6 +398,8 @@ class Controller:
                 self.startup = out
                 self.effects.info(f"pipedap: steady state after {steps_text(out['total_steps'])}, "
                                   f"{out['total_s']:.2f} s since set-up: {describe_startup(out)}")
+        if new is Phase.PROFILE:
+            self._profile_tries = 0
         self.phase = new
 
     # ------------------------------------------------------------------ transitions
@@ -422,13 +435,17 @@ class Controller:
                 self.how = "fixed"
                 self._leave(Phase.RUN)
         elif self.phase is Phase.PROFILE:
-            done = self.effects.take_profile_step(t_step_end)
-            if done is not None and done >= self.profile_steps:
+            self._profile_tries += 1
+            done = self.effects.take_profile_step(t_step_end) or 0
+            if done >= self.profile_steps:
                 self._finish_profiling()
+            elif self._profile_tries - done >= max(UNPROFILED_STEPS, 2 * self.profile_steps):
+                self._give_up_profiling(done)
 
     def at_step_start(self) -> None:
         """A step of a final schedule starts (TRIAL or RUN): time it; switch candidates or re-plan when due."""
-        self._steps_done += 1
+        if self.phase.deferrable:  # (TRACE and PROFILE steps are counted by after_sync_step)
+            self._steps_done += 1
         if self.phase is Phase.TRIAL:
             self._phase_steps += 1
             self._selection_steps += 1
@@ -479,6 +496,23 @@ class Controller:
             self.how = "no_room" if self.budget_note else "single"
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.RUN)
+
+    def _give_up_profiling(self, done: int) -> None:
+        """Too many profiling steps without a forward and a backward pass observed in the same step (a training
+        loop whose steps cannot be profiled): install the fixed schedule, final, and say why, rather than run
+        the profiling schedule for the rest of the fit."""
+        tries = self._profile_tries
+        what = f"re-plan {self.replans_done}" if self.replans_done else "the plan"
+        self.unprofiled_note = (
+            f"pipedap: {tries} steps of the profiling schedule for {what} and only {done} of the {self.profile_steps} "
+            "profiled steps needed: a profiled step is a training step whose forward and a backward pass with "
+            "gradient sync are both observed (none here: no backward inside the step, or only under "
+            f"no_sync/accumulation); installing the fixed schedule {FALLBACK_SCHEDULE!r} instead of a plan "
+            "(no candidate planned or measured)")
+        self.effects.info(self.unprofiled_note)
+        self.effects.install_fixed(FALLBACK_SCHEDULE)
+        self.how = "unprofiled"
+        self._leave(Phase.RUN)
 
     def _enter(self, schedule: Any, no_overlap_s: float) -> None:
         self.trial_reference_s = None
@@ -755,7 +789,9 @@ class Controller:
         else:
             why = {"fixed": "a fixed schedule", "resumed": "the plan came from the checkpoint",
                    "single": "one candidate, installed directly",
-                   "no_room": "the start-up budget left no room for trials"}.get(self.how, "no plan yet")
+                   "no_room": "the start-up budget left no room for trials",
+                   "unprofiled": f"the fixed schedule {FALLBACK_SCHEDULE!r}: no step could be profiled"
+                   }.get(self.how, "no plan yet")
             out.update(status="not run", text=f"not run ({why}{after})")
         return out
 

@@ -54,10 +54,11 @@ class RunEffects:
         rt.order, owner_names = C.broadcast_object(plan, src=0)
         rt.owners = owner_modules(owner_names, rt.module)
 
-    def install_fixed(self) -> None:
+    def install_fixed(self, name: Optional[str] = None) -> None:
         rt = self.rt
         cfg = rt.config
-        name = "dear" if rt.timing_free else cfg.schedule  # (a planned name under deterministic=True: fixed dear)
+        # (a planned name under deterministic=True: the fixed dear; a fallback names its own)
+        name = name or ("dear" if rt.timing_free else cfg.schedule)
         rt.install(rt.order, rt.builtin(rt.order, name, bool(cfg.compression), cfg.wire_dtype != "fp32"),
                    rt.owners, final=True)
 

@@ -14,7 +14,9 @@ controller). Life of one training step ``t`` in deferred mode (phases TRIAL and 
 Warm-up and profiling steps, manual optimization, several optimizers, closure-based optimizers,
 fp16 with a grad scaler, and user hooks that read ``.grad`` use *sync mode*: the same engine, but
 backward waits for every bucket and writes the averaged gradients into ``.grad``, and the real
-optimizer step runs as with DDP.
+optimizer step runs as with DDP. Under manual optimization the run-time's step is the whole
+``training_step`` (its backward passes and ``optimizer.step()`` calls inside): the controller advances
+when it returns, and candidates switch when the next one starts.
 """
 
 from __future__ import annotations
@@ -203,7 +205,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if not lm.automatic_optimization or len(self.optimizers) != 1:
-            M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward)")
+            M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
+                   "training_step is one step of the start-up (traced, profiled and measured whole)")
         self._rt.trainable_key = self._rt.trainable_signature()  # (the optimizers exist now)
         if getattr(self.precision_plugin, "scaler", None) is not None:
             self._rt.nonfinite.enabled = False  # (scaled fp16 gradients overflow by design; the scaler skips)
@@ -271,9 +274,17 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     # ------------------------------------------------------------------ training step
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._rt is None or self._rt.handed_over:
-            return super().training_step(*args, **kwargs)  # (handed over: through DDP's wrapper, as DDPStrategy)
-        return self._rt.training_step(lambda: super(PipeDAPStrategy, self).training_step(*args, **kwargs))
+        rt = self._rt
+        manual = rt is not None and _manual(self)
+        if manual:
+            rt.manual_step_start()  # (the step of the run-time is the training_step: it may step optimizers)
+        if rt is None or rt.handed_over:
+            out = super().training_step(*args, **kwargs)  # (handed over: through DDP's wrapper, as DDPStrategy)
+        else:
+            out = rt.training_step(lambda: super(PipeDAPStrategy, self).training_step(*args, **kwargs))
+        if manual:
+            rt.manual_step_end()
+        return out
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -345,10 +356,13 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union[Any, torch.nn.Module]] = None, **kwargs: Any) -> Any:
         rt = self._rt
-        if rt is not None:
+        # (manual optimization: the training_step is the run-time's step, see training_step; this is one of its
+        # optimizer steps)
+        manual = rt is not None and _manual(self)
+        if rt is not None and not manual:
             rt.retrain_if_changed()
-            if rt.controller.phase.deferrable and (len(self.optimizers) < 2 or optimizer is self.optimizers[0]):
-                rt.controller.at_step_start()  # a final schedule runs: time the step (once), switch candidates
+            if rt.controller.phase.deferrable:
+                rt.controller.at_step_start()  # a final schedule runs: time the step, switch candidates
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.t_backward_done = None
@@ -358,7 +372,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             if rt is not None:
                 if rt.handed_over:
                     rt.nonfinite.check_params_under_ddp(rt.params)
-                rt.after_sync_step()
+                if not manual:
+                    rt.after_sync_step()
             return out
         lm = self.lightning_module
         return rt.deferred.run_step(optimizer, lambda stand_in: self.precision_plugin.optimizer_step(
@@ -460,6 +475,12 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if aborted and self.local_rank == 0:
             reap_children(self.launcher)
         super().teardown()
+
+
+def _manual(strategy: PipeDAPStrategy) -> bool:
+    """Whether the LightningModule uses manual optimization (its ``training_step`` steps the optimizers)."""
+    lm = strategy.lightning_module
+    return lm is not None and not lm.automatic_optimization
 
 
 def _can_defer(strategy: PipeDAPStrategy, optimizer: Optimizer) -> bool:

@@ -75,6 +75,7 @@ class Planning:
         self._profiled: list[tuple[list[float], list[float]]] = []
         self._t_updates: list[float] = []
         self._profile_busy: list[float] = []
+        self._passes: list[int] = []  # backward passes of each profiled step (several under manual optimization)
 
     # ------------------------------------------------------------------ profiling steps
     def start(self, params: list[torch.Tensor], owners: list[Any]) -> dict[str, float]:
@@ -115,7 +116,7 @@ class Planning:
             spent["contention"] = time.perf_counter() - t0
             self.measured.contention = c
             self.info(describe_contention(c) + f" (measured in {spent['contention']:.2f} s)")
-        self._profiled, self._t_updates, self._profile_busy = [], [], []
+        self._profiled, self._t_updates, self._profile_busy, self._passes = [], [], [], []
         return spent
 
     def _log_cost_model(self) -> None:
@@ -141,13 +142,19 @@ class Planning:
 
     def keep_step(self, rec: StepRecorder, busy_s: Optional[float], t_backward_done: Optional[float],
                   t_step_end: float) -> int:
-        """Keep one profiled step (when complete); returns the number kept."""
+        """Keep one profiled step (when complete); returns the number kept.
+
+        A step of several backward passes (manual optimization: each pass reduces every bucket) is kept per
+        pass: its times divided by the number of passes, which :meth:`plan` multiplies its predictions by."""
         if busy_s is not None:
             self._profile_busy.append(busy_s)
         if rec.complete:
-            self._profiled.append(rec.times())
+            t_f, t_b = rec.times()
+            n = rec.passes
+            self._profiled.append(([t / n for t in t_f], [t / n for t in t_b]) if n > 1 else (t_f, t_b))
+            self._passes.append(n)
             if t_backward_done is not None:
-                self._t_updates.append(max(0.0, t_step_end - t_backward_done))
+                self._t_updates.append(max(0.0, t_step_end - t_backward_done) / n)
         return len(self._profiled)
 
     def communication_share(self) -> Optional[dict[str, float]]:
@@ -159,6 +166,11 @@ class Planning:
         busy = statistics.median(self._profile_busy)
         compute = sum(layer["t_f"] + layer["t_b"] for layer in self.profile["layers"])
         return {"busy_s": busy, "compute_s": compute, "share": busy / (busy + compute) if busy + compute > 0 else 0.0}
+
+    @property
+    def passes_per_step(self) -> int:
+        """Backward passes per profiled step (median; 1 with automatic optimization)."""
+        return max(1, round(statistics.median(self._passes))) if self._passes else 1
 
     # ------------------------------------------------------------------ planning (rank 0) and broadcast
     def plan(self, model_name: str, layer_names: list[str], params: list[torch.Tensor],
@@ -187,7 +199,13 @@ class Planning:
             self.predictions = {}
             self._calibrate(engine)
             layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self.layers]
-            profile = merge_steps(model_name, layer_names, layer_bytes, self._profiled, self._t_updates)
+            passes = self.passes_per_step
+            profile = merge_steps(model_name, layer_names, layer_bytes, self._profiled, self._t_updates,
+                                  meta={"passes_per_step": passes} if passes > 1 else None)
+            if passes > 1:
+                self.info(f"pipedap: {passes} backward passes per training_step (manual optimization), each reducing "
+                          f"every bucket: planned for one pass (the profiled times divided by {passes}); predictions "
+                          f"are for the whole step ({passes} passes)")
             planner = get_planner(PLANNED[cfg.schedule])
             wire16 = cfg.wire_dtype != "fp32"
             schedule = planner(profile, self.cost_model, self.world_size)
@@ -228,6 +246,12 @@ class Planning:
             no_overlap = [profile.t_compute + profile.t_update + sum(
                 self.cost_model.all_reduce(sum(pr.layers[k].nbytes for k in b)) for b in c.buckets)
                 for pr, c in zip(profiles, candidates)]
+            if passes > 1:  # (a step is that many passes: what the trials and the drift check measure)
+                candidates = [c if c.predicted_iteration_s is None else
+                              dataclasses.replace(c, predicted_iteration_s=c.predicted_iteration_s * passes)
+                              for c in candidates]
+                no_overlap = [t * passes for t in no_overlap]
+                self.predictions = {n: {k: v * passes for k, v in p.items()} for n, p in self.predictions.items()}
             plan = (candidates, no_overlap, profile.to_dict(), self.cost_model, maps)
         t0 = time.perf_counter()
         try:

@@ -613,9 +613,26 @@ class Runtime:
 
     def after_sync_step(self) -> None:
         self.sync_device()
+        self.controller.after_sync_step(time.perf_counter())
+        # the next profiled step's pre_gap (host work between steps) starts after the controller's work: a
+        # transition's α-β and contention benchmarks, planning and engine installs are not per-step work
         self.t_step_end = time.perf_counter()
-        self.controller.after_sync_step(self.t_step_end)
         self._tracing = self._tracing and self.controller.phase is Phase.TRACE
+
+    # ------------------------------------------------------------------ manual optimization: one step per training_step
+    def manual_step_start(self) -> None:
+        """Manual optimization: a ``training_step`` starts. Its forward segments, backward passes and optimizer
+        steps (several with a GAN) are one step of the run-time: traced, profiled and timed as a whole, and
+        schedules change only between two of them (here, on every rank alike)."""
+        self.retrain_if_changed()
+        if self.controller.phase.deferrable:
+            self.controller.at_step_start()  # a final schedule runs: time the step, switch candidates when due
+
+    def manual_step_end(self) -> None:
+        """Manual optimization: the ``training_step`` returned; the step ends (the controller advances). The
+        optimizer steps ran inside it, in its profiled forward time: no separate update time is measured."""
+        self.t_backward_done = None
+        self.after_sync_step()
 
     def close(self, abort: bool = False) -> None:
         """Close the engine (or leave DDP's reducer), remove the hooks and the ``train()`` wrappers; say so when
