@@ -328,7 +328,7 @@ def run_trials_case() -> dict[str, Any]:
     of it again: 4 candidates in 2 interleaved rounds) keeps DDP parity."""
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp", epochs=6)
-    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2,
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2, startup_budget=None,
                                trial_window_s=0)
     out = train("mlp", kw, {}, strategy, epochs=6)
     return {"optimal": max_diff(out, ref), "trials": strategy.trial_results,
@@ -389,7 +389,7 @@ def run_replan_case() -> dict[str, float]:
 
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp", epochs=10)  # (60 steps: a re-plan needs 4x its start-up steps left)
-    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=0.5, max_replans=1, plan_trials=1)
+    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=0.5, max_replans=1, plan_trials=1, startup_budget=None)
     holdoff, ctl.DRIFT_HOLDOFF_S = ctl.DRIFT_HOLDOFF_S, 0.0  # (a short fit: no hold-off after the install)
     try:
         with tempfile.TemporaryDirectory() as d:
@@ -487,7 +487,7 @@ def run_torch_ddp_case() -> dict[str, Any]:
             model_name, model_kw, trainer_kw = CASES[name]
             ref = train(model_name, model_kw, trainer_kw,
                         "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp")
-            st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1,
+            st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1, startup_budget=None,
                                  trial_window_s=0, **options)
             said = Said()
             log.addHandler(said)
