@@ -55,9 +55,12 @@ class RunEffects:
         rt.owners = owner_modules(owner_names, rt.module)
 
     def install_fixed(self) -> None:
+        """The configured fixed schedule (``"allreduce"`` of no bucket for a planned one when every trainable
+        parameter has a sparse gradient: there is nothing to plan)."""
         rt = self.rt
         cfg = rt.config
-        rt.install(rt.order, rt.builtin(rt.order, cfg.schedule, bool(cfg.compression), cfg.wire_dtype != "fp32"),
+        name = "allreduce" if cfg.planned else cfg.schedule
+        rt.install(rt.order, rt.builtin(rt.order, name, bool(cfg.compression), cfg.wire_dtype != "fp32"),
                    rt.owners, final=True)
 
     def start_profiling(self) -> dict[str, float]:
@@ -93,15 +96,23 @@ class RunEffects:
                     "parameters the earlier micro-batches used"
                     + (f" (so torch_ddp_margin={cfg.torch_ddp_margin!r} is not used either)"
                        if cfg.torch_ddp_margin != DEFAULT_TORCH_DDP_MARGIN else ""))
+        # DDP's reducer raises ("Expected sparse gradient to be defined.") in a step that leaves a sparse-gradient
+        # parameter without a gradient on some rank, which pipedap's own reduction handles
+        sparse_unused = rt.has_sparse and rt.sparse.saw_unused
+        if sparse_unused and rt.handover is not None and cfg.torch_ddp_candidate:
+            rt.say("ddp-sparse", "pipedap: the torch_ddp candidate is not trialled: a parameter with sparse gradients "
+                   "had no gradient on some rank in a profiled step, and DDP's reducer raises for such a step")
         if rt.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
-                and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1:  # (DDP's reducer sends fp32)
+                and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1 \
+                and not sparse_unused:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
             # find_unused_parameters (one more collective per step) only when a profiled step left a parameter
             # without a gradient on some rank (identical on every rank: read from the reduced used-flags); a
             # parameter that stops getting one later is handled by the handover (finish_stalled)
-            # (with gradient_as_bucket_view a stalled reduction leaves .grad half-averaged in DDP's buffers: always)
-            unused = rt.saw_unused or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view
+            # (with gradient_as_bucket_view a stalled reduction leaves .grad half-averaged in DDP's buffers: always;
+            # with sparse gradients too: DDP divides them in place before its reduction stalls)
+            unused = rt.saw_unused or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view or rt.has_sparse
             schedules = [*schedules, TorchDDPCandidate(
                 cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
                 gradient_as_bucket_view=cfg.gradient_as_bucket_view)]
