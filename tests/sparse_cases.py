@@ -21,7 +21,8 @@ Cases (small: a few hundred parameters, 8-16 steps):
   sparse=True); manual optimization with two optimizers, ``SparseAdam`` for the table and ``Adam`` for the rest.
 * ``bag_sgd``: the same model, automatic optimization, one ``SGD`` (momentum 0.9) with two param groups
   (table, dense layers), the optimizer the ``nn.Embedding`` docs name for sparse gradients; ``bag_sgd_long``: the
-  same for 3 epochs.
+  same for 3 epochs; ``bag_accum``: the same with ``accumulate_grad_batches=2`` (the table's gradient accumulates
+  over the micro-batches and is reduced once, as under DDP's ``no_sync``).
 * ``bag_skip`` / ``bag_empty``: ``bag_sgd`` where rank 1 leaves the table out of one step per epoch (``skip``: the
   lookup is not called, so the table has no gradient on that rank) or looks up empty bags instead (``empty``: an
   empty sparse gradient, which DDP accepts; DDP raises for ``skip``); ``bag_skip_all``: every rank skips it.
@@ -172,7 +173,10 @@ CASES = {
     "bag_skip": lambda: BagClassifier(drop="skip"),
     "bag_empty": lambda: BagClassifier(drop="empty"),
     "bag_skip_all": lambda: BagClassifier(drop="skip_all"),
+    "bag_accum": lambda: BagClassifier(),
 }
+#: Trainer arguments of a case beyond the defaults
+TRAINER_KW: dict[str, dict[str, Any]] = {"bag_accum": {"accumulate_grad_batches": 2}}
 
 STRATEGIES = {
     "ddp": lambda: "ddp",
@@ -194,7 +198,8 @@ def fit(case: str, variant: str, epochs: int) -> dict[str, Any]:
     init = {k: v.detach().clone() for k, v in model.state_dict().items()}
     strategy = STRATEGIES[variant]()
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=WORLD, max_epochs=epochs, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         **TRAINER_KW.get(case, {}))
     trainer.fit(model)
     info: dict[str, Any] = {"global_step": trainer.global_step}
     s = trainer.strategy

@@ -35,6 +35,7 @@ JOBS_2 = ["reducer:unit:0",
           "skipgram:ddp:0", "skipgram:default:0", "skipgram:default:1", "skipgram:dear:0", "skipgram:dear:1",
           "bag_two_opt:ddp:0", "bag_two_opt:default:0", "bag_two_opt:dear:0", "bag_two_opt:dear:1",
           "bag_sgd_long:ddp:0", "bag_sgd_long:default:0", "bag_sgd_long:dear:0", "bag_sgd_long:torch_ddp:0",
+          "bag_accum:ddp:0", "bag_accum:dear:0",
           "bag_empty:ddp:0", "bag_skip:default:0", "bag_skip_all:default:0",
           "skipgram:fabric_ddp:0", "skipgram:fabric_dear:0",
           "skipgram:wire16:0",  # (a refusal at set-up: after it, this process's fits are over)
@@ -100,6 +101,12 @@ def _check(runs: dict, job: str, ref_job: str, exact: bool) -> float:
 @pytest.mark.parametrize("variant", ["default", "dear"])
 def test_two_ranks_bit_identical_to_ddp(two, case, variant):
     _check(two, f"{case}:{variant}:0", f"{case}:ddp:0", exact=True)
+
+
+@pytest.mark.multiprocess
+def test_accumulated_sparse_gradients_bit_identical_to_ddp(two):
+    """``accumulate_grad_batches=2``: the micro-batch's sparse gradient stays local and is reduced with the next."""
+    _check(two, "bag_accum:dear:0", "bag_accum:ddp:0", exact=True)
 
 
 @pytest.mark.multiprocess
