@@ -38,7 +38,7 @@ JOBS_2 = ["reducer:unit:0",
           "bag_accum:ddp:0", "bag_accum:dear:0",
           "bag_empty:ddp:0", "bag_skip:default:0", "bag_skip_all:default:0",
           "skipgram:fabric_ddp:0", "skipgram:fabric_dear:0",
-          "skipgram:wire16:0",  # (a refusal at set-up: after it, this process's fits are over)
+          "skipgram:wire16:0",  # (refused at set-up: the last pipedap fit of the launch)
           "bag_skip_all:ddp_unused:0"]  # (DDP raises inside backward: last)
 JOBS_3 = [f"{case}:{variant}:0" for case in ("skipgram", "bag_two_opt", "bag_sgd")
           for variant in ("ddp", "default", "dear")]

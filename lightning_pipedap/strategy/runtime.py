@@ -240,7 +240,8 @@ class Runtime:
 
     @property
     def has_sparse(self) -> bool:
-        """Whether some trainable parameter has a sparse gradient (the steps then run in sync mode)."""
+        """Whether some trainable parameter has a sparse gradient. The strategies then run every step in sync mode:
+        the deferred per-bucket updates step only the buckets' parameters."""
         return self.sparse is not None and bool(self.sparse.params)
 
     def install_hooks(self, on_grad: Callable[[Tensor], None], on_forward: Callable[..., Any]) -> None:
@@ -614,7 +615,7 @@ class Runtime:
             self.sync_device()
             self.recorder.backward_end()
         engine.finish_backward()
-        if self.deferred.deferring:
+        if self.deferred.deferring:  # (never with sparse gradients: those steps run in sync mode, see has_sparse)
             return
         sparse = self.sparse if self.has_sparse else None
         t0 = time.perf_counter()
