@@ -8,13 +8,15 @@
   interface; :mod:`~lightning_pipedap.engine.compressed` -- :class:`CompressedTransport`;
 * :mod:`~lightning_pipedap.engine.engine` -- :class:`CommEngine` (one worker thread per rank);
 * :mod:`~lightning_pipedap.engine.update` -- per-bucket optimizer updates and gradient write-back;
+* :mod:`~lightning_pipedap.engine.sparse` -- :class:`SparseGradReducer` (sparse gradients, reduced as DDP does);
 * :mod:`~lightning_pipedap.engine.threads` -- thread priority of the training thread.
 """
 
 from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.compressed import CompressedTransport, CompressionStats
 from lightning_pipedap.engine.engine import CommEngine, EngineError
+from lightning_pipedap.engine.sparse import SparseGradReducer
 from lightning_pipedap.engine.transport import DenseTransport, Transport
 
 __all__ = ["CommEngine", "CompressedTransport", "CompressionStats", "DenseTransport", "EngineError", "FlatBucket",
-           "Transport"]
+           "SparseGradReducer", "Transport"]

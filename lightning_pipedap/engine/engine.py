@@ -100,7 +100,8 @@ class CommEngine:
 
     Args:
         comm: the dedicated group (see :func:`collectives.new_comm_group`).
-        params: trainable parameters, indexed as ``schedule.buckets`` (or ``schedule.pieces``) name them.
+        params: trainable parameters with dense gradients, indexed as ``schedule.buckets`` (or ``schedule.pieces``)
+            name them (may be empty: a model whose every gradient is sparse gets an engine without buckets).
         schedule: fusion and op list; validated against ``len(params)`` and their sizes. With
             ``schedule.pieces`` (tensor partitioning, ByteScheduler SOSP 2019) a bucket's slots are
             element ranges of parameters: a split parameter's gradient is copied piece by piece into
@@ -221,7 +222,7 @@ class CommEngine:
             (i for i, op in enumerate(schedule.ops) if op.kind is not OpKind.ALL_GATHER), default=-1
         )
         # CUDA: events hand gradients to the comm stream and results back, without host syncs.
-        self._cuda = self.buckets[0].buffer.is_cuda
+        self._cuda = bool(self.buckets) and self.buckets[0].buffer.is_cuda  # (no bucket: sparse gradients only)
         if self._cuda:
             dev = self.buckets[0].buffer.device
             self._stream = torch.cuda.Stream(device=dev)

@@ -55,10 +55,13 @@ class RunEffects:
         rt.owners = owner_modules(owner_names, rt.module)
 
     def install_fixed(self, name: Optional[str] = None) -> None:
+        """The configured fixed schedule, or ``name`` (a fallback's). A planned schedule gets here under
+        ``Trainer(deterministic=True)`` where candidates round differently (the fixed ``"dear"``: timing-free), or
+        when every trainable parameter has a sparse gradient (``"allreduce"`` of no bucket: nothing to plan)."""
         rt = self.rt
         cfg = rt.config
-        # (a planned name under deterministic=True: the fixed dear; a fallback names its own)
-        name = name or ("dear" if rt.timing_free else cfg.schedule)
+        if name is None:
+            name = cfg.schedule if not cfg.planned else "dear" if rt.timing_free else "allreduce"
         rt.install(rt.order, rt.builtin(rt.order, name, bool(cfg.compression), cfg.wire_dtype != "fp32"),
                    rt.owners, final=True)
 
@@ -95,17 +98,25 @@ class RunEffects:
                     "parameters the earlier micro-batches used"
                     + (f" (so torch_ddp_margin={cfg.torch_ddp_margin!r} is not used either)"
                        if cfg.torch_ddp_margin != DEFAULT_TORCH_DDP_MARGIN else ""))
+        # DDP's reducer raises ("Expected sparse gradient to be defined.") in a step that leaves a sparse-gradient
+        # parameter without a gradient on some rank, which pipedap's own reduction handles
+        sparse_unused = rt.has_sparse and rt.sparse.saw_unused
+        if sparse_unused and rt.handover is not None and cfg.torch_ddp_candidate:
+            rt.say("ddp-sparse", "pipedap: the torch_ddp candidate is not trialled: a parameter with sparse gradients "
+                   "had no gradient on some rank in a profiled step, and DDP's reducer raises for such a step")
         if rt.handover is not None and cfg.torch_ddp_candidate and len(schedules) > 1 and not cfg.compression \
-                and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1:  # (DDP's reducer sends fp32)
+                and cfg.wire_dtype == "fp32" and not checks and accumulate <= 1 \
+                and not sparse_unused:  # (DDP's reducer sends fp32)
             # DDP's reducer is WFBP with the same buckets: its α-β prediction is that schedule's
             same = next((k for k, c in enumerate(schedules) if c.name.startswith("wfbp@")), None)
             # find_unused_parameters (one more small collective per step): by default always, so that a parameter
             # that gets no gradient on some ranks in a later step cannot stop the fit under DDP's reducer; with
             # find_unused_parameters=False (the user vouches) only when a profiled step left a parameter without a
-            # gradient on some rank (identical on every rank: read from the reduced used-flags), and with
-            # gradient_as_bucket_view (a stalled reduction leaves .grad half-averaged in DDP's buffers)
+            # gradient on some rank (identical on every rank: read from the reduced used-flags), with
+            # gradient_as_bucket_view (a stalled reduction leaves .grad half-averaged in DDP's buffers) and with
+            # sparse gradients (DDP divides them in place before its reduction stalls)
             unused = cfg.find_unused_parameters is not False or rt.saw_unused \
-                or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view
+                or any(o is None for o in rt.owners) or cfg.gradient_as_bucket_view or rt.has_sparse
             schedules = [*schedules, TorchDDPCandidate(
                 cfg.bucket_cap_mb, unused, None if same is None else schedules[same].predicted_iteration_s,
                 gradient_as_bucket_view=cfg.gradient_as_bucket_view)]

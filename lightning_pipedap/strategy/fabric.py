@@ -98,8 +98,10 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
     Raises:
         ValueError: an option out of range (see ``PipeDAPConfig``), ``defer_update`` not in
             ``("auto", False)``, ``compression`` not None; at set-up: world size 1, a second model, a
-            model without trainable parameters, models that differ between ranks, sparse embeddings,
-            SyncBatchNorm on CPU, a self-communicating optimizer.
+            model without trainable parameters, models that differ between ranks, SyncBatchNorm on CPU, a
+            self-communicating optimizer, a sparse embedding with a 16-bit ``wire_dtype``. Sparse embeddings
+            (``nn.Embedding(sparse=True)``) are supported: their gradients are all-reduced as DDP does
+            (:mod:`~lightning_pipedap.engine.sparse`).
         TypeError: an unknown keyword argument (DDP-only ones such as ``find_unused_parameters``
             included), naming the valid ones; ``no_backward_sync`` on a module this strategy did not set up.
     """
@@ -188,8 +190,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             ``_FabricModule`` calls, as it calls DDP's wrapper); ``.module`` is ``module``.
 
         Raises:
-            ValueError: a second model, no trainable parameter, models that differ between ranks, a sparse
-                embedding or a SyncBatchNorm on CPU (named).
+            ValueError: a second model, no trainable parameter, models that differ between ranks, a
+                SyncBatchNorm on CPU, or a sparse embedding with a 16-bit ``wire_dtype`` (named).
         """
         if self._rt is not None:
             raise ValueError(f"PipeDAPFabricStrategy sets up one model; {type(self._rt.module).__name__} is set up "

@@ -12,7 +12,9 @@ controller). Life of one training step ``t`` in deferred mode (phases TRIAL and 
                       ─ record update t as pending (hyper-parameters and clip request snapshotted)
 
 Warm-up and profiling steps, manual optimization, several optimizers, closure-based optimizers,
-fp16 with a grad scaler, and user hooks that read ``.grad`` use *sync mode*: the same engine, but
+fp16 with a grad scaler, user hooks that read ``.grad`` and models with sparse gradients
+(``nn.Embedding(sparse=True)``, reduced as DDP does: :mod:`~lightning_pipedap.engine.sparse`) use *sync mode*:
+the same engine, but
 backward waits for every bucket and writes the averaged gradients into ``.grad``, and the real
 optimizer step runs as with DDP. Under manual optimization the run-time's step is the whole
 ``training_step`` (its backward passes and ``optimizer.step()`` calls inside): the controller advances
@@ -91,8 +93,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             ``nonfinite`` not one of its choices, ``check_params_every_n_steps`` not None or >= 1; at
             set-up: world size 1, a model without trainable parameters, parameters or strategy options
             (schedule, compression method/kwargs/mode, ...) that differ between ranks (on every rank,
-            naming the first difference), sparse embeddings, ``sync_batchnorm=True`` / SyncBatchNorm on CPU;
-            a ``timeout`` that is not positive.
+            naming the first difference), ``sync_batchnorm=True`` / SyncBatchNorm on CPU, sparse embeddings
+            (``nn.Embedding(sparse=True)``: supported, reduced as DDP does) with ``compression`` or a 16-bit
+            ``wire_dtype`` (the parameter is named); a ``timeout`` that is not positive.
         NonFiniteGradientError: ``nonfinite="raise"`` and a step's averaged gradients hold NaN/inf
             (every rank, naming the step, bucket and first parameter).
         ParameterDivergenceError: ``check_params_every_n_steps`` found a parameter that differs between
@@ -223,8 +226,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         """Replace DDP wrapping: broadcast rank 0's states, build the run-time (buckets, engine), install hooks.
 
         Raises:
-            ValueError: no trainable parameter, parameters that differ between ranks, a sparse embedding
-                (its name is given) or a SyncBatchNorm module on CPU.
+            ValueError: no trainable parameter, parameters that differ between ranks, a SyncBatchNorm module on
+                CPU, a sparse embedding with compression or a 16-bit wire format (its name is given).
         """
         model = self.model
         assert isinstance(model, torch.nn.Module)
@@ -495,6 +498,7 @@ def _can_defer(strategy: PipeDAPStrategy, optimizer: Optimizer) -> bool:
         and len(strategy.optimizers) == 1
         and isinstance(optimizer, PER_PARAMETER_OPTIMIZERS + cfg.deferrable_optimizers)
         and getattr(strategy.precision_plugin, "scaler", None) is None
+        and not rt.has_sparse  # (sparse gradients are reduced and stepped in the step itself, as with DDP)
     )
 
 

@@ -46,7 +46,7 @@ class Finding:
 
     Attributes:
         step: the optimizer step (Lightning's ``global_step`` while the step ran).
-        bucket: engine bucket holding the parameter.
+        bucket: engine bucket holding the parameter; -1 for a sparse gradient (reduced outside the buckets).
         name: the first parameter (in bucket order) with a non-finite averaged gradient.
         nan: NaN elements of that parameter's gradient.
         inf: infinite elements of that parameter's gradient.
@@ -61,8 +61,9 @@ class Finding:
     numel: int
 
     def describe(self) -> str:
-        return (f"step {self.step}: the averaged gradients are not finite (first: {self.name!r} in bucket "
-                f"{self.bucket}, {self.nan} NaN and {self.inf} inf of {self.numel} values)")
+        where = ", a sparse gradient," if self.bucket < 0 else f" in bucket {self.bucket},"
+        return (f"step {self.step}: the averaged gradients are not finite (first: {self.name!r}{where} "
+                f"{self.nan} NaN and {self.inf} inf of {self.numel} values)")
 
 
 def first_nonfinite(buckets: Sequence[Any], name_of: Callable[[Tensor], str], step: int) -> Optional[Finding]:
@@ -146,7 +147,18 @@ class NonFiniteCheck:
         """:func:`first_nonfinite` of ``buckets``; in ``"warn"`` mode the first finding of the fit is logged."""
         if not self.active or (self.mode == "warn" and self._warned):
             return None
-        found = first_nonfinite(buckets, self.name_of, self.step_of() if step is None else step)
+        return self._found(first_nonfinite(buckets, self.name_of, self.step_of() if step is None else step))
+
+    def scan_sparse(self, reducer: Any) -> Optional[Finding]:
+        """As :meth:`scan`, for the averaged sparse gradients of a
+        :class:`~lightning_pipedap.engine.sparse.SparseGradReducer` (after its ``finish``; bucket -1)."""
+        if not self.active or (self.mode == "warn" and self._warned):
+            return None
+        hit = reducer.first_nonfinite()
+        return None if hit is None else self._found(Finding(self.step_of(), -1, *hit))
+
+    def _found(self, found: Optional[Finding]) -> Optional[Finding]:
+        """``found``; in ``"warn"`` mode the first finding of the fit is logged."""
         if found is not None and self.mode == "warn":
             self._warned = True
             how = "applied" if self.fp16_wire(found) else "applied as DDP applies it"

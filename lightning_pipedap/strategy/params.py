@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap.engine.sparse import sparse_gradient_params
 
 #: engine parameter index -> (parameter name, shape)
 ParamInfo = dict[int, tuple[str, tuple[int, ...]]]
@@ -40,12 +41,15 @@ class TrainableSet:
         """The trainable parameters, in registration order.
 
         Raises:
-            ValueError: none is trainable, or they differ from rank 0's (the first difference is named).
+            ValueError: none is trainable, or they differ from rank 0's (name, shape, dtype, sparse gradient or
+                not; the first difference is named).
         """
         named = [(n, p) for n, p in self.module.named_parameters() if self.requires_grad(p)]
         if not named:
             raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters (all requires_grad=False)")
-        same_on_every_rank([(n, tuple(p.shape), str(p.dtype)) for n, p in named], "trainable parameters",
+        sparse = sparse_gradient_params(self.module)
+        same_on_every_rank([(n, tuple(p.shape), str(p.dtype)) + ((sparse[id(p)],) if id(p) in sparse else ())
+                            for n, p in named], "trainable parameters",
                            "every rank must build the same model and freeze the same parameters")
         return [p for _, p in named]
 

@@ -74,7 +74,8 @@ class RunResults:
 
         Raises:
             ValueError: parameters, buffers or options that differ between ranks (the first difference is
-                named), no trainable parameter, a sparse embedding or a SyncBatchNorm on CPU.
+                named), no trainable parameter, a SyncBatchNorm on CPU, a sparse embedding with compression or a
+                16-bit wire format.
         """
         refuse_unsupported_modules(module, self.root_device)
         same_on_every_rank(model_signature(module), "parameters and buffers", "every rank must build the same model")
@@ -89,7 +90,8 @@ class RunResults:
                                 self._records, lambda: self._timeline_enabled, run_noun=self.RUN_NOUN)
         rt.start_heartbeat(on_lost_peer)
         M.every_rank(f"pipedap: rank {self.global_rank} of {self.world_size} set up on {socket.gethostname()} "
-                     f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors, "
+                     f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors"
+                     f"{f' + {len(rt.sparse.params)} with sparse gradients' if rt.has_sparse else ''}, "
                      f"schedule {self.config.schedule})")
         # forward pre-hooks are prepended (legacy weight_norm recomputes `weight` in a pre-hook, which must see
         # the updated values) and not put inside compiled regions, whose hooks dynamo would trace (their

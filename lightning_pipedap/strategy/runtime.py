@@ -25,6 +25,7 @@ from torch import Tensor
 
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.engine import CommEngine
+from lightning_pipedap.engine.sparse import SparseGradReducer, sparse_gradient_params
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.probe.consumers import ConsumerTrace, ModuleStack
@@ -68,18 +69,33 @@ def timing_free_reason(config: PipeDAPConfig, world_size: int) -> Optional[str]:
 
 
 def refuse_unsupported_modules(model: torch.nn.Module, device: torch.device) -> None:
-    """Sparse embeddings and CPU SyncBatchNorm are refused before any collective, naming the module.
+    """CPU SyncBatchNorm is refused before any collective, naming the module.
 
     Raises:
-        ValueError: naming the parameter or module.
+        ValueError: naming the module.
     """
     for name, m in model.named_modules():
-        if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
-            raise ValueError(f"pipedap: parameter {name + '.weight' if name else 'weight'!r} has sparse gradients "
-                             f"({type(m).__name__}(sparse=True)); pipedap reduces dense buckets only. Use "
-                             "sparse=False or strategy='ddp'")
         if isinstance(m, torch.nn.SyncBatchNorm) and device.type == "cpu":
             raise ValueError(f"pipedap: module {name!r} is a SyncBatchNorm, which needs CUDA; on CPU use BatchNorm")
+
+
+def refuse_sparse_with(config: PipeDAPConfig, name: str, kind: str) -> None:
+    """Options that change what the dense buckets carry do not combine with sparse gradients, which are
+    all-reduced exactly as DDP does.
+
+    Raises:
+        ValueError: ``compression`` set or ``wire_dtype`` not ``"fp32"``, naming the parameter ``name`` (of a
+            ``kind`` module) and the valid choices.
+    """
+    if config.compression is not None:
+        bad, valid = f"compression={config.compression!r}", "compression=None"
+    elif config.wire_dtype != "fp32":
+        bad, valid = f"wire_dtype={config.wire_dtype!r}", "wire_dtype='fp32'"
+    else:
+        return
+    raise ValueError(f"pipedap: parameter {name!r} has sparse gradients ({kind}), which pipedap all-reduces exactly "
+                     f"as DDP does; {bad} is not supported together with sparse gradients. Valid: {valid}, or "
+                     "sparse=False for that embedding")
 
 
 def start_compression_helper(config: PipeDAPConfig, device: torch.device, rank: int) -> Any:
@@ -180,7 +196,9 @@ class Runtime:
         self._end_queued = False
         self.tset = TrainableSet(module, rank)
         self.name_of = self.tset.name_of
-        self.params = self.tset.collect()
+        #: the trainable parameters with sparse gradients, reduced outside the buckets (None: there are none)
+        self.sparse: Optional[SparseGradReducer] = None
+        self.params = self.dense_params(self.tset.collect())
         self.trainable_key = 0
         self.heartbeat: Optional[C.Heartbeat] = None
         #: a trace or profiling step left a trainable parameter without a gradient on some rank (the reduced
@@ -219,6 +237,43 @@ class Runtime:
                 f"{self.engine.iteration if self.engine is not None else 0}")
 
     # ------------------------------------------------------------------ parameters
+    def dense_params(self, trainable: list[Tensor]) -> list[Tensor]:
+        """The parameters of ``trainable`` with dense gradients (the engine's); those with sparse gradients go to
+        :attr:`sparse` (its group is created here at the first one: every rank reaches this point alike).
+
+        Raises:
+            ValueError: a sparse-gradient parameter with ``compression`` or a 16-bit ``wire_dtype``
+                (:func:`refuse_sparse_with`).
+        """
+        kinds = sparse_gradient_params(self.module)
+        sparse = [p for p in trainable if id(p) in kinds]
+        for p in sparse[:1]:
+            refuse_sparse_with(self.config, self.name_of(p), kinds[id(p)])
+        dense = [p for p in trainable if id(p) not in kinds]
+        self.controller.planned = self.config.planned and bool(dense)  # (nothing to plan without a dense bucket)
+        if not sparse and self.sparse is None:
+            return dense
+        if self.sparse is None:
+            group = C.new_comm_group(self.config.wait_timeout_s)
+            self.sparse = SparseGradReducer(group, sparse, self.name_of)
+        self.sparse.params = sparse
+        if sparse:
+            names = ", ".join(self.name_of(p) for p in sparse[:4]) + (", ..." if len(sparse) > 4 else "")
+            only = ("; no parameter has a dense gradient, so there is no bucket to plan"
+                    f"{f' (schedule {self.config.schedule!r} is not used)' if self.config.planned else ''}"
+                    if not dense else "")
+            self.say("sparse", f"pipedap: {len(sparse)} parameter(s) with sparse gradients ({names}): each is "
+                     "all-reduced as DDP does (divided by the world size, one sparse all-reduce per parameter at the "
+                     "end of backward, on a process group of its own), and every step runs in sync mode (as "
+                     f"defer_update=False){only}")
+        return dense
+
+    @property
+    def has_sparse(self) -> bool:
+        """Whether some trainable parameter has a sparse gradient. The strategies then run every step in sync mode:
+        the deferred per-bucket updates step only the buckets' parameters."""
+        return self.sparse is not None and bool(self.sparse.params)
+
     def install_hooks(self, on_grad: Callable[[Tensor], None], on_forward: Callable[..., Any]) -> None:
         """Gradient hooks on the trainable parameters and forward pre-hooks on the eager modules
         (:class:`~lightning_pipedap.strategy.hooks.ModelHooks`)."""
@@ -311,7 +366,7 @@ class Runtime:
         self.trainable_key = key
         self.flush()
         before = len(self.params)
-        self.params = self.tset.collect()
+        self.params = self.dense_params(self.tset.collect())
         self.hooks.add_params(self.params)
         self.recorder, self._tracing = None, False
         self.controller.restart()
@@ -447,8 +502,10 @@ class Runtime:
             engine.local_gradient(i)
             return
         if p.grad.layout != torch.strided:
-            raise ValueError(f"pipedap: parameter {self.name_of(p)!r} got a {p.grad.layout} gradient; pipedap "
-                             "reduces dense gradients only (use strategy='ddp' for sparse gradients)")
+            raise ValueError(f"pipedap: parameter {self.name_of(p)!r} got a {p.grad.layout} gradient, but it is not "
+                             "the weight of an nn.Embedding / nn.EmbeddingBag with sparse=True, the parameters "
+                             "pipedap reduces as sparse (found at set-up); build it as such a module, or use "
+                             "strategy='ddp'")
         self.deferred.gradient_arrived(i)
         if not self._end_queued:
             # as DDP's reducer: the reduction finishes when autograd's backward pass ends, so user code right
@@ -583,7 +640,8 @@ class Runtime:
                 self.recorder.backward_start()
 
     def finish_backward(self) -> None:
-        """End of backward: in sync mode wait for every bucket and write the averaged gradients to ``.grad``."""
+        """End of backward: in sync mode wait for every bucket and write the averaged gradients to ``.grad``; the
+        sparse gradients (:attr:`sparse`) are all-reduced meanwhile on their own group and set in ``.grad`` too."""
         self.deferred.check_stale()
         engine = self.engine
         if not engine.collecting:
@@ -592,9 +650,13 @@ class Runtime:
             self.sync_device()
             self.recorder.backward_end()
         engine.finish_backward()
-        if self.deferred.deferring:
+        if self.deferred.deferring:  # (never with sparse gradients: those steps run in sync mode, see has_sparse)
             return
+        sparse = self.sparse if self.has_sparse else None
         t0 = time.perf_counter()
+        if sparse is not None:  # (its own group: they run while the engine finishes the dense buckets)
+            with torch.no_grad():
+                sparse.start()
         engine.wait_idle()
         if self.timeline():
             self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
@@ -606,8 +668,12 @@ class Runtime:
                 if watching and not self.saw_unused:
                     self.saw_unused = bucket.some_rank_unused(self.comm.world_size)
                 write_back_grads(bucket, used)
+            if sparse is not None:
+                sparse.finish()
         # (the reduced buckets are identical on every rank: every rank finds the same)
         self.nonfinite.verdict = self.nonfinite.scan(engine.buckets) if self.nonfinite.active else None
+        if sparse is not None and self.nonfinite.verdict is None and self.nonfinite.active:
+            self.nonfinite.verdict = self.nonfinite.scan_sparse(sparse)
         self.sync_device()
         self.t_backward_done = time.perf_counter()
 
@@ -645,6 +711,8 @@ class Runtime:
         self.hooks.close()
         if self.engine is not None:
             self.engine.close(abort=abort)
+        if self.sparse is not None and not abort:
+            C.destroy_comm_group(self.sparse.comm)
         if self.heartbeat is not None:
             self.heartbeat.stop("failed" if abort else "left")
         if self.pipe is not None:
