@@ -730,3 +730,18 @@ def test_the_startup_budget_shortens_windows_and_installs_the_best_so_far():
     ctl2.after_sync_step(0.0)
     assert ctl2.phase is Phase.RUN and ctl2.plan_selection()["text"] == (
         "not run (the start-up budget left no room for trials)")
+
+
+def test_a_candidate_dropped_by_racing_is_never_chosen():
+    """Regression (the README helper's main job): racing dropped torch_ddp after round 1, and at the end its one
+    window won because the α-β floor (fitted on a loaded machine) ruled the faster candidates mismeasured. The
+    choice is made among the candidates still in the race."""
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,),
+                     floor=0.3)
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=2)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.20, 0.21, 0.40])  # torch_ddp 2x slower: dropped
+    assert ctl.trial.alive == [0, 1]
+    _drive_windows(ctl, clock, [0.20, 0.21])
+    assert ctl.phase is Phase.RUN and [r["name"] for r in ctl.trial_results if r["chosen"]] == ["a"]

@@ -561,7 +561,7 @@ class Controller:
             best, measured, deciding, notes = self._choose_measured(tr, names, windows, floor, installed)
             decided_in = ["start-up budget"] * len(names)
         elif tr.confirm is None:
-            best, measured, notes = choose_candidate(names, windows, floor, prefer_margin=self.prefer_margin)
+            best, measured, notes = self._choose_alive(tr, names, windows, floor)
             if self._confirm(tr, names, best, measured):
                 self._next_window(tr)
                 return
@@ -664,12 +664,20 @@ class Controller:
                 return pref, measured, list(measured), [f"confirmation cut by the start-up budget: kept {names[pref]}"]
             best, _, deciding, notes = self._confirmed(tr, names, windows, floor)
             return best, measured, deciding, notes
-        idx = [i for i, w in enumerate(windows) if w]
-        if not idx:
+        if not any(windows):
             return installed, measured, list(measured), [f"nothing measured: kept {names[installed]}"]
+        best, measured, notes = self._choose_alive(tr, names, windows, floor)
+        return best, measured, list(measured), notes
+
+    def _choose_alive(self, tr: Trial, names: list[str], windows: list[list[float]],
+                      floor: Optional[float]) -> tuple[int, list[float], list[str]]:
+        """:func:`choose_candidate` among the measured candidates racing did not drop (a dropped one was clearly
+        slower; its one window must not win through the floor or a tie rule). Returns ``(chosen, median of every
+        candidate's windows (s; inf when unmeasured), notes)``."""
+        idx = [i for i in tr.alive if windows[i]] or [i for i, w in enumerate(windows) if w]
         k, _, notes = choose_candidate([names[i] for i in idx], [windows[i] for i in idx], floor,
                                        prefer_margin=self.prefer_margin)
-        return idx[k], measured, list(measured), notes
+        return idx[k], [statistics.median(w) if w else math.inf for w in windows], notes
 
     def _confirm(self, tr: Trial, names: list[str], best: int, measured: list[float]) -> bool:
         """When the first pass's winner displaces a preferred candidate (DDP's reducer), measure the two again
@@ -678,7 +686,7 @@ class Controller:
         candidate's windows for a whole pass, and a wrong switch away from DDP's reducer costs more than it
         could gain. Returns whether confirmation windows were added."""
         pref = [i for i, n in enumerate(names) if n in PREFERRED]
-        if not pref or best in pref:
+        if not pref or best in pref or pref[0] not in tr.alive:  # (racing dropped it: > race_drop slower already)
             return False
         tr.confirm = (best, pref[0], self.trial_rounds)
         pair = [pref[0], best] if tr.order[-1] == pref[0] else [best, pref[0]]  # (the installed one first)
