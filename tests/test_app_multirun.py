@@ -95,7 +95,7 @@ def _check_sweep(tmp_path, proc, marker, strategies):
 
 def test_sweep_runs_each_distinct_job_once(tmp_path):
     """``strategy=ddp scheduler=allreduce,dear``: the scheduler does not apply to DDP, so job 1 is job 0;
-    it is not run again and its results.json says so (the README's sweep runs 3 distinct jobs, not 4)."""
+    it is not run again and its results.json says so (the sweep of docs/LAUNCHING.md runs 3 distinct jobs, not 4)."""
     proc, marker = _run(["-m", "strategy=ddp", "scheduler=allreduce,dear", *TINY,
                          f"hydra.sweep.dir={tmp_path}/sweep"], tmp_path)
     out = proc.stdout + proc.stderr
@@ -159,7 +159,7 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
 
 
 def test_multirun_with_the_default_sweep_dir(tmp_path):
-    """The README's form (no hydra.sweep.dir): the sweep lands under <launch dir>/logs/train/multiruns."""
+    """The form of docs/LAUNCHING.md (no hydra.sweep.dir): the sweep lands under <launch dir>/logs/train/multiruns."""
     proc, marker = _run(["-m", "strategy=ddp", *TINY], tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     runs = os.listdir(tmp_path / "logs" / "train" / "multiruns")

@@ -5,7 +5,7 @@ backends differ only in this file:
 
 * **gloo** (CPU): reduce-scatter and all-gather are a chunked point-to-point ring (N-1 steps,
   each step's segment split into pipelined pieces), because gloo's own ``reduce_scatter_tensor``
-  reached only ~43% of line rate on a 1 Gbit/s link (308 ms vs 140 ms for 32 MiB, README)
+  reached only ~43% of line rate on a 1 Gbit/s link (308 ms vs 140 ms for 32 MiB, docs/HOW_IT_WORKS.md)
   while chunked ``isend``/``irecv`` reached 87%. All-reduce uses gloo's native ring.
 * **nccl** (CUDA): the native collectives, issued on the caller's current stream.
 
