@@ -7,6 +7,8 @@
       │  (fixed schedule) ───────────────────────────────────────────────────────────────────▶ ▲ │
       │                            ▲  (one candidate) ─────────────────────────────────────────┘ │
       │                            └──────────────── drift > replan_margin (re-plan) ───────────┘
+      │  (plan cache hit)          ▲ slower than recorded                                        ▲
+      └─────────────▶ VERIFY ──────┘ by > replan_margin ───── one window as fast as recorded ─────┘
       └◀──────────── the trainable set changed (restart), from any phase
     (resume from a checkpoint whose plan fits: straight to RUN)
 
@@ -42,12 +44,13 @@ class Phase(enum.Enum):
     TRACE = "trace"  #: sync steps of the warm-up schedule; the first one traces the forward
     PROFILE = "profile"  #: sync steps of the profiling schedule, per-layer times measured
     TRIAL = "trial"  #: steps of measured plan selection, candidates in interleaved rounds
+    VERIFY = "verify"  #: steps of a plan from the plan cache, one window timed against its recorded time
     RUN = "run"  #: steps of the installed schedule, drift checked
 
     @property
     def deferrable(self) -> bool:
         """Whether steps of this phase may defer updates (a final schedule is installed)."""
-        return self in (Phase.TRIAL, Phase.RUN)
+        return self in (Phase.TRIAL, Phase.VERIFY, Phase.RUN)
 
 
 class Effects(Protocol):
@@ -91,6 +94,27 @@ class Effects(Protocol):
 
     def info(self, message: str) -> None:
         """Log on rank 0."""
+
+    def cached_plan(self) -> tuple[str, Optional[tuple[Any, float, float]]]:
+        """After the trace (planned schedules): look this run up in the plan cache; collective. Returns
+        ``(status, plan)``: ``("off" | "miss", None)`` or ``("hit", (candidate, no_overlap_s, recorded_s))``,
+        the remembered candidate, its no-overlap time and the time measured for it in its trial (s)."""
+
+    def store_plan(self, results: list[dict[str, Any]], no_overlap_s: float, measured_s: float) -> None:
+        """A selection finished (its choice installed): remember it in the plan cache (rank 0 writes)."""
+
+
+@dataclass
+class Verify:
+    """A plan from the plan cache being verified (VERIFY only).
+
+    Attributes:
+        reference_s: the chosen candidate's time measured in the trial that selected it (s).
+        starts: clock at each step start since it was installed (s); the first interval settles.
+    """
+
+    reference_s: float
+    starts: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -202,16 +226,22 @@ def steps_text(n: Any) -> str:
     return f"{n} step{'' if n == 1 else 's'}"
 
 
-def describe_startup(startup: dict[str, float], digits: int = 2) -> str:
+def describe_startup(startup: dict[str, Any], digits: int = 2) -> str:
     """Every entry of :attr:`Controller.startup` in order, adding up to its ``total_s``:
     ``"trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark 0.70 s, profile 3 steps 0.10 s, planning
-    0.30 s, trials 40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals)."""
+    0.30 s, trials 40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals); after a plan cache
+    hit ``"trace 1 step 0.80 s, verifying the cached plan 4 steps 0.05 s; plan cache hit"``, and the plan cache's
+    status at the end whenever it was consulted (``"; plan cache miss"``)."""
     items = [f"trace {steps_text(startup.get('trace_steps', 0))} {startup.get('trace_s', 0.0):.{digits}f} s"]
+    if "verify_steps" in startup:
+        items += [f"verifying the cached plan {steps_text(startup['verify_steps'])} {startup['verify_s']:.{digits}f} s"]
     items += [f"{label} {startup[f'{k}_s']:.{digits}f} s" for k, label in Controller.PARTS if f"{k}_s" in startup]
-    items += [f"profile {steps_text(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
-    items += [f"planning {startup['planning_s']:.{digits}f} s"] if "planning_s" in startup else []
-    items += [f"trials {steps_text(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
-    return ", ".join(items)
+    if "verify_steps" not in startup or startup.get("profile_steps") or startup.get("trial_steps"):
+        items += [f"profile {steps_text(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
+        items += [f"planning {startup['planning_s']:.{digits}f} s"] if "planning_s" in startup else []
+        items += [f"trials {steps_text(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
+    status = startup.get("plan_cache")
+    return ", ".join(items) + (f"; plan cache {status}" if status and status != "off" else "")
 
 
 class Controller:
@@ -261,8 +291,13 @@ class Controller:
             ``helper_start_s``), in s from the controller's creation at set-up. The phases exclude the
             parts, so ``total_s`` is the sum of the phases and parts; a phase holds everything else that
             ran while it was current (Lightning's own work between steps; in profile, planning with the
-            compressor's cost measurement; in trials, the engine switches).
+            compressor's cost measurement; in trials, the engine switches). After a plan cache hit,
+            ``"verify_s"`` and ``"verify_steps"`` (the verification window) too, and the profile and trial
+            entries are 0 unless the verification failed; ``"plan_cache"``: :attr:`plan_cache`.
             Empty before.
+        plan_cache: ``"off"``, ``"miss"``, ``"hit"`` (a remembered plan was installed after the trace:
+            being verified, or verified) or ``"stale (re-selected)"`` (it measured slower than recorded by
+            more than ``replan_margin``: selected again), as of the last trace.
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
@@ -282,11 +317,14 @@ class Controller:
         self.phase = Phase.TRACE
         self.sync_steps = 0
         self.trial: Optional[Trial] = None
+        self.verify: Optional[Verify] = None
+        self.plan_cache = "off"
         self.trial_results: list[dict[str, Any]] = []
         self.selections: list[list[dict[str, Any]]] = []
         self.selection_notes: list[str] = []
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
-        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection)
+        #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection),
+        #: "cached" (from the plan cache: verifying, or verified)
         self.how = "trace"
         self.predictions: dict[str, dict[str, float]] = {}
         self.predicted_iteration_s: Optional[float] = None
@@ -300,7 +338,7 @@ class Controller:
         #: the chosen candidate's measured trial step time (s), the drift reference after a trial
         self.trial_reference_s: Optional[float] = None
         self._replannable = True  # False for a candidate without a plan (DDP's reducer): no drift re-plan
-        self.startup: dict[str, float] = {}
+        self.startup: dict[str, Any] = {}
         self._t_phase = clock()
         self._phase_steps = 0
         self._spent: dict[str, float] = {}
@@ -328,12 +366,14 @@ class Controller:
             self._spent[f"{key}_steps"] = self._spent.get(f"{key}_steps", 0) + self._phase_steps
             self._t_phase, self._phase_steps = now, 0
             if new is Phase.RUN:
-                out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0)
-                       for k in ("trace", "profile", "trial") for u in ("s", "steps")}
+                phases = ("trace", "verify", "profile", "trial") if "verify_s" in self._spent else \
+                    ("trace", "profile", "trial")
+                out: dict[str, Any] = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0) for k in phases for u in ("s", "steps")}
                 out.update({f"{k}_s": self._spent[f"{k}_s"] for k in [k for k, _ in self.PARTS] + ["planning"]
                             if f"{k}_s" in self._spent})
                 out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
-                out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
+                out["total_steps"] = sum(out[f"{k}_steps"] for k in phases)
+                out["plan_cache"] = self.plan_cache
                 self.startup = out
                 self.effects.info(f"pipedap: steady state after {steps_text(out['total_steps'])}, "
                                   f"{out['total_s']:.2f} s since set-up: {describe_startup(out)}")
@@ -343,7 +383,7 @@ class Controller:
     def restart(self) -> None:
         """Back to TRACE (the trainable set changed): the next sync steps trace and plan again."""
         self._leave(Phase.TRACE)
-        self.sync_steps, self.trial, self.how = 0, None, "trace"
+        self.sync_steps, self.trial, self.verify, self.how = 0, None, None, "trace"
 
     def resumed(self, predicted_s: Optional[float], no_overlap_s: Optional[float],
                 planned_busy_s: Optional[float]) -> None:
@@ -361,6 +401,8 @@ class Controller:
             self._phase_steps += 1
         if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
             self.effects.adopt_trace()
+            if self.planned and self._install_cached():
+                return
             if self.planned:
                 self.account(self.effects.start_profiling())
                 self._leave(Phase.PROFILE)
@@ -378,8 +420,58 @@ class Controller:
         if self.phase is Phase.TRIAL:
             self._phase_steps += 1
             self._trial_step()
+        elif self.phase is Phase.VERIFY:
+            self._phase_steps += 1
+            self._verify_step()
         elif self.phase is Phase.RUN:
             self._drift_step()
+
+    # ------------------------------------------------------------------ TRACE -> VERIFY (plan cache)
+    def _install_cached(self) -> bool:
+        """After the trace: install the plan cache's candidate for this run, if any, and verify it (VERIFY)."""
+        self.plan_cache, cached = self.effects.cached_plan()
+        if cached is None:
+            return False
+        schedule, no_overlap_s, recorded_s = cached
+        self.how = "cached"
+        self._enter(schedule, no_overlap_s)
+        self.window_steps = self._window_steps(no_overlap_s)
+        self.verify = Verify(recorded_s)
+        self._leave(Phase.VERIFY)
+        return True
+
+    def _verify_step(self) -> None:
+        """One window (after one settling step) of the cached plan, timed as a trial window is (lower quartile,
+        rank 0's); as fast as recorded, within ``replan_margin``: RUN; slower: profile and select again."""
+        v = self.verify
+        assert v is not None
+        v.starts.append(self.clock())
+        if len(v.starts) < self.window_steps + 2:  # (the first interval after the switch settles, not counted)
+            return
+        gaps = [b - a for a, b in zip(v.starts[:-1], v.starts[1:])]
+        measured = self.effects.agree(lower_quartile(gaps[1:]))
+        self.verify = None
+        drift = measured / v.reference_s - 1.0 if v.reference_s > 0 else float("inf")
+        if drift <= self.replan_margin:
+            self.effects.info(f"pipedap: cached plan verified: {measured * 1e3:.1f} ms (lower quartile of "
+                              f"{steps_text(self.window_steps)}) vs {v.reference_s * 1e3:.1f} ms recorded in its trial")
+            self._reset_drift()
+            self.trial_reference_s = v.reference_s  # drift is checked against what its trial measured
+            self._leave(Phase.RUN)
+            return
+        self.effects.info(f"pipedap: cached plan measured {measured * 1e3:.1f} ms (lower quartile of "
+                          f"{steps_text(self.window_steps)}) vs {v.reference_s * 1e3:.1f} ms recorded in its trial "
+                          f"({drift:.0%} slower, more than replan_margin {self.replan_margin:.0%}): stale, selecting again")
+        self.plan_cache, self.how = "stale (re-selected)", "trace"
+        self.effects.flush()
+        self.account(self.effects.start_profiling())
+        self._leave(Phase.PROFILE)
+
+    def _window_steps(self, step_s: Optional[float]) -> int:
+        """Measured steps of one trial (or verification) window: ``trial_steps``, more for short steps
+        (``trial_window_s``), at most :data:`MAX_WINDOW_STEPS` (``step_s``: the no-overlap time, identical on every rank)."""
+        longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
+        return max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
 
     # ------------------------------------------------------------------ PROFILE -> TRIAL / RUN
     def _finish_profiling(self) -> None:
@@ -390,9 +482,7 @@ class Controller:
         # erase what was measured and chosen before it)
         if len(schedules) > 1:
             rounds = self.trial_rounds
-            step_s = no_overlap[0]
-            longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
-            self.window_steps = max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
+            self.window_steps = self._window_steps(no_overlap[0])
             self.how = "trial"
             self.effects.info(f"pipedap: measuring {len(schedules)} candidate schedules for {self.window_steps} "
                               f"measured steps each (after one settling step per window)"
@@ -479,6 +569,7 @@ class Controller:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
         self.trial_reference_s = measured[best]  # drift is checked against what the trial measured
+        self.effects.store_plan(self.trial_results, tr.no_overlap_s[best], measured[best])
         self._leave(Phase.RUN)
 
     def _confirm(self, tr: Trial, names: list[str], best: int, measured: list[float]) -> bool:
@@ -592,7 +683,8 @@ class Controller:
                        text=f"finished ({n} of {n} candidates measured{after})")
         else:
             why = {"fixed": "a fixed schedule", "resumed": "the plan came from the checkpoint",
-                   "single": "one candidate, installed directly"}.get(self.how, "no plan yet")
+                   "single": "one candidate, installed directly",
+                   "cached": "the plan came from the plan cache"}.get(self.how, "no plan yet")
             out.update(status="not run", text=f"not run ({why}{after})")
         return out
 
