@@ -204,10 +204,16 @@ def test_a_stale_cached_plan_is_selected_again_and_remembered():
 
     ctl, fx, clock = _controller(("hit", (Sched("b", 0.9), 2.0, 0.001)), replan_margin=0.15)  # recorded 1 ms
     ctl.after_sync_step(0.0)
-    for _ in range(4):
+    for _ in range(4):  # the first window: the first step's start, its settling interval, 2 measured ones
+        clock.t += 0.1
+        ctl.at_step_start()
+    assert ctl.phase is Phase.VERIFY and ctl.verify.measured_s == [pytest.approx(0.1)]  # slower: one more window
+    for _ in range(2):
         clock.t += 0.1
         ctl.at_step_start()
     assert ctl.phase is Phase.PROFILE and ctl.plan_cache == "stale (re-selected)"
+    assert any("in each of 2 windows: 100.0 ms, 100.0 ms): stale, selecting again" in c[1]
+               for c in fx.calls if c[0] == "info")
     assert "start_profiling" in fx.calls
     ctl.after_sync_step(clock.t)  # one profiled step: plan, then the trials of a and b
     assert ctl.phase is Phase.TRIAL
@@ -216,8 +222,24 @@ def test_a_stale_cached_plan_is_selected_again_and_remembered():
         ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.how == "selected" and len(fx.stored) == 1
     st = ctl.startup
-    assert st["plan_cache"] == "stale (re-selected)" and st["verify_steps"] == 4 and st["trial_steps"] > 0
+    assert st["plan_cache"] == "stale (re-selected)" and st["verify_steps"] == 6 and st["trial_steps"] > 0
     assert st["total_steps"] == st["trace_steps"] + st["verify_steps"] + st["profile_steps"] + st["trial_steps"]
+
+
+def test_a_load_burst_in_the_first_verification_window_is_not_stale():
+    from lightning_pipedap.strategy.controller import Phase
+    from tests.test_strategy_controller import Sched
+
+    ctl, fx, clock = _controller(("hit", (Sched("b", 0.9), 2.0, 0.10)))
+    ctl.after_sync_step(0.0)
+    for dt in (0.5, 0.3, 0.4, 0.5, 0.1, 0.11):  # a burst over the first window, then the recorded speed
+        clock.t += dt
+        ctl.at_step_start()
+    assert ctl.phase is Phase.RUN and ctl.plan_cache == "hit" and ctl.startup["verify_steps"] == 6
+    said = [c[1] for c in fx.calls if c[0] == "info"]
+    assert any("cached plan measured 400.0 ms" in m and "measuring another window" in m for m in said), said
+    assert any(m.startswith("pipedap: cached plan verified: 100.0 ms") for m in said), said
+    assert "start_profiling" not in fx.calls
 
 
 def test_a_miss_profiles_as_before():
@@ -282,6 +304,7 @@ def _fits(cache_dir: str) -> dict:
         entry.write_text(json.dumps(data_))
     out["stale"] = fit(40)
     out["files"] = sorted(p.name for p in Path(cache_dir).iterdir())
+    out["origin"] = json.loads(next(Path(cache_dir).glob("plan-*.json")).read_text())["cost_model_origin"]
     return out
 
 
@@ -323,6 +346,7 @@ def test_a_second_run_installs_the_remembered_plan_after_its_trace_step(tmp_path
     assert stale["plan_cache"] == "stale (re-selected)" and stale["startup"]["trial_steps"] > 0, stale
     assert any("stale, selecting again" in m for m in stale["lines"]), stale["lines"]
     assert len(res["files"]) == 1 and res["files"][0].startswith("plan-")
+    assert not res["origin"].startswith("α-β model of the plan cache entry"), res["origin"]  # (as first recorded)
 
 
 if __name__ == "__main__":

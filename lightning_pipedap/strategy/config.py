@@ -104,9 +104,10 @@ class PipeDAPConfig:
             ``$PIPEDAP_CACHE_DIR/plans``, default ``~/.cache/lightning_pipedap/plans``), ``False`` off, or a
             directory path. A run whose key (model in traced order, world size and layout, backend, device,
             link, optimizer classes, the options that change the plan, versions) matches an entry installs its
-            candidate right after the trace step, with no profiling and no trials, and verifies it over one
-            trial window: slower than recorded by more than ``replan_margin``, it selects again (and
-            remembers the new choice). Rank 0 reads and writes; an unwritable directory is one warning.
+            candidate right after the trace step, with no profiling and no trials, and verifies it over a
+            trial window: slower than recorded by more than ``replan_margin`` in each of ``trial_rounds``
+            (at least 2) windows, it selects again (and remembers the new choice). Rank 0 reads and writes;
+            an unwritable directory is one warning.
         replan_margin: re-profile and re-plan when the measured step time (lower quartile of the last
             ``replan_every`` steps) is slower than the chosen candidate measured in its trial (or, without
             trials, than the prediction) by more than this fraction; a faster run never re-plans, nor does

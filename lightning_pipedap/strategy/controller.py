@@ -7,8 +7,8 @@
       │  (fixed schedule) ───────────────────────────────────────────────────────────────────▶ ▲ │
       │                            ▲  (one candidate) ─────────────────────────────────────────┘ │
       │                            └──────────────── drift > replan_margin (re-plan) ───────────┘
-      │  (plan cache hit)          ▲ slower than recorded                                        ▲
-      └─────────────▶ VERIFY ──────┘ by > replan_margin ───── one window as fast as recorded ─────┘
+      │  (plan cache hit)          ▲ every window slower than                                    ▲
+      └─────────────▶ VERIFY ──────┘ recorded by > replan_margin ── a window as fast as recorded ─┘
       └◀──────────── the trainable set changed (restart), from any phase
     (resume from a checkpoint whose plan fits: straight to RUN)
 
@@ -44,7 +44,7 @@ class Phase(enum.Enum):
     TRACE = "trace"  #: sync steps of the warm-up schedule; the first one traces the forward
     PROFILE = "profile"  #: sync steps of the profiling schedule, per-layer times measured
     TRIAL = "trial"  #: steps of measured plan selection, candidates in interleaved rounds
-    VERIFY = "verify"  #: steps of a plan from the plan cache, one window timed against its recorded time
+    VERIFY = "verify"  #: steps of a plan from the plan cache, timed in windows against its recorded time
     RUN = "run"  #: steps of the installed schedule, drift checked
 
     @property
@@ -110,11 +110,16 @@ class Verify:
 
     Attributes:
         reference_s: the chosen candidate's time measured in the trial that selected it (s).
-        starts: clock at each step start since it was installed (s); the first interval settles.
+        windows: how many windows may be measured (``trial_rounds``, at least 2): a load burst on a shared
+            machine can slow one window by more than the margin.
+        starts: clock at each step start of the current window (s); the first window's first interval settles.
+        measured_s: the lower-quartile step time of each window measured so far (s, rank 0's).
     """
 
     reference_s: float
+    windows: int = 2
     starts: list[float] = field(default_factory=list)
+    measured_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -436,32 +441,43 @@ class Controller:
         self.how = "cached"
         self._enter(schedule, no_overlap_s)
         self.window_steps = self._window_steps(no_overlap_s)
-        self.verify = Verify(recorded_s)
+        self.verify = Verify(recorded_s, windows=max(2, self.trial_rounds))
         self._leave(Phase.VERIFY)
         return True
 
     def _verify_step(self) -> None:
-        """One window (after one settling step) of the cached plan, timed as a trial window is (lower quartile,
-        rank 0's); as fast as recorded, within ``replan_margin``: RUN; slower: profile and select again."""
+        """Windows of the cached plan, each timed as a trial window is (the lower quartile of ``window_steps``
+        intervals, the first window after one settling step; rank 0's): the first one within ``replan_margin``
+        of the recorded time (or faster) -> RUN; every one of ``verify.windows`` slower -> stale: profile and
+        select again (and remember the new choice)."""
         v = self.verify
         assert v is not None
         v.starts.append(self.clock())
-        if len(v.starts) < self.window_steps + 2:  # (the first interval after the switch settles, not counted)
+        settle = 1 if not v.measured_s else 0  # (the first interval after the install settles, not counted)
+        if len(v.starts) < self.window_steps + 1 + settle:
             return
         gaps = [b - a for a, b in zip(v.starts[:-1], v.starts[1:])]
-        measured = self.effects.agree(lower_quartile(gaps[1:]))
-        self.verify = None
+        measured = self.effects.agree(lower_quartile(gaps[settle:]))
+        v.measured_s.append(measured)
+        v.starts = [v.starts[-1]]
         drift = measured / v.reference_s - 1.0 if v.reference_s > 0 else float("inf")
+        what = (f"{measured * 1e3:.1f} ms (lower quartile of {steps_text(self.window_steps)}) vs "
+                f"{v.reference_s * 1e3:.1f} ms recorded in its trial")
         if drift <= self.replan_margin:
-            self.effects.info(f"pipedap: cached plan verified: {measured * 1e3:.1f} ms (lower quartile of "
-                              f"{steps_text(self.window_steps)}) vs {v.reference_s * 1e3:.1f} ms recorded in its trial")
+            self.verify = None
+            self.effects.info(f"pipedap: cached plan verified: {what}")
             self._reset_drift()
             self.trial_reference_s = v.reference_s  # drift is checked against what its trial measured
             self._leave(Phase.RUN)
             return
-        self.effects.info(f"pipedap: cached plan measured {measured * 1e3:.1f} ms (lower quartile of "
-                          f"{steps_text(self.window_steps)}) vs {v.reference_s * 1e3:.1f} ms recorded in its trial "
-                          f"({drift:.0%} slower, more than replan_margin {self.replan_margin:.0%}): stale, selecting again")
+        if len(v.measured_s) < v.windows:
+            self.effects.info(f"pipedap: cached plan measured {what} ({drift:.0%} slower, more than replan_margin "
+                              f"{self.replan_margin:.0%}); measuring another window")
+            return
+        self.verify = None
+        self.effects.info(f"pipedap: cached plan measured {what} ({drift:.0%} slower, more than replan_margin "
+                          f"{self.replan_margin:.0%}, in each of {len(v.measured_s)} windows: "
+                          + ", ".join(f"{m * 1e3:.1f} ms" for m in v.measured_s) + "): stale, selecting again")
         self.plan_cache, self.how = "stale (re-selected)", "trace"
         self.effects.flush()
         self.account(self.effects.start_profiling())

@@ -76,7 +76,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             also plans with layers larger than that split into pieces and keeps that plan when it is
             predicted > 1% faster (planned schedules without compression); ``plan_cache`` (default True: the
             default directory; False: off; or a directory) remembers the plan a measured selection chose and
-            installs it in a later run of the same key right after the trace step, verified over one window.
+            installs it in a later run of the same key right after the trace step, verified in trial windows.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
             bounds the default group's collectives (Lightning's barriers and broadcasts): a

@@ -4,8 +4,9 @@ The store and the key are :mod:`lightning_pipedap.plan.plan_cache` (pure); this 
 from the live run (traced order, process layout, the α-β cache entry of the group, optimizers, options),
 reads on rank 0 and broadcasts the answer, so every rank installs the same candidate or none
 (:meth:`PlanCache.lookup`, a collective), and writes on rank 0 after each finished selection
-(:meth:`PlanCache.store`). The controller verifies a remembered plan over one trial window and selects again
-when it measures slower than recorded by more than ``replan_margin``.
+(:meth:`PlanCache.store`). The controller verifies a remembered plan over a trial window and selects again
+when it measures slower than recorded by more than ``replan_margin`` in each of ``trial_rounds`` (at least 2)
+windows.
 
 Where: ``plan_cache=<dir>``; ``plan_cache=True`` (default): ``$PIPEDAP_PLAN_CACHE`` when set (``off``, ``0``,
 ``false`` or ``no`` turn the default off: the test suite does), else ``$PIPEDAP_CACHE_DIR/plans``, else
@@ -133,6 +134,8 @@ class PlanCache:
         self.entry: Optional[dict[str, Any]] = None
         self.path: Optional[Path] = None
         self._warned = False
+        self._origin: Optional[str] = None  # (a hit's α-β origin as recorded, and as this fit says it)
+        self._origin_here: Optional[str] = None
 
     @property
     def on(self) -> bool:
@@ -194,8 +197,9 @@ class PlanCache:
         fitted = entry.get("raw_cost_model") or entry.get("cost_model")
         if fitted is not None:  # (as fitted: a re-plan of this fit calibrates it on its own profiling steps)
             rt.planning.cost_model, rt.planning.raw_cost_model = CostModel.from_dict(fitted), None
-            rt.planning.cost_model_origin = (f"α-β model of the plan cache entry {path} ("
-                                             f"{entry.get('cost_model_origin') or 'origin not recorded'})")
+            self._origin = entry.get("cost_model_origin")
+            rt.planning.cost_model_origin = self._origin_here = (
+                f"α-β model of the plan cache entry {path} ({self._origin or 'origin not recorded'})")
         self.entry = {"path": path, "selected_at": entry.get("selected_at"), "chosen": candidate.name,
                       "describe": candidate.describe(), "measured_s": entry["measured_s"],
                       "candidates": entry.get("candidates", [])}
@@ -244,7 +248,8 @@ class PlanCache:
                                                   "decided_in", "windows_s", "chosen")} for r in results],
             "cost_model": None if planning.cost_model is None else planning.cost_model.to_dict(),
             "raw_cost_model": None if planning.raw_cost_model is None else planning.raw_cost_model.to_dict(),
-            "cost_model_origin": planning.cost_model_origin,
+            "cost_model_origin": (self._origin if planning.cost_model_origin == self._origin_here
+                                  and self._origin_here is not None else planning.cost_model_origin),
         }
         try:
             self.path = PlanStore(self.directory).save(self.key, entry)
