@@ -189,6 +189,17 @@ def test_strategy_node_has_the_planning_options():
             validate(_compose(bad))
 
 
+def test_strategy_node_takes_plan_cache_as_a_bool_or_a_directory(tmp_path):
+    for value, expected in (("false", False), ("true", True), (str(tmp_path / "plans"), str(tmp_path / "plans"))):
+        obj = OmegaConf.to_object(_compose(f"strategy.plan_cache={value}").strategy)
+        assert obj.plan_cache == expected
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ConfigError, match=r"strategy: plan_cache=.* is a file; give a directory"):
+        validate(_compose(f"strategy.plan_cache={tmp_path / 'f'}"))
+    with pytest.raises(ConfigError, match=r"strategy: plan_cache must be True .* got 3"):
+        validate(_compose("strategy.plan_cache=3"))
+
+
 def test_schema_has_every_strategy_option_with_the_same_default():
     """The Hydra schema validates through ``PipeDAPConfig``; its fields must not drift from the options."""
     import dataclasses

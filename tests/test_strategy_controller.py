@@ -34,6 +34,8 @@ class FakeEffects:
         self._profiled = iter(profiled)
         self.busy = busy
         self.rescale_ok = rescale_ok
+        self.cache = ("off", None)
+        self.stored: list = []
 
     def adopt_trace(self):
         self.calls.append("adopt_trace")
@@ -79,6 +81,12 @@ class FakeEffects:
 
     def info(self, message):
         self.calls.append(("info", message))
+
+    def cached_plan(self):  # (the plan cache: off unless a test gives an entry; not recorded in calls)
+        return self.cache
+
+    def store_plan(self, results, no_overlap_s, measured_s):
+        self.stored.append(([r["name"] for r in results if r["chosen"]], no_overlap_s, measured_s))
 
 
 class Clock:
@@ -175,8 +183,11 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     assert fx.calls.count("flush") == 3  # before every engine change
     # time to steady state: 1 trace + 1 profile step at t = 0, then 3 windows of 5 s + 2 measured steps (the
     # first window's first step start, at t = 0, is the 10th trial step)
-    assert ctl.startup == pytest.approx({"trace_s": 0.0, "trace_steps": 1, "profile_s": 0.0, "profile_steps": 1,
-                                         "planning_s": 0.0, "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2, "total_steps": 12})
+    startup = dict(ctl.startup)
+    assert startup.pop("plan_cache") == "off"
+    assert startup == pytest.approx({"trace_s": 0.0, "trace_steps": 1, "profile_s": 0.0, "profile_steps": 1,
+                                     "planning_s": 0.0, "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2, "total_steps": 12})
+    assert fx.stored == [(["b"], 3.0, pytest.approx(0.1))]  # the finished selection is offered to the plan cache
     assert any(isinstance(c, tuple) and c[0] == "info" and c[1].startswith("pipedap: steady state after 12 steps, "
                                                                           "16.20 s") for c in fx.calls)
     agreed = [c[1] for c in fx.calls if isinstance(c, tuple) and c[0] == "agree"]
@@ -617,7 +628,8 @@ def test_startup_lists_every_part_and_adds_up():
     clock.t += 0.5
     ctl.after_sync_step(clock.t)  # one profiled step of 0.5 s, planning 0.25 s, then a single candidate: RUN
     assert ctl.phase is Phase.RUN
-    st = ctl.startup
+    st = dict(ctl.startup)
+    assert st.pop("plan_cache") == "off"
     assert st == pytest.approx({"trace_s": 0.8, "trace_steps": 1, "helper_start_s": 0.3, "alpha_beta_s": 0.02,
                                 "contention_s": 0.7, "profile_s": 0.5, "profile_steps": 1, "planning_s": 0.25,
                                 "trial_s": 0.0, "trial_steps": 0, "total_s": 2.57, "total_steps": 2})

@@ -43,6 +43,8 @@ def test_import_registers_names_idempotently():
         ({"compression_mode": "thread"}, ValueError, r"need a compression method"),
         ({"trial_steps": True}, ValueError, r"trial_steps must be an integer >= 1, got True"),
         ({"cost_model": "/nonexistent/cm.json"}, ValueError, r"cost_model='/nonexistent/cm.json': no such file"),
+        ({"plan_cache": 1}, ValueError, r"plan_cache must be True \(remember selected plans in the default directory"),
+        ({"plan_cache": ""}, ValueError, r"plan_cache must be True .* or a directory path, got ''"),
         ({"nonfinite": "zero"}, ValueError, r"nonfinite must be one of 'warn', 'raise', 'skip', 'ignore', got 'zero'"),
         ({"check_params_every_n_steps": -3}, ValueError,
          r"check_params_every_n_steps must be an integer >= 1 or None \(off\), got -3"),

@@ -75,6 +75,7 @@ class PipeDAPStrategyConf:
     profile_steps: int = 3
     cost_model: Optional[str] = None
     cost_model_cache: bool = True
+    plan_cache: Any = True  # true (default directory) | false (off) | a directory path (see PipeDAPStrategy)
     replan_margin: float = 0.15
     replan_every: int = 50
     max_replans: int = 1

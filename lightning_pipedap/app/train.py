@@ -189,7 +189,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
     ``startup_steps`` start-up steps, ``startup_s`` seconds, and 2 settling steps; ``warmup_steps`` in any case;
     ``replan_steps`` steps of a drift re-plan left out); None with ``iteration_note``
     saying why when the fit ended before steady state. ``startup_cost_s`` (:func:`startup_cost_s`) is what the
-    start-up cost over running its steps at the steady-state iteration time (s)."""
+    start-up cost over running its steps at the steady-state iteration time (s). ``plan_cache``: ``"hit"``,
+    ``"miss"``, ``"off"`` or ``"stale (re-selected)"`` for pipedap (whether the plan came from the plan cache;
+    ``pipedap.plan_cache_entry`` says which), else None."""
     metrics = _scalar_metrics(trainer)
     measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
     name, schedule = strategy_label(cfg)
@@ -220,6 +222,8 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "startup_s": measure.get("startup_s"),
         "replan_steps": measure.get("replan_steps"),
         "startup_cost_s": startup_cost_s(measure.get("startup_s"), measure.get("startup_steps"), it_s),
+        "plan_cache": (trainer.strategy.what_ran().get("plan_cache") if hasattr(trainer.strategy, "what_ran")
+                       else None),
         "throughput_samples_per_s": measure.get("throughput_samples_per_s"),
         "energy_J_per_step": measure.get("energy_J_per_step"),
         "energy_J_per_sample": measure.get("energy_J_per_sample"),
@@ -322,6 +326,16 @@ def communication_text(comm: dict[str, float], processes: int) -> str:
     return line
 
 
+def plan_cache_text(ran: dict[str, Any]) -> str:
+    """The plan cache's part in a fit (``what_ran()``'s ``plan_cache`` and ``plan_cache_entry``): ``"hit: <file>
+    (selected <date>, <candidate>, 2.4 ms in its trial)"``, ``"miss"``, ``"off"``, ``"stale (re-selected)"``."""
+    status, entry = ran.get("plan_cache"), ran.get("plan_cache_entry")
+    if status == "hit" and entry:
+        return (f"hit: {entry.get('path')} (selected {entry.get('selected_at') or '?'}, {entry.get('chosen')}, "
+                f"{_ms(entry.get('measured_s'))} in its trial)")
+    return str(status)
+
+
 def format_summary(res: dict[str, Any]) -> str:
     """A short human-readable end-of-run summary of ``res`` (see :func:`collect_results`)."""
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
@@ -374,6 +388,7 @@ def format_summary(res: dict[str, Any]) -> str:
            f"({describe_startup(ran['startup'], 1)})"] if ran.get("startup") else []),
         *([f"cost model      {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
         *([communication_text(ran["communication"], res["processes"])] if ran.get("communication") else []),
+        *([f"plan cache      {plan_cache_text(ran)}"] if ran.get("plan_cache") else []),
         f"speedup         {speed}",
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
@@ -487,6 +502,8 @@ def what_ran_markdown(ran: dict[str, Any]) -> str:
                   f"{describe_startup(st)}"]
     if ran.get("cost_model_origin"):
         lines += ["", f"cost model: {ran['cost_model_origin']}"]
+    if ran.get("plan_cache"):
+        lines += ["", f"plan cache: {plan_cache_text(ran)}"]
     return "\n".join(lines)
 
 

@@ -6,8 +6,10 @@ primitive a few times (median), then fits ``T = α + β·bytes`` per primitive w
 With a 16-bit ``wire_dtype`` the reduce-scatter and all-gather are also timed in that wire format
 (cast in the send path, fp32 sums) and fitted over the fp32 bytes (:attr:`CostModel.rs16`,
 :attr:`CostModel.ag16`). Rank 0's timings are broadcast so every rank plans with the same model. Results are cached per
-(backend, world size, host set, master address) in ``~/.cache/lightning_pipedap`` unless disabled;
-the returned model's ``meta`` says which (:func:`describe_origin`).
+(backend, world size, host set with one entry per process, master address, device kind other than the CPU)
+in ``$PIPEDAP_CACHE_DIR`` (default ``~/.cache/lightning_pipedap``) unless disabled; the returned model's
+``meta`` says which (:func:`describe_origin`), and which job wrote a cached model when it was another one. The
+same key is the link fingerprint of the plan cache (:mod:`lightning_pipedap.plan.plan_cache`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import statistics
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 
@@ -31,9 +33,22 @@ from lightning_pipedap.schedule import OpKind
 CACHE_DIR = Path(os.environ.get("PIPEDAP_CACHE_DIR", Path.home() / ".cache" / "lightning_pipedap"))
 
 
-def _cache_key(comm: C.CommGroup) -> str:
+def device_kind(device: Optional[torch.device]) -> str:
+    """``"cpu"``, ``"cuda:<device name>"`` (``"cuda:NVIDIA H200"``), or the device type."""
+    if device is None or device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda" and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type
+
+
+def _cache_key(comm: C.CommGroup, device: Optional[torch.device] = None) -> str:
+    """The α-β cache entry of this group (a collective: every rank's host name): backend, world size, host set
+    (one entry per process, so the layout too), ``MASTER_ADDR`` and, off the CPU, the device kind."""
     hosts = C.all_gather_object(socket.gethostname())
-    raw = json.dumps([comm.backend, comm.world_size, sorted(hosts), os.environ.get("MASTER_ADDR", "")])
+    kind = device_kind(device)
+    raw = json.dumps([comm.backend, comm.world_size, sorted(hosts), os.environ.get("MASTER_ADDR", "")]
+                     + ([kind] if kind != "cpu" else []))  # (CPU keys as before device kinds were keyed)
     return hashlib.sha1(raw.encode()).hexdigest()[:16]
 
 
@@ -47,7 +62,9 @@ def describe_origin(meta: Mapping[str, Any]) -> str:
     ``"given"`` otherwise (a model passed as ``cost_model=`` is described by its caller)."""
     source = meta.get("source")
     if source == "cached":
-        return f"cached α-β model from {meta.get('cache_path')} (fitted {meta.get('fitted_at') or 'at an unknown time'})"
+        other = f", cached by another job: {meta['cached_by']}" if meta.get("cached_by") else ""
+        return (f"cached α-β model from {meta.get('cache_path')} (fitted "
+                f"{meta.get('fitted_at') or 'at an unknown time'}{other})")
     if source == "measured":
         took = meta.get("fit_s")
         return "α-β model fitted on the live group" + (f" in {took:.1f} s" if isinstance(took, (int, float)) else "")
@@ -64,6 +81,7 @@ def measure_cost_model(
     budget_s: float = 8.0,
     use_cache: bool = True,
     wire_dtype: str = "fp32",
+    job: Optional[str] = None,
 ) -> CostModel:
     """Time RS/AG/AR for sizes ``min_bytes·4^k ≤ max_bytes`` and fit the α-β model.
 
@@ -76,11 +94,15 @@ def measure_cost_model(
         use_cache: read/write the fitted model from/to the cache directory (a separate file per 16-bit
             ``wire_dtype``).
         wire_dtype: ``"fp32"``, or ``"fp16"`` / ``"bf16"``: also fit the 16-bit wire format's RS and AG.
+        job: what this job is, in words (``"pipedap-train: DigitsCNN (model 1a2b...)"``): recorded with a fit
+            written to the cache; a cached fit recorded by another job is reused with ``meta["cached_by"]`` set
+            to that job (or ``"an unrecorded job"``), which :func:`describe_origin` and so the log mention.
 
     Returns:
         The fitted :class:`CostModel` (``meta`` holds backend, world size, ``source``: ``"measured"``
-        with ``fit_s`` and ``fitted_at``, or ``"cached"`` with ``cache_path`` and the ``fitted_at`` of
-        the cached fit).
+        with ``fit_s`` and ``fitted_at``, or ``"cached"`` with ``cache_path``, the ``fitted_at`` of
+        the cached fit and, when another job cached it, ``cached_by``; ``not_cached`` says why a good fit
+        could not be written to the cache).
 
     Raises:
         ValueError: if the size range is empty or ``wire_dtype`` is not one of the choices.
@@ -90,7 +112,7 @@ def measure_cost_model(
     if wire_dtype != "fp32" and wire_dtype not in C.WIRE_DTYPES:
         raise ValueError(f"wire_dtype must be 'fp32' or one of {sorted(C.WIRE_DTYPES)}, got {wire_dtype!r}")
     wire = C.WIRE_DTYPES[wire_dtype] if wire_dtype != "fp32" else None
-    key = _cache_key(comm) if use_cache else None
+    key = _cache_key(comm, device) if use_cache else None
     path = CACHE_DIR / f"alpha_beta-{key}{'' if wire is None else '-' + wire_dtype}.json" if key else None
     cached = None
     if path is not None and comm.rank == 0 and path.exists():
@@ -101,6 +123,8 @@ def measure_cost_model(
             # (a file written before fitted_at was recorded: its modification time is when it was fitted)
             cached.meta.update(source="cached", cache_path=str(path),
                                fitted_at=cached.meta.get("fitted_at") or _utc(path.stat().st_mtime))
+            if job is not None and cached.meta.get("job") != job:
+                cached.meta["cached_by"] = cached.meta.get("job") or "an unrecorded job"
         except (ValueError, KeyError, json.JSONDecodeError, OSError):
             cached = None
     cached = C.broadcast_object(cached.to_dict() if cached is not None else None, src=0)
@@ -145,10 +169,16 @@ def measure_cost_model(
     model = fit_cost_model(samples, wire16_samples=wire16,
                            meta={"backend": comm.backend, "world_size": comm.world_size, "source": "measured",
                                  "sizes": len(samples["RS"]), "fit_s": fit_s, "fitted_at": fitted_at,
+                                 **({"job": job} if job is not None else {}),
                                  **({"wire_dtype": wire_dtype} if wire is not None else {})})
     good = all(ab is None or ab.r2 is None or ab.r2 >= 0.5
                for ab in (model.rs, model.ag, model.ar, model.rs16, model.ag16))
     if path is not None and comm.rank == 0 and good:  # never cache a poor fit
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(model.to_dict(), indent=1))
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (atomic: concurrent jobs read whole files)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(model.to_dict(), indent=1))
+            os.replace(tmp, path)
+        except OSError as exc:  # (an unwritable cache: the fit is used, not remembered)
+            model.meta["not_cached"] = f"{path.parent} is not writable ({exc.strerror or exc})"
     return model

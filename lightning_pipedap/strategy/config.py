@@ -20,7 +20,7 @@ from lightning_pipedap.schedule import BUILTIN_SCHEDULES
 PLANNED = {(n if n not in BUILTIN_SCHEDULES else f"{n}_tuned"): n for n in PLANNERS}
 
 #: options that may differ between ranks: rank 0's cost model plans for every rank; the others are local
-PER_RANK_OPTIONS = ("cost_model", "cost_model_cache", "train_thread_nice", "compression_threads")
+PER_RANK_OPTIONS = ("cost_model", "cost_model_cache", "train_thread_nice", "compression_threads", "plan_cache")
 
 DeferUpdate = Union[bool, Literal["auto"]]
 CompressionMode = Literal["process", "inline"]
@@ -98,7 +98,18 @@ class PipeDAPConfig:
         cost_model: α-β model for planning: a JSON file written by ``CostModel.save``, a
             :class:`~lightning_pipedap.plan.CostModel`, or ``None`` to measure RS/AG/AR on the live
             process group (a few seconds; cached per backend, world size and hosts).
-        cost_model_cache: read/write the measured model from ``~/.cache/lightning_pipedap``.
+        cost_model_cache: read/write the measured model from ``$PIPEDAP_CACHE_DIR`` (default
+            ``~/.cache/lightning_pipedap``).
+        plan_cache: remember the plan a measured selection chose, across runs
+            (:mod:`~lightning_pipedap.strategy.plan_cache`): ``True`` (default) in the default directory
+            (``$PIPEDAP_PLAN_CACHE`` if set, where ``off``/``0``/``false`` turns the default off; else
+            ``$PIPEDAP_CACHE_DIR/plans``, default ``~/.cache/lightning_pipedap/plans``), ``False`` off, or a
+            directory path. A run whose key (model in traced order, world size and layout, backend, device,
+            link, optimizer classes, the options that change the plan, versions) matches an entry installs its
+            candidate right after the trace step, with no profiling and no trials, and verifies it over a
+            trial window: slower than recorded by more than ``replan_margin`` in each of ``trial_rounds``
+            (at least 2) windows, it selects again (and remembers the new choice). Rank 0 reads and writes;
+            an unwritable directory is one warning.
         replan_margin: re-profile and re-plan when the measured step time (lower quartile of the last
             ``replan_every`` steps) is slower than the chosen candidate measured in its trial (or, without
             trials, than the prediction) by more than this fraction; a faster run never re-plans, nor does
@@ -251,6 +262,7 @@ class PipeDAPConfig:
     profile_steps: int = 3
     cost_model: Optional[Union[str, CostModel]] = None
     cost_model_cache: bool = True
+    plan_cache: Union[bool, str] = True
     replan_margin: float = 0.15
     calibrate_cost_model: bool = True
     train_thread_nice: int = 0
@@ -352,12 +364,32 @@ class PipeDAPConfig:
         if isinstance(self.cost_model, str) and not os.path.isfile(self.cost_model):
             raise ValueError(f"cost_model={self.cost_model!r}: no such file (a JSON file written by CostModel.save; "
                              "or None to measure the α-β model on the live group)")
+        self._check_plan_cache()
         object.__setattr__(self, "deferrable_optimizers", tuple(self.deferrable_optimizers))
         object.__setattr__(self, "compression_kwargs", dict(self.compression_kwargs or {}))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "wait_timeout_s", float(self.wait_timeout_s))
         object.__setattr__(self, "ring_chunk_mb", float(self.ring_chunk_mb))
         object.__setattr__(self, "replan_margin", float(self.replan_margin))
+
+    def _check_plan_cache(self) -> None:
+        """``plan_cache``: True, False or a directory path (a path-like becomes a ``str``).
+
+        Raises:
+            ValueError: another type, an empty path, or a path that names an existing file.
+        """
+        value = self.plan_cache
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+            object.__setattr__(self, "plan_cache", value)
+        if not isinstance(value, (bool, str)) or value == "":
+            raise ValueError(f"plan_cache must be True (remember selected plans in the default directory: "
+                             "$PIPEDAP_CACHE_DIR/plans, default ~/.cache/lightning_pipedap/plans), False (off) or a "
+                             f"directory path, got {value!r}")
+        if isinstance(value, str) and os.path.exists(os.path.expanduser(value)) \
+                and not os.path.isdir(os.path.expanduser(value)):
+            raise ValueError(f"plan_cache={value!r} is a file; give a directory for the plan cache (created if "
+                             "missing), True for the default one, or False (off)")
 
     @classmethod
     def option_names(cls) -> tuple[str, ...]:

@@ -7,6 +7,8 @@
       │  (fixed schedule) ───────────────────────────────────────────────────────────────────▶ ▲ │
       │                            ▲  (one candidate) ─────────────────────────────────────────┘ │
       │                            └──────────────── drift > replan_margin (re-plan) ───────────┘
+      │  (plan cache hit)          ▲ every window slower than                                    ▲
+      └─────────────▶ VERIFY ──────┘ recorded by > replan_margin ── a window as fast as recorded ─┘
       └◀──────────── the trainable set changed (restart), from any phase
     (resume from a checkpoint whose plan fits: straight to RUN; PROFILE whose steps cannot be profiled: RUN with
     the fixed schedule FALLBACK_SCHEDULE, logged)
@@ -59,12 +61,13 @@ class Phase(enum.Enum):
     TRACE = "trace"  #: sync steps of the warm-up schedule; the first one traces the forward
     PROFILE = "profile"  #: sync steps of the profiling schedule, per-layer times measured
     TRIAL = "trial"  #: steps of measured plan selection, candidates in interleaved rounds
+    VERIFY = "verify"  #: steps of a plan from the plan cache, timed in windows against its recorded time
     RUN = "run"  #: steps of the installed schedule, drift checked
 
     @property
     def deferrable(self) -> bool:
         """Whether steps of this phase may defer updates (a final schedule is installed)."""
-        return self in (Phase.TRIAL, Phase.RUN)
+        return self in (Phase.TRIAL, Phase.VERIFY, Phase.RUN)
 
 
 class Effects(Protocol):
@@ -108,6 +111,32 @@ class Effects(Protocol):
 
     def info(self, message: str) -> None:
         """Log on rank 0."""
+
+    def cached_plan(self) -> tuple[str, Optional[tuple[Any, float, float]]]:
+        """After the trace (planned schedules): look this run up in the plan cache; collective. Returns
+        ``(status, plan)``: ``("off" | "miss", None)`` or ``("hit", (candidate, no_overlap_s, recorded_s))``,
+        the remembered candidate, its no-overlap time and the time measured for it in its trial (s)."""
+
+    def store_plan(self, results: list[dict[str, Any]], no_overlap_s: float, measured_s: float) -> None:
+        """A selection finished (its choice installed): remember it in the plan cache (rank 0 writes)."""
+
+
+@dataclass
+class Verify:
+    """A plan from the plan cache being verified (VERIFY only).
+
+    Attributes:
+        reference_s: the chosen candidate's time measured in the trial that selected it (s).
+        windows: how many windows may be measured (``trial_rounds``, at least 2): a load burst on a shared
+            machine can slow one window by more than the margin.
+        starts: clock at each step start of the current window (s); the first window's first interval settles.
+        measured_s: the lower-quartile step time of each window measured so far (s, rank 0's).
+    """
+
+    reference_s: float
+    windows: int = 2
+    starts: list[float] = field(default_factory=list)
+    measured_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -225,16 +254,22 @@ def steps_text(n: Any) -> str:
     return f"{n} step{'' if n == 1 else 's'}"
 
 
-def describe_startup(startup: dict[str, float], digits: int = 2) -> str:
+def describe_startup(startup: dict[str, Any], digits: int = 2) -> str:
     """Every entry of :attr:`Controller.startup` in order, adding up to its ``total_s``:
     ``"trace 1 step 0.80 s, α-β model 0.01 s, contention benchmark 0.70 s, profile 3 steps 0.10 s, planning
-    0.30 s, trials 40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals)."""
+    0.30 s, trials 40 steps 4.20 s"`` (a part appears only when it ran; ``digits`` decimals); after a plan cache
+    hit ``"trace 1 step 0.80 s, verifying the cached plan 4 steps 0.05 s; plan cache hit"``, and the plan cache's
+    status at the end whenever it was consulted (``"; plan cache miss"``)."""
     items = [f"trace {steps_text(startup.get('trace_steps', 0))} {startup.get('trace_s', 0.0):.{digits}f} s"]
+    if "verify_steps" in startup:
+        items += [f"verifying the cached plan {steps_text(startup['verify_steps'])} {startup['verify_s']:.{digits}f} s"]
     items += [f"{label} {startup[f'{k}_s']:.{digits}f} s" for k, label in Controller.PARTS if f"{k}_s" in startup]
-    items += [f"profile {steps_text(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
-    items += [f"planning {startup['planning_s']:.{digits}f} s"] if "planning_s" in startup else []
-    items += [f"trials {steps_text(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
-    return ", ".join(items)
+    if "verify_steps" not in startup or startup.get("profile_steps") or startup.get("trial_steps"):
+        items += [f"profile {steps_text(startup.get('profile_steps', 0))} {startup.get('profile_s', 0.0):.{digits}f} s"]
+        items += [f"planning {startup['planning_s']:.{digits}f} s"] if "planning_s" in startup else []
+        items += [f"trials {steps_text(startup.get('trial_steps', 0))} {startup.get('trial_s', 0.0):.{digits}f} s"]
+    status = startup.get("plan_cache")
+    return ", ".join(items) + (f"; plan cache {status}" if status and status != "off" else "")
 
 
 class Controller:
@@ -290,8 +325,13 @@ class Controller:
             ``helper_start_s``), in s from the controller's creation at set-up. The phases exclude the
             parts, so ``total_s`` is the sum of the phases and parts; a phase holds everything else that
             ran while it was current (Lightning's own work between steps; in profile, planning with the
-            compressor's cost measurement; in trials, the engine switches).
+            compressor's cost measurement; in trials, the engine switches). After a plan cache hit,
+            ``"verify_s"`` and ``"verify_steps"`` (the verification window) too, and the profile and trial
+            entries are 0 unless the verification failed; ``"plan_cache"``: :attr:`plan_cache`.
             Empty before.
+        plan_cache: ``"off"``, ``"miss"``, ``"hit"`` (a remembered plan was installed after the trace:
+            being verified, or verified) or ``"stale (re-selected)"`` (it measured slower than recorded by
+            more than ``replan_margin``: selected again), as of the last trace.
     """
 
     def __init__(self, effects: Effects, *, planned: bool, warmup_steps: int = 1, profile_steps: int = 3,
@@ -323,13 +363,16 @@ class Controller:
         self.phase = Phase.TRACE
         self.sync_steps = 0
         self.trial: Optional[Trial] = None
+        self.verify: Optional[Verify] = None
+        self.plan_cache = "off"
         self.trial_results: list[dict[str, Any]] = []
         self.selections: list[list[dict[str, Any]]] = []
         self.selection_notes: list[str] = []
         #: how the schedule running now was reached: "trace" (nothing final yet), "fixed", "resumed",
         #: "single" (one candidate, installed directly), "trial" (measuring), "selected" (a finished selection),
-        #: "budget" (a selection the start-up budget stopped), "no_room" (the budget left no room for trials)
-        #: "unprofiled" (the fixed schedule: profiling could not profile a step, :attr:`unprofiled_note` says why)
+        #: "budget" (a selection the start-up budget stopped), "no_room" (the budget left no room for trials),
+        #: "unprofiled" (the fixed schedule: profiling could not profile a step, :attr:`unprofiled_note` says why),
+        #: "cached" (from the plan cache: verifying, or verified)
         self.how = "trace"
         #: why the fixed schedule replaced a plan ("unprofiled"), in words; None otherwise
         self.unprofiled_note: Optional[str] = None
@@ -346,7 +389,7 @@ class Controller:
         #: the chosen candidate's measured trial step time (s), the drift reference after a trial
         self.trial_reference_s: Optional[float] = None
         self._replannable = True  # False for a candidate without a plan (DDP's reducer): no drift re-plan
-        self.startup: dict[str, float] = {}
+        self.startup: dict[str, Any] = {}
         self._t_phase = clock()
         self._phase_steps = 0
         self._spent: dict[str, float] = {}
@@ -389,12 +432,14 @@ class Controller:
             self._spent[f"{key}_steps"] = self._spent.get(f"{key}_steps", 0) + self._phase_steps
             self._t_phase, self._phase_steps = now, 0
             if new is Phase.RUN:
-                out = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0)
-                       for k in ("trace", "profile", "trial") for u in ("s", "steps")}
+                phases = ("trace", "verify", "profile", "trial") if "verify_s" in self._spent else \
+                    ("trace", "profile", "trial")
+                out: dict[str, Any] = {f"{k}_{u}": self._spent.get(f"{k}_{u}", 0) for k in phases for u in ("s", "steps")}
                 out.update({f"{k}_s": self._spent[f"{k}_s"] for k in [k for k, _ in self.PARTS] + ["planning"]
                             if f"{k}_s" in self._spent})
                 out["total_s"] = sum(v for k, v in out.items() if k.endswith("_s"))
-                out["total_steps"] = out["trace_steps"] + out["profile_steps"] + out["trial_steps"]
+                out["total_steps"] = sum(out[f"{k}_steps"] for k in phases)
+                out["plan_cache"] = self.plan_cache
                 self.startup = out
                 self.effects.info(f"pipedap: steady state after {steps_text(out['total_steps'])}, "
                                   f"{out['total_s']:.2f} s since set-up: {describe_startup(out)}")
@@ -406,7 +451,7 @@ class Controller:
     def restart(self) -> None:
         """Back to TRACE (the trainable set changed): the next sync steps trace and plan again."""
         self._leave(Phase.TRACE)
-        self.sync_steps, self.trial, self.how = 0, None, "trace"
+        self.sync_steps, self.trial, self.verify, self.how = 0, None, None, "trace"
         self._selection_steps = 0
 
     def resumed(self, predicted_s: Optional[float], no_overlap_s: Optional[float],
@@ -427,6 +472,8 @@ class Controller:
             self._steps_done += 1
         if self.phase is Phase.TRACE and self.sync_steps >= self.warmup_steps:
             self.effects.adopt_trace()
+            if self.planned and self._install_cached():
+                return
             if self.planned:
                 self.account(self.effects.start_profiling())
                 self._leave(Phase.PROFILE)
@@ -450,8 +497,69 @@ class Controller:
             self._phase_steps += 1
             self._selection_steps += 1
             self._trial_step()
+        elif self.phase is Phase.VERIFY:
+            self._phase_steps += 1
+            self._verify_step()
         elif self.phase is Phase.RUN:
             self._drift_step()
+
+    # ------------------------------------------------------------------ TRACE -> VERIFY (plan cache)
+    def _install_cached(self) -> bool:
+        """After the trace: install the plan cache's candidate for this run, if any, and verify it (VERIFY)."""
+        self.plan_cache, cached = self.effects.cached_plan()
+        if cached is None:
+            return False
+        schedule, no_overlap_s, recorded_s = cached
+        self.how = "cached"
+        self._enter(schedule, no_overlap_s)
+        self.window_steps = self._window_steps(no_overlap_s)
+        self.verify = Verify(recorded_s, windows=max(2, self.trial_rounds))
+        self._leave(Phase.VERIFY)
+        return True
+
+    def _verify_step(self) -> None:
+        """Windows of the cached plan, each timed as a trial window is (the lower quartile of ``window_steps``
+        intervals, the first window after one settling step; rank 0's): the first one within ``replan_margin``
+        of the recorded time (or faster) -> RUN; every one of ``verify.windows`` slower -> stale: profile and
+        select again (and remember the new choice)."""
+        v = self.verify
+        assert v is not None
+        v.starts.append(self.clock())
+        settle = 1 if not v.measured_s else 0  # (the first interval after the install settles, not counted)
+        if len(v.starts) < self.window_steps + 1 + settle:
+            return
+        gaps = [b - a for a, b in zip(v.starts[:-1], v.starts[1:])]
+        measured = self.effects.agree(lower_quartile(gaps[settle:]))
+        v.measured_s.append(measured)
+        v.starts = [v.starts[-1]]
+        drift = measured / v.reference_s - 1.0 if v.reference_s > 0 else float("inf")
+        what = (f"{measured * 1e3:.1f} ms (lower quartile of {steps_text(self.window_steps)}) vs "
+                f"{v.reference_s * 1e3:.1f} ms recorded in its trial")
+        if drift <= self.replan_margin:
+            self.verify = None
+            self.effects.info(f"pipedap: cached plan verified: {what}")
+            self._reset_drift()
+            self.trial_reference_s = v.reference_s  # drift is checked against what its trial measured
+            self._leave(Phase.RUN)
+            return
+        if len(v.measured_s) < v.windows:
+            self.effects.info(f"pipedap: cached plan measured {what} ({drift:.0%} slower, more than replan_margin "
+                              f"{self.replan_margin:.0%}); measuring another window")
+            return
+        self.verify = None
+        self.effects.info(f"pipedap: cached plan measured {what} ({drift:.0%} slower, more than replan_margin "
+                          f"{self.replan_margin:.0%}, in each of {len(v.measured_s)} windows: "
+                          + ", ".join(f"{m * 1e3:.1f} ms" for m in v.measured_s) + "): stale, selecting again")
+        self.plan_cache, self.how = "stale (re-selected)", "trace"
+        self.effects.flush()
+        self.account(self.effects.start_profiling())
+        self._leave(Phase.PROFILE)
+
+    def _window_steps(self, step_s: Optional[float]) -> int:
+        """Measured steps of one trial (or verification) window: ``trial_steps``, more for short steps
+        (``trial_window_s``), at most :data:`MAX_WINDOW_STEPS` (``step_s``: the no-overlap time, identical on every rank)."""
+        longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
+        return max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
 
     # ------------------------------------------------------------------ PROFILE -> TRIAL / RUN
     def _finish_profiling(self) -> None:
@@ -472,9 +580,7 @@ class Controller:
             schedules, no_overlap = schedules[:1], no_overlap[:1]
         if len(schedules) > 1:
             rounds = self.trial_rounds
-            step_s = no_overlap[0]
-            longer = math.ceil(self.trial_window_s / step_s) if step_s and step_s > 0 and self.trial_window_s > 0 else 0
-            self.window_steps = max(self.trial_steps, min(MAX_WINDOW_STEPS, longer))
+            self.window_steps = self._window_steps(no_overlap[0])
             fits = ""
             if left is not None and n * rounds * (self.window_steps + 1) > left:  # (shorter windows fit the budget)
                 self.window_steps = max(MIN_BUDGET_WINDOW, min(self.window_steps, left // (n * rounds) - 1))
@@ -606,6 +712,7 @@ class Controller:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
             self._reset_drift()
         self.trial_reference_s = measured[best]  # drift is checked against what the trial measured
+        self.effects.store_plan(self.trial_results, tr.no_overlap_s[best], measured[best])
         self._leave(Phase.RUN)
 
     def _rounds_text(self, rounds: int) -> str:
@@ -798,8 +905,8 @@ class Controller:
             why = {"fixed": "a fixed schedule", "resumed": "the plan came from the checkpoint",
                    "single": "one candidate, installed directly",
                    "no_room": "the start-up budget left no room for trials",
-                   "unprofiled": f"the fixed schedule {FALLBACK_SCHEDULE!r}: no step could be profiled"
-                   }.get(self.how, "no plan yet")
+                   "unprofiled": f"the fixed schedule {FALLBACK_SCHEDULE!r}: no step could be profiled",
+                   "cached": "the plan came from the plan cache"}.get(self.how, "no plan yet")
             out.update(status="not run", text=f"not run ({why}{after})")
         return out
 

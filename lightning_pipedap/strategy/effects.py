@@ -2,8 +2,9 @@
 :class:`~lightning_pipedap.strategy.controller.Effects` of a :class:`~lightning_pipedap.strategy.runtime.Runtime`).
 
 Each method is one effect named by the controller: adopt the traced order and owners, install the fixed,
-profiling or planned schedule (or hand the model to DDP's reducer), plan the trial candidates, and the
-measurements the trials and the drift check read. The state they change lives on the runtime.
+profiling or planned schedule (or hand the model to DDP's reducer), plan the trial candidates, the
+measurements the trials and the drift check read, and the plan cache's lookup and store. The state they
+change lives on the runtime.
 """
 
 from __future__ import annotations
@@ -163,3 +164,12 @@ class RunEffects:
 
     def rescale_cost_model(self, ratio: float) -> bool:
         return self.rt.planning.rescale(ratio)
+
+    def cached_plan(self) -> tuple[str, Optional[tuple[Any, float, float]]]:
+        """This run's entry in the plan cache (rank 0 reads, every rank gets its answer; a collective when the
+        cache is on): :meth:`~lightning_pipedap.strategy.plan_cache.PlanCache.lookup`."""
+        return self.rt.plan_cache.lookup(self.rt)
+
+    def store_plan(self, results: list[dict[str, Any]], no_overlap_s: float, measured_s: float) -> None:
+        """Remember the finished selection (rank 0 writes; no collective)."""
+        self.rt.plan_cache.store(self.rt, results, no_overlap_s, measured_s)

@@ -83,7 +83,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
 
     Args:
         schedule, bucket_cap_mb, warmup_steps, wait_timeout_s, ring_chunk_mb, profile_steps, cost_model,
-            cost_model_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
+            cost_model_cache, plan_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
             max_replans, plan_trials, trial_steps, trial_rounds, trial_window_s, model_contention, wire_dtype,
             gradient_as_bucket_view, partition_mb: as for
             :class:`~lightning_pipedap.PipeDAPStrategy` (documented in
@@ -121,6 +121,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         profile_steps: int = 3,
         cost_model: Optional[Union[str, CostModel]] = None,
         cost_model_cache: bool = True,
+        plan_cache: Union[bool, str] = True,
         replan_margin: float = 0.15,
         calibrate_cost_model: bool = True,
         train_thread_nice: int = 0,

@@ -66,7 +66,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
 
     Args:
         schedule, bucket_cap_mb, defer_update, warmup_steps, wait_timeout_s, ring_chunk_mb,
-            deferrable_optimizers, profile_steps, cost_model, cost_model_cache, replan_margin,
+            deferrable_optimizers, profile_steps, cost_model, cost_model_cache, plan_cache, replan_margin,
             calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
             compression_kwargs, compression_mode, compression_threads, wire_dtype, gradient_as_bucket_view,
             plan_trials, trial_steps,
@@ -80,7 +80,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             ``gradient_as_bucket_view`` (default False) makes every ``.grad`` a view into its bucket (no second
             copy of the gradients, as DDP's option of that name); ``partition_mb`` (None = off, or MiB > 0)
             also plans with layers larger than that split into pieces and keeps that plan when it is
-            predicted > 1% faster (planned schedules without compression).
+            predicted > 1% faster (planned schedules without compression); ``plan_cache`` (default True: the
+            default directory; False: off; or a directory) remembers the plan a measured selection chose and
+            installs it in a later run of the same key right after the trace step, verified in trial windows.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
             bounds the default group's collectives (Lightning's barriers and broadcasts): a
@@ -121,6 +123,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         profile_steps: int = 3,
         cost_model: Optional[Union[str, CostModel]] = None,
         cost_model_cache: bool = True,
+        plan_cache: Union[bool, str] = True,
         replan_margin: float = 0.15,
         calibrate_cost_model: bool = True,
         train_thread_nice: int = 0,

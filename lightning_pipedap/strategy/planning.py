@@ -70,6 +70,8 @@ class Planning:
         #: where the α-β model came from, in words (:func:`~lightning_pipedap.probe.alpha_beta.describe_origin`)
         self.cost_model_origin: Optional[str] = None
         self.compression_cost: Optional[Any] = None
+        #: what this job is, in words, recorded with an α-β fit written to the cache (set by the run-time)
+        self.job: Optional[str] = None
         self.profile: Optional[dict] = None
         self.predictions: dict[str, dict[str, float]] = {}
         self._profiled: list[tuple[list[float], list[float]]] = []
@@ -104,7 +106,8 @@ class Planning:
             else:
                 largest = max(p.numel() * p.element_size() for p in params)
                 self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
-                                                     use_cache=cfg.cost_model_cache, wire_dtype=cfg.wire_dtype)
+                                                     use_cache=cfg.cost_model_cache, wire_dtype=cfg.wire_dtype,
+                                                     job=self.job)
                 self.cost_model_origin = describe_origin(self.cost_model.meta)
             spent["alpha_beta"] = time.perf_counter() - t0
             self._log_cost_model()
@@ -133,6 +136,9 @@ class Planning:
                       + ("It was not cached: the next fit measures again. Pass cost_model=<file> to plan with a "
                          "model of your own." if fresh else
                          "Pass cost_model=<file>, or cost_model_cache=False to measure again."))
+        if cm.meta.get("not_cached"):
+            self.warn(f"pipedap: the α-β model was not cached: {cm.meta['not_cached']}; the next fit measures it "
+                      "again (set PIPEDAP_CACHE_DIR to a writable directory, or cost_model_cache=False)")
         self.info(f"pipedap: {self.cost_model_origin}: " + ", ".join(f"{k} {ab.describe()}" for k, ab in prims)
                   + (" (16-bit wire: over the fp32 bytes, cast included)" if cm.rs16 is not None else ""))
 

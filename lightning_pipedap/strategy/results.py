@@ -43,6 +43,12 @@ class _FromRun:
         return getattr(rt.controller, self.name) if hasattr(rt.controller, self.name) else getattr(rt, self.name)
 
 
+def _entry_of(cache: Any) -> Optional[dict[str, Any]]:
+    """What a plan cache hit installed (``PlanCache.entry``), or None."""
+    entry = getattr(cache, "entry", None)
+    return dict(entry) if entry else None
+
+
 class RunResults:
     """Results of the current or last fit: plan selection, predictions, measured times, the timeline."""
 
@@ -89,6 +95,8 @@ class RunResults:
                                 self.root_device, self._measured, resume, M.info, M.warn, self.update_counts,
                                 self._records, lambda: self._timeline_enabled, run_noun=self.RUN_NOUN)
         rt.start_heartbeat(on_lost_peer)
+        nodes = int(getattr(self, "num_nodes", 1) or 1)
+        rt.layout = (nodes, max(1, self.world_size // nodes))
         M.every_rank(f"pipedap: rank {self.global_rank} of {self.world_size} set up on {socket.gethostname()} "
                      f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors"
                      f"{f' + {len(rt.sparse.params)} with sparse gradients' if rt.has_sparse else ''}, "
@@ -116,8 +124,9 @@ class RunResults:
     replans_done = _FromRun("replans_done", 0, "Re-plans triggered by drift in the last fit.")
     installed_schedule = _FromRun("installed_schedule", None, "describe() of the last final schedule (None before).")
     startup = _FromRun("startup", {}, "Time to steady state of the last fit: seconds and steps in trace, profile "
-                       "and trials, seconds of the α-β model, the contention benchmark, the compression "
-                       "helper's start and planning, and their totals ({} until the plan runs).")
+                       "and trials (or verifying a cached plan), seconds of the α-β model, the contention benchmark, "
+                       "the compression helper's start and planning, their totals, and plan_cache ('hit', 'miss', "
+                       "'off', 'stale (re-selected)') ({} until the plan runs).")
 
     def what_ran(self) -> dict[str, Any]:
         """What the last fit ran, as plain JSON-able data (for result files and summaries).
@@ -144,7 +153,11 @@ class RunResults:
         outside a fit), ``unfinished_candidates`` (the measurements of an unfinished selection, as
         ``candidates``; ``candidates`` keeps the last *finished* one), ``ran_at_end`` (the name of the
         schedule communicating when the fit ended: a candidate under measurement or the profiling schedule
-        when selection was unfinished), ``wire_dtype`` and ``wire16_buckets`` (buckets sent 16-bit).
+        when selection was unfinished), ``wire_dtype`` and ``wire16_buckets`` (buckets sent 16-bit),
+        ``plan_cache`` (``"hit"``, ``"miss"``, ``"off"`` or ``"stale (re-selected)"``: whether the plan came from
+        the plan cache, see :attr:`Controller.plan_cache`; None outside a fit) and ``plan_cache_entry`` (after a
+        hit: the entry's ``path``, ``selected_at``, ``chosen``, ``describe``, ``measured_s`` and the
+        ``candidates`` its selection measured; else None).
         """
         rt = self._rt or self._last
         if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
@@ -173,6 +186,8 @@ class RunResults:
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
+            "plan_cache": getattr(getattr(rt, "controller", None), "plan_cache", None),
+            "plan_cache_entry": _entry_of(getattr(rt, "plan_cache", None)),
         }
 
     @staticmethod

@@ -9,7 +9,8 @@
 - the :class:`~lightning_pipedap.strategy.controller.Controller` (phases), whose transitions act on
   this run-time through :class:`~lightning_pipedap.strategy.effects.RunEffects` (adopt the trace,
   install schedules, profile and plan with :class:`~lightning_pipedap.strategy.planning.Planning`);
-- the compression state across engines and the checkpoint's plan (``resume``).
+- the compression state across engines and the checkpoint's plan (``resume``);
+- the plan cache of the fit (``plan_cache``: :class:`~lightning_pipedap.strategy.plan_cache.PlanCache`).
 
 It imports no Lightning: the strategy passes in the module, the optimizers and loggers.
 """
@@ -39,6 +40,7 @@ from lightning_pipedap.strategy.handover import TorchDDPHandover
 from lightning_pipedap.strategy.hooks import ModelHooks
 from lightning_pipedap.strategy.numerics import NonFiniteCheck, check_replicas_agree
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
+from lightning_pipedap.strategy.plan_cache import PlanCache, job_label
 from lightning_pipedap.strategy.planning import Measured, Planning
 from lightning_pipedap.strategy.tracing import consumer_mode
 
@@ -174,6 +176,11 @@ class Runtime:
                                      asked=config.schedule)
         self.planning = Planning(config, comm, device, world_size, rank, measured, info, warn)
         info(f"pipedap: {config.what_runs()}")
+        self.planning.job = job_label(module)
+        #: the fit's plan cache (a remembered plan after the trace; a finished selection remembered)
+        self.plan_cache = PlanCache(config, rank, info, warn)
+        #: ``(nodes, processes per node)`` (set by the strategy; the plan cache's key)
+        self.layout: tuple[int, int] = (1, world_size)
         for note in config.ignored_options():  # (once per fit: options that do not apply are not silent)
             info(note)
         self.carry = (R.CompressionCarry(config.compression, config.compression_kwargs, self.engine_param_info, info)

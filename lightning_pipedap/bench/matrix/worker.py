@@ -244,7 +244,8 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, wire_dtype=sp.wire,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
                                trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
-                               trial_window_s=0, **comp)  # (window = trial_steps: the warm-up count is exact)
+                               trial_window_s=0, plan_cache=False,  # (every repeat measures its own selection)
+                               **comp)  # (window = trial_steps: the warm-up count is exact)
     strategy.timeline_enabled = bool(spec["timeline"])
     return strategy
 
