@@ -284,7 +284,7 @@ def _fits(cache_dir: str) -> dict:
 
     def fit(steps: int, **kw) -> dict:
         del lines[:]
-        strategy = PipeDAPStrategy(plan_cache=cache_dir, profile_steps=1, plan_trials=2, trial_steps=2, trial_rounds=1,
+        strategy = PipeDAPStrategy(plan_cache=cache_dir, startup_budget=None, profile_steps=1, plan_trials=2, trial_steps=2, trial_rounds=1,
                                    trial_window_s=0.0, model_contention=False, wait_timeout_s=60.0, **kw)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
