@@ -12,8 +12,8 @@ For each experiment and variant it prints the best (lowest fit time) of the roun
 the ratio to DDP's fit time in the same round, start-up steps and seconds (trace + profiling + trials), the share
 of the fit's steps in steady state and the steady-state iteration time::
 
-    python benchmarks/first_run.py                       # experiment=digits (the default job), 2 rounds
-    python benchmarks/first_run.py --experiments digits,gpt_stdlib --rounds 2 --markdown out.md
+    python benchmarks/first_run.py                       # the default job (`pipedap-train`), 2 rounds
+    python benchmarks/first_run.py --experiments default,gpt_stdlib --rounds 2 --markdown out.md
 
 Each job writes its ``results.json`` under ``--out`` (a temporary folder by default); the plan cache of a round
 lives in its own folder, so every round's first run starts from nothing.
@@ -37,7 +37,7 @@ VARIANTS = ("ddp", "pipedap-first", "pipedap-second")
 
 def run_job(experiment: str, variant: str, out_dir: Path, cache_dir: Path, timeout_s: float) -> dict[str, Any]:
     """One ``pipedap-train`` job; returns its ``results.json`` plus ``wall_s`` (s), or ``{"error": ...}``."""
-    overrides = [f"experiment={experiment}", f"hydra.run.dir={out_dir}"]
+    overrides = ([] if experiment == "default" else [f"experiment={experiment}"]) + [f"hydra.run.dir={out_dir}"]
     if variant == "ddp":
         overrides.append("strategy=ddp")
     else:
@@ -70,7 +70,8 @@ def summarise(res: dict[str, Any]) -> dict[str, Optional[float]]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experiments", default="digits", help="comma-separated conf/experiment names")
+    ap.add_argument("--experiments", default="default",
+                    help="comma-separated conf/experiment names; 'default' = the app's default job (no experiment=)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None, help="folder for the jobs' outputs (default: a temporary folder)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per job")

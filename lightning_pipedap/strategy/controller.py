@@ -512,7 +512,9 @@ class Controller:
         schedule, no_overlap_s, recorded_s = cached
         self.how = "cached"
         self._enter(schedule, no_overlap_s)
-        self.window_steps = self._window_steps(no_overlap_s)
+        # short windows (``trial_steps`` measured steps): verifying is not selecting; the first window within the
+        # margin ends it, a slow one is measured again, and only every one of 2+ windows slow makes the plan stale
+        self.window_steps = self.trial_steps
         self.verify = Verify(recorded_s, windows=max(2, self.trial_rounds))
         self._leave(Phase.VERIFY)
         return True
