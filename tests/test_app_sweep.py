@@ -100,3 +100,31 @@ def test_a_job_that_was_not_run_again_is_marked(tmp_path):
     paths = write_summary(str(tmp_path), tensorboard=False)
     with open(paths["csv"]) as f:
         assert "duplicate_of" not in f.readline()
+
+
+def test_the_bar_chart_marks_a_job_not_run_again_and_says_energy_was_estimated():
+    """The plot drew a de-duplicated job (``strategy=ddp`` under two scheduler values) as a full bar of its own, and
+    its energy panel did not say the energy was estimated, as the summary does."""
+    from lightning_pipedap.app.sweep import bar_chart_figure
+
+    raw = [{"job_num": 0, "strategy": "ddp", "overrides": ["strategy=ddp", "scheduler=allreduce"], "iteration_ms": 5.0,
+            "energy_J_per_step": 0.3, "energy_kind": "estimated"},
+           {"job_num": 1, "strategy": "ddp", "overrides": ["strategy=ddp", "scheduler=dear"], "iteration_ms": 5.0,
+            "energy_J_per_step": 0.3, "energy_kind": "estimated", "duplicate_of": 0},
+           {"job_num": 2, "strategy": "pipedap", "schedule": "dear", "overrides": ["strategy=pipedap"],
+            "iteration_ms": 4.0, "energy_J_per_step": 0.25, "energy_kind": "estimated"}]
+    rows = table_rows(add_speedup(raw))
+    fig = bar_chart_figure(rows)
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["median iteration time (ms)", "speedup vs DDP",
+                                               "energy per step (J, estimated)"]
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["#0 ddp", "#1 ddp (same run as #0)",
+                                                                "#2 pipedap/dear"]
+        bars = [p for p in ax.patches if p.get_height() > 0.5]
+        assert [bool(b.get_hatch()) for b in bars] == [False, True, False]
+    # a sweep with both kinds labels each energy bar
+    rows[0]["energy_kind"] = "measured"
+    energy = bar_chart_figure(rows).axes[-1]
+    assert energy.get_title() == "energy per step (J)"
+    assert [t.get_text().strip() for t in energy.texts] == ["measured", "estimated", "estimated"]

@@ -7,7 +7,8 @@
 
 :class:`SweepSummary` (``on_multirun_end``) reads each job's ``results.json`` and writes, in the
 sweep directory, ``sweep_summary.csv``, ``sweep_summary.md`` and ``sweep_summary.png`` (bar charts of
-median iteration time, speedup and energy per step), and a TensorBoard run
+median iteration time, speedup and energy per step; a job not run again is hatched and labelled
+``same run as #k``, and the energy panel says ``estimated`` or ``measured``), and a TensorBoard run
 ``<sweep_dir>/tensorboard`` with the same numbers as scalars (step = job number), the table as text
 and the chart as an image.
 
@@ -197,32 +198,68 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
-    """PNG with one bar panel per quantity (iteration time, speedup, energy when present); a pipedap job's label
-    names the installed schedule when it differs from the configured one (``#1 pipedap/optimal -> torch_ddp``)."""
-    import matplotlib  # noqa: PLC0415
+def _bar_label(r: dict[str, Any]) -> str:
+    """A bar's y label: ``#1 pipedap/optimal -> torch_ddp``; a job that was not run again says which job it repeats."""
+    label = (f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
+             + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else ""))
+    if r.get("duplicate_of") is not None:
+        label += f" (same run as #{r['duplicate_of']})"
+    return label
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+def _energy_title(rows: list[dict[str, Any]]) -> str:
+    """The energy panel's title: says "estimated" (or "measured") as the summary's ``energy_kind`` does; with both
+    kinds in one sweep each bar is labelled instead."""
+    kinds = {r.get("energy_kind") or "" for r in rows if r.get("energy_J_per_step") is not None}
+    if len(kinds) == 1 and "" not in kinds:
+        return f"energy per step (J, {kinds.pop()})"
+    return "energy per step (J)"
+
+
+def bar_chart_figure(rows: list[dict[str, Any]]):
+    """The sweep's bar chart as a matplotlib ``Figure`` (Agg canvas, no pyplot state): one panel per quantity
+    (iteration time, speedup, energy when present).
+
+    A pipedap job's label names the installed schedule when it differs from the configured one
+    (``#1 pipedap/optimal -> torch_ddp``). A job the sweep did not run again (``duplicate_of``: e.g. ``strategy=ddp``
+    under two ``scheduler`` values) is drawn hatched and pale and labelled ``(same run as #k)``: its numbers are job
+    #k's. The energy panel says whether the energy was ``estimated`` or ``measured`` (each bar is labelled when a
+    sweep has both)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
 
     panels = [("iteration_ms", "median iteration time (ms)"), ("speedup_vs_ddp", "speedup vs DDP"),
-              ("energy_J_per_step", "energy per step (J)")]
+              ("energy_J_per_step", _energy_title(rows))]
     panels = [p for p in panels if any(r[p[0]] is not None for r in rows)] or panels[:1]
-    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
-              + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else "")
-              for r in rows]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), squeeze=False)
+    labels = [_bar_label(r) for r in rows]
+    fig = Figure(figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    mixed_energy = _energy_title(rows) == "energy per step (J)"  # (no single kind to name in the title)
     for ax, (key, title) in zip(axes[0], panels):
         vals = [r[key] if r[key] is not None else 0.0 for r in rows]
-        ax.barh(range(len(rows)), vals, color=["#888888" if r["strategy"] == "ddp" else "#1f77b4" for r in rows])
+        bars = ax.barh(range(len(rows)), vals, color=["#888888" if r["strategy"] == "ddp" else "#1f77b4" for r in rows])
+        for bar, r in zip(bars, rows):
+            if r.get("duplicate_of") is not None:
+                bar.set_hatch("///")
+                bar.set_alpha(0.45)
+                bar.set_edgecolor("black")
+            if key == "energy_J_per_step" and mixed_energy and r[key] is not None and r.get("energy_kind"):
+                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['energy_kind']}", va="center",
+                        fontsize=7)
         ax.set_yticks(range(len(rows)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
         if key == "speedup_vs_ddp":
             ax.axvline(1.0, color="k", lw=0.8, ls="--")
     fig.tight_layout()
+    return fig
+
+
+def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
+    """Write :func:`bar_chart_figure` of ``rows`` to the PNG file ``path``."""
+    fig = bar_chart_figure(rows)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def write_summary(sweep_dir: str, tensorboard: bool = True) -> Optional[dict[str, str]]:
