@@ -209,3 +209,29 @@ def test_the_summary_says_why_a_slower_looking_candidate_was_chosen():
     assert "candidates      b 190.0 ms, torch_ddp 200.0 ms (chosen)\n" in text
     assert "why             b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%: chose torch_ddp" in text
     assert "why: b 190.0 ms is not faster than torch_ddp 200.0 ms by more than 10%" in what_ran_markdown(ran)
+
+
+def test_the_summary_flags_a_speedup_below_one_and_a_large_prediction_error_with_reasons():
+    """TensorBoard showed speedup_vs_no_overlap 0.60 and prediction_error_pct 82 and the summary said nothing."""
+    ran = {"schedule": "optimal", "installed": {"name": "dear"}, "buckets": 2, "predicted_iteration_s": 0.0055,
+           "no_overlap_time_s": 0.006, "profiled_compute_s": 0.0058, "contention": {"compute_slowdown": 0.3,
+                                                                                    "comm_slowdown": 0.1},
+           "cost_model_origin": "α-β model fitted on the live group in 2.1 s"}
+    res = _res(ran, iteration_ms=10.0, speedup_vs_no_overlap=0.6, no_overlap_time_s=0.006,
+               predicted_iteration_s=0.0055, prediction_error_pct=81.8, host_cpus=2)
+    lines = [line for line in format_summary(res).splitlines() if line.startswith("check")]
+    assert len(lines) == 2, format_summary(res)
+    speed, err = lines
+    assert speed.startswith("check           speedup vs no overlap 0.60 (< 1.0): the step (10.0 ms) is slower than "
+                            "the no-overlap reference (6.0 ms), which is not a measured run but a prediction")
+    assert "all-reduce of every bucket (0.2 ms, 3% of it)" in speed and "a few % of the step" in speed
+    assert "loopback" in speed and "compute ran slower than in the profiling steps" in speed
+    assert "2 training processes and their communication threads share 2 CPU cores" in speed
+    assert "measured compute 30% slower while communication runs" in speed
+    assert err.startswith("check           prediction error +82% (more than 25%): measured 10.0 ms per step, the plan "
+                          "predicted 5.5 ms")
+    assert "more than all the communication the model predicts (0.2 ms)" in err and "compute ran slower" in err
+    # nothing surprising: no line
+    calm = _res(ran, iteration_ms=5.6, speedup_vs_no_overlap=1.07, no_overlap_time_s=0.006,
+                predicted_iteration_s=0.0055, prediction_error_pct=1.8, host_cpus=2)
+    assert "check" not in format_summary(calm)

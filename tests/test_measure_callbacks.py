@@ -551,3 +551,23 @@ def test_compression_monitor_logs_ratio_and_hidden_share():
     trainer.global_step = 21  # not a logging step
     CompressionMonitor(every_n_steps=10).on_train_batch_end(trainer, None, None, None, 0)
     assert len(logged) == 1
+
+
+def test_speedup_summary_has_the_steady_state_comparison_with_the_strategys_predictions(tmp_path):
+    """TensorBoard showed speedup_vs_no_overlap 0.60 and prediction_error_pct 82, but the summary file (which the
+    app's summary reads) had neither: now it has both, over the whole steady-state median."""
+    mon = SpeedupMonitor(warmup_steps=0, window_steps=100, clock=ListClock([0.0, 0.1, 0.2, 0.3]),
+                         summary_file=str(tmp_path / "s.json"))
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    tr.strategy = StartupStrategy()
+    tr.strategy.startup = {"total_steps": 0, "total_s": 0.0}
+    tr.strategy.no_overlap_time_s, tr.strategy.predicted_iteration_s = 0.06, 0.055
+    for step in range(4):
+        mon.on_train_batch_start(tr, None, batch, step)
+    mon.on_train_end(tr, None)
+    summary = read_summary(str(tmp_path / "s.json"))
+    assert summary["iteration_s"] == pytest.approx(0.1)
+    assert summary["no_overlap_time_s"] == pytest.approx(0.06)
+    assert summary["speedup_vs_no_overlap"] == pytest.approx(0.6)
+    assert summary["predicted_iteration_s"] == pytest.approx(0.055)
+    assert summary["prediction_error_pct"] == pytest.approx(100 * (0.1 / 0.055 - 1))

@@ -189,7 +189,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
     ``startup_steps`` start-up steps, ``startup_s`` seconds, and 2 settling steps; ``warmup_steps`` in any case;
     ``replan_steps`` steps of a drift re-plan left out); None with ``iteration_note``
     saying why when the fit ended before steady state. ``startup_cost_s`` (:func:`startup_cost_s`) is what the
-    start-up cost over running its steps at the steady-state iteration time (s)."""
+    start-up cost over running its steps at the steady-state iteration time (s). ``speedup_vs_no_overlap`` and
+    ``prediction_error_pct`` (with ``no_overlap_time_s`` and ``predicted_iteration_s``) compare the steady-state
+    median with the strategy's predictions; the summary flags them when surprising (:func:`surprises`)."""
     metrics = _scalar_metrics(trainer)
     measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
     name, schedule = strategy_label(cfg)
@@ -206,6 +208,7 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "compression": (cfg.strategy.get("compression") if name == "pipedap" else None),
         "model": str(cfg.model.get("net", {}).get("_target_", cfg.model._target_)).rsplit(".", 1)[-1],
         "processes": int(trainer.world_size),
+        "nodes": int(getattr(trainer, "num_nodes", 1) or 1),
         "accelerator": str(cfg.trainer.get("accelerator", "")),
         "fit_s": fit_s,
         "val_acc": metrics.get("val/acc"),
@@ -226,6 +229,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "energy_total_J": measure.get("energy_total_J"),
         "energy_kind": measure.get("energy_kind"),
         "speedup_vs_reference": None,
+        # the steady-state median against the strategy's predictions (SpeedupMonitor; pipedap only)
+        **{k: measure.get(k) for k in COMPARISON_KEYS},
+        "host_cpus": os.cpu_count(),
         "metrics": metrics,
         "output_dir": output_dir,
         "tensorboard_dir": tb_dirs[0] if tb_dirs else None,
@@ -238,6 +244,76 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         if ref_s:
             res["speedup_vs_reference"] = 1000.0 * float(ref_s) / res["iteration_ms"]
     return res
+
+
+#: what SpeedupMonitor writes when the strategy predicts its step (:func:`~lightning_pipedap.measure.speedup.model_comparison`)
+COMPARISON_KEYS = ("no_overlap_time_s", "speedup_vs_no_overlap", "predicted_iteration_s", "prediction_error_pct")
+#: the summary flags a steady-state iteration time off the planner's prediction by more than this (%)
+PREDICTION_ERROR_FLAG_PCT = 25.0
+
+
+def _contention_text(res: dict[str, Any]) -> str:
+    """Why compute may have run slower than profiled, with what the run knows: the processes per CPU core, the
+    measured slowdown of compute while communication runs."""
+    parts = []
+    cpus = res.get("host_cpus")
+    if str(res.get("accelerator")) == "cpu" and cpus:
+        parts.append(f"{res['processes']} training processes and their communication threads share {cpus} CPU "
+                     f"core{'s' if cpus != 1 else ''} with whatever else runs on the machine")
+    sigma = ((res.get("pipedap") or {}).get("contention") or {}).get("compute_slowdown")
+    if sigma:
+        parts.append(f"the contention benchmark measured compute {sigma:.0%} slower while communication runs")
+    return "; ".join(parts)
+
+
+def surprises(res: dict[str, Any]) -> list[str]:
+    """The numbers of ``res`` a reader would not expect, each with the reason the run can give: a speed-up over
+    the no-overlap reference below 1.0, and a steady-state iteration time more than
+    :data:`PREDICTION_ERROR_FLAG_PCT` % off the planner's prediction. Empty when nothing is surprising."""
+    out: list[str] = []
+    ran = res.get("pipedap") or {}
+    it_ms = res.get("iteration_ms")
+    compute_s = ran.get("profiled_compute_s")
+    no_overlap_s = res.get("no_overlap_time_s") or ran.get("no_overlap_time_s")
+    comm_s = None if compute_s is None or no_overlap_s is None else max(0.0, no_overlap_s - compute_s)
+    contention = _contention_text(res)
+    speedup = res.get("speedup_vs_no_overlap")
+    if speedup is not None and speedup < 1.0 and it_ms and no_overlap_s:
+        text = (f"speedup vs no overlap {speedup:.2f} (< 1.0): the step ({it_ms:.1f} ms) is slower than the "
+                f"no-overlap reference ({1e3 * no_overlap_s:.1f} ms), which is not a measured run but a prediction")
+        if comm_s is not None:
+            share = comm_s / no_overlap_s if no_overlap_s else 0.0
+            text += (f": compute + update of the profiling steps ({1e3 * compute_s:.1f} ms) plus the α-β model's "
+                     f"all-reduce of every bucket ({1e3 * comm_s:.1f} ms, {share:.0%} of it)")
+            if share < 0.10:
+                where = " (on one machine, over loopback)" if res.get("nodes", 1) == 1 else ""
+                text += (f". With communication a few % of the step{where} overlap can save at most that, and any "
+                         "slowdown of compute outweighs it")
+        text += (". A step slower than compute and communication in series means compute ran slower than in the "
+                 "profiling steps")
+        text += f" ({contention})" if contention else ""
+        out.append(text)
+    err = res.get("prediction_error_pct")
+    predicted_s = res.get("predicted_iteration_s") or ran.get("predicted_iteration_s")
+    if err is not None and abs(err) > PREDICTION_ERROR_FLAG_PCT and predicted_s and it_ms:
+        text = (f"prediction error {err:+.0f}% (more than {PREDICTION_ERROR_FLAG_PCT:.0f}%): measured {it_ms:.1f} ms "
+                f"per step, the plan predicted {1e3 * predicted_s:.1f} ms from the profiling steps and the α-β model")
+        origin = ran.get("cost_model_origin")
+        gap_s = 1e-3 * it_ms - predicted_s
+        if err > 0 and comm_s is not None and gap_s > comm_s:
+            text += (f". The gap ({1e3 * gap_s:.1f} ms) is more than all the communication the model predicts "
+                     f"({1e3 * comm_s:.1f} ms), so exposed communication cannot explain it: compute ran slower than "
+                     "in the profiling steps")
+            text += f" ({contention})" if contention else ""
+        elif err > 0:
+            text += (". Communication was slower, or less hidden, than the α-β model predicts"
+                     + (f" ({origin}; fitted on an idle link)" if origin else "")
+                     + (f", or compute ran slower than profiled ({contention})" if contention else ""))
+        else:
+            text += (". The step ran faster than predicted: the profiling steps (sync mode) were slower than steady "
+                     "state, or the α-β model overestimates communication" + (f" ({origin})" if origin else ""))
+        out.append(text)
+    return out
 
 
 #: the training-run length the summary sets the start-up cost against (s): issue-tracker goal "under 10% of
@@ -355,6 +431,7 @@ def format_summary(res: dict[str, Any]) -> str:
            f"({describe_startup(ran['startup'], 1)})"] if ran.get("startup") else []),
         *([f"cost model      {ran['cost_model_origin']}"] if ran.get("cost_model_origin") else []),
         f"speedup         {speed}",
+        *[f"check           {text}" for text in surprises(res)],
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
         f"TensorBoard     tensorboard --logdir {res.get('tensorboard_dir') or res['output_dir']}",

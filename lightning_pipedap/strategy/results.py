@@ -131,7 +131,9 @@ class RunResults:
         candidates a confirmation compared, else measured_s), decided_in (``"first pass"`` /
         ``"confirmation"``), windows_s, chosen), ``selection_notes`` (why that selection chose as it did, in
         words: the controller's ``selection_notes``),
-        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
+        ``predicted_iteration_s``, ``measured_iteration_s``, ``no_overlap_time_s``, ``profiled_compute_s`` and
+        ``contention`` (what the predictions rest on: :meth:`_prediction_basis`), ``replans``, ``startup``
+        (:attr:`startup`),
         ``cost_model_origin`` (where the α-β model came from, in words: ``"cached α-β model from <path>
         (fitted <time>)"``, ``"α-β model fitted on the live group in 2.1 s"``, ``"α-β model loaded from
         cost_model=<file>"``;
@@ -163,6 +165,7 @@ class RunResults:
                                                   "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+            **self._prediction_basis(rt),
             "selection_notes": list(rt.controller.selection_notes) if rt is not None else [],
             "replans": self.replans_done, "startup": dict(self.startup),
             "cost_model_origin": getattr(getattr(rt, "planning", None), "cost_model_origin", None),
@@ -170,6 +173,21 @@ class RunResults:
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
         }
+
+    def _prediction_basis(self, rt: Optional[Runtime]) -> dict[str, Any]:
+        """What the predictions rest on, for the summary to explain a surprising number: ``no_overlap_time_s``
+        (profiled compute + update + the α-β model's all-reduce of every bucket, s), ``profiled_compute_s``
+        (forward + backward + update of the profiling steps, s; None without a profile) and ``contention``
+        (the measured slowdowns ``compute_slowdown`` σ_c and ``comm_slowdown`` σ_m; None when not measured)."""
+        profile = getattr(getattr(rt, "planning", None), "profile", None) if rt is not None else None
+        compute = None
+        if isinstance(profile, dict) and profile.get("layers"):
+            compute = sum(float(l.get("t_f", 0.0)) + float(l.get("t_b", 0.0)) for l in profile["layers"]) \
+                + float(profile.get("t_update", 0.0))
+        c = self._measured.contention
+        return {"no_overlap_time_s": self.no_overlap_time_s, "profiled_compute_s": compute,
+                "contention": None if c is None else {"compute_slowdown": c.compute_slowdown,
+                                                      "comm_slowdown": c.comm_slowdown}}
 
     @staticmethod
     def _selection_state(rt: Optional[Runtime]) -> dict[str, Any]:
