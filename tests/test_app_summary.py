@@ -235,3 +235,10 @@ def test_the_summary_flags_a_speedup_below_one_and_a_large_prediction_error_with
     calm = _res(ran, iteration_ms=5.6, speedup_vs_no_overlap=1.07, no_overlap_time_s=0.006,
                 predicted_iteration_s=0.0055, prediction_error_pct=1.8, host_cpus=2)
     assert "check" not in format_summary(calm)
+
+
+def test_the_summary_of_one_process_says_nothing_was_synchronised():
+    ran = {"schedule": "optimal", "installed": None, "single_process": True}
+    text = format_summary(_res(ran, processes=1))
+    assert ("strategy        pipedap (schedule optimal: not used, one process has nothing to synchronise), "
+            "1 process(es), cpu") in text

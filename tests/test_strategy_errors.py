@@ -70,9 +70,58 @@ def test_timeout_seconds_or_timedelta_becomes_the_group_timeout(timeout, seconds
         lightning_pipedap.PipeDAPFabricStrategy(timeout=[5])
 
 
-def test_world_size_one_fails_before_launch():
-    with pytest.raises(ValueError, match="needs at least 2 processes, got world size 1"):
-        pl.Trainer(strategy="pipedap", accelerator="cpu", devices=1, logger=False)
+class _Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _fit_one_process(strategy):
+    import torch.distributed as dist
+
+    pl.seed_everything(3, verbose=False)
+    model = _Regression()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, max_epochs=2,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    try:
+        trainer.fit(model)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return trainer, [p.detach().clone() for p in model.parameters()]
+
+
+def test_one_process_trains_as_ddp_does_bit_for_bit(caplog):
+    """``devices=1`` used to be refused ('needs at least 2 processes') where strategy='ddp' runs: it runs, with no
+    engine and no trials, says once that there is nothing to synchronise, and equals DDP's one process exactly."""
+    import logging
+
+    _, ddp = _fit_one_process("ddp")
+    with caplog.at_level(logging.INFO, logger="lightning_pipedap"):
+        trainer, ours = _fit_one_process("pipedap")
+    for a, b in zip(ddp, ours):
+        assert torch.equal(a, b)
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_pipedap"]
+    assert [m for m in said if "nothing to synchronise" in m] == [
+        "pipedap: one process: nothing to synchronise; training runs without communication (no engine, no plan, no "
+        "trials), as strategy='ddp' does with one process (schedule 'optimal' not used)"], said
+    strategy = trainer.strategy
+    assert isinstance(strategy, PipeDAPStrategy) and strategy.single_process
+    assert strategy._last is None and strategy.trial_results == [] and strategy.startup == {}
+    assert not [m for m in said if "schedule" in m and "nothing to synchronise" not in m]  # no plan, no trials
+    assert strategy.what_ran()["single_process"] is True and strategy.what_ran()["installed"] is None
 
 
 def _stalled_peer(rank, world):

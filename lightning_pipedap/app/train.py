@@ -384,7 +384,9 @@ def format_summary(res: dict[str, Any]) -> str:
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
     ran = res.get("pipedap") or {}
     unfinished = ran.get("plan_selection_status") == "unfinished"
-    if sched and unfinished:  # no candidate was chosen: say what ran instead of "installed"
+    if sched and ran.get("single_process"):
+        sched += ": not used, one process has nothing to synchronise"
+    elif sched and unfinished:  # no candidate was chosen: say what ran instead of "installed"
         sched += f" -> plan selection {ran['plan_selection']}, {ran.get('ran_at_end') or 'nothing'} ran at the end"
     elif sched and ran.get("installed"):
         sched += f" -> installed {ran['installed']['name']}"

@@ -24,8 +24,8 @@ def steady_from_step(strategy: Any) -> Optional[int]:
     """The first steady-state step index (0-based, in the fit) of ``strategy``: 0 when it has no start-up
     (no ``startup`` attribute: Lightning's DDP, a registry name), ``startup["total_steps"] + SETTLE_STEPS``
     once its start-up is over, None while it is not (or the fit ended before it was)."""
-    if isinstance(strategy, str) or not hasattr(strategy, "startup"):
-        return 0
+    if isinstance(strategy, str) or not hasattr(strategy, "startup") or getattr(strategy, "single_process", False):
+        return 0  # (pipedap with one process has no start-up: nothing to synchronise)
     startup = getattr(strategy, "startup", None)
     return int(startup["total_steps"]) + SETTLE_STEPS if startup else None
 

@@ -144,7 +144,8 @@ class RunResults:
         outside a fit), ``unfinished_candidates`` (the measurements of an unfinished selection, as
         ``candidates``; ``candidates`` keeps the last *finished* one), ``ran_at_end`` (the name of the
         schedule communicating when the fit ended: a candidate under measurement or the profiling schedule
-        when selection was unfinished), ``wire_dtype`` and ``wire16_buckets`` (buckets sent 16-bit).
+        when selection was unfinished), ``wire_dtype`` and ``wire16_buckets`` (buckets sent 16-bit),
+        ``single_process`` (one process: nothing was synchronised, :attr:`single_process`).
         """
         rt = self._rt or self._last
         if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
@@ -172,6 +173,7 @@ class RunResults:
             **self._selection_state(rt),
             "wire_dtype": self.config.wire_dtype,
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
+            "single_process": self.single_process,
         }
 
     def _prediction_basis(self, rt: Optional[Runtime]) -> dict[str, Any]:
@@ -200,6 +202,20 @@ class RunResults:
                 "unfinished_candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s")}
                                           for r in sel["partial"]],
                 "ran_at_end": rt.running_schedule}
+
+    @property
+    def single_process(self) -> bool:
+        """Whether the run has one process (world size 1): nothing to synchronise, so no run-time (no engine, no
+        plan, no trials, no start-up) and the model trains as on a single device."""
+        return getattr(self, "cluster_environment", None) is not None and self.world_size == 1
+
+    def note_single_process(self) -> None:
+        """The log line of a one-process run (once per strategy)."""
+        if not getattr(self, "_said_single_process", False):
+            self._said_single_process = True
+            M.info(f"pipedap: one process: nothing to synchronise; training runs without communication (no engine, "
+                   f"no plan, no trials), as strategy='ddp' does with one process (schedule "
+                   f"{self.config.schedule!r} not used)")
 
     @property
     def phase(self) -> Optional[Phase]:
