@@ -4,6 +4,7 @@ in a single run and in a sweep (they used to stay empty: every message was rank-
 from __future__ import annotations
 
 import logging
+import sys
 import warnings
 from types import SimpleNamespace
 
@@ -55,3 +56,49 @@ def test_rank_zero_messages_are_unchanged(tmp_path, as_rank, caplog):
     assert [r.getMessage() for r in caplog.records if r.name == "lightning_pipedap"] == [
         "pipedap: schedule dear", "pipedap: careful"]
     assert [p.name for p in tmp_path.iterdir()] == ["train.log"]
+
+
+class _Failing:
+    """What CollectivesOffAfterFailure.abort needs of a strategy."""
+
+    def __init__(self, rank):
+        from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure
+
+        self.abort = CollectivesOffAfterFailure.abort.__get__(self)
+        self._aborted, self._rt, self.global_rank = False, None, rank
+
+
+def test_a_failure_goes_to_the_rank_log_file_with_its_traceback_not_to_the_terminal(tmp_path, as_rank, capsys):
+    """Each rank printed its error twice (pipedap's record with the traceback, then Python's or Hydra's report):
+    the record now goes to the log files only, [rank r]-prefixed and with the traceback."""
+    as_rank(1)
+    console = logging.StreamHandler(sys.stderr)  # Hydra's console handler (it writes to stdout: the same)
+    root = logging.getLogger()
+    root.addHandler(console)
+    cb = LogToJobDir(str(tmp_path), "train")
+    cb.setup(SimpleNamespace(global_rank=1), None, "fit")
+    try:
+        try:
+            raise ValueError("pipedap: Model has no trainable parameters")
+        except ValueError as exc:
+            _Failing(1).abort(exc)
+    finally:
+        cb.teardown(SimpleNamespace(global_rank=1), None, "fit")
+        root.removeHandler(console)
+    text = (tmp_path / "train_ddp_process_1.log").read_text()
+    assert "[rank 1] pipedap: rank 1 failed; collectives of the default group are skipped from now on" in text
+    assert "Traceback (most recent call last):" in text and "ValueError: pipedap: Model has no trainable" in text
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "failed" not in err, err
+
+
+def test_without_a_log_file_a_failure_prints_nothing_of_its_own(as_rank, capsys, monkeypatch):
+    """A plain script (no handler: Python's last-resort handler used to print the record and its traceback)."""
+    as_rank(0)
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])  # (pytest's own capture handlers)
+    monkeypatch.setattr(M.log, "handlers", [h for h in M.log.handlers if M.is_console(h)])
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        _Failing(0).abort(exc)
+    assert capsys.readouterr().err == ""

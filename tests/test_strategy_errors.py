@@ -228,3 +228,55 @@ def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once()
     assert [m for m in said if "not used" in m] == [PipeDAPConfig(wire_dtype="fp16").ignored_options()[0]]
     assert [m for m in said if "warm-up schedule" in m] == [
         "pipedap: warm-up schedule (sync mode, until the plan is ready) allreduce: 1 buckets: AR0"]
+
+
+_NO_TRAINABLE_SCRIPT = """
+import sys
+import torch
+import lightning.pytorch as pl
+import lightning_pipedap  # noqa: F401
+
+
+class NoTrainable(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.lin.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+
+
+if __name__ == "__main__":
+    pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, logger=False, max_steps=1, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False).fit(NoTrainable())
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_error_is_printed_once_per_rank_as_under_ddp(tmp_path):
+    """A model without trainable parameters on 2 ranks printed 4 tracebacks under pipedap (each rank's failure record
+    with its traceback, then Python's) where DDP prints 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_trainable.py"
+    script.write_text(_NO_TRAINABLE_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                           os.environ.get("PYTHONPATH", "")]))
+    for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(script), "pipedap"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no trainable parameters" in out, out[-3000:]
+    assert out.count("Traceback (most recent call last)") == 2, out  # one per rank, as DDP
+    assert "failed; collectives of the default group are skipped" not in out

@@ -12,7 +12,9 @@ ranks, logged to the handlers an application configured for that rank (its own l
 ``train_ddp_process_<r>.log`` of a popen rank, ``app.train.LogToJobDir``'s of a spawned one), never to
 a stderr handler of our own, so a plain script's terminal shows each warning once. :func:`every_rank`
 (the set-up line) is said by every rank. Every record of the ``lightning_pipedap`` logger from a rank
-other than 0, errors included, starts with ``[rank <r>] ``.
+other than 0, errors included, starts with ``[rank <r>] ``. A rank's failure (:func:`failure`, with the
+traceback) goes to the log files only: the exception itself is printed on the terminal once per rank, by
+Python or Hydra, as under ``strategy="ddp"``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import warnings
+from typing import Optional
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
@@ -55,6 +58,45 @@ def _ready() -> logging.Logger:
     elif log.getEffectiveLevel() > logging.INFO and log.level == logging.NOTSET:
         log.setLevel(logging.INFO)  # a root logger at WARNING would drop the plan and schedule messages
     return log
+
+
+def _console_streams() -> tuple:
+    return tuple(x for x in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__) if x is not None)
+
+
+def is_console(handler: logging.Handler) -> bool:
+    """Whether ``handler`` prints to the terminal: a ``StreamHandler`` (not a file's) on stdout or stderr, directly
+    or through a wrapper with a ``stream`` attribute."""
+    if not isinstance(handler, logging.StreamHandler) or isinstance(handler, logging.FileHandler):
+        return False
+    stream = getattr(handler, "stream", None)
+    stream = getattr(stream, "wrapped_stream", stream)
+    return any(stream is s for s in _console_streams())
+
+
+def failure(message: str, exception: BaseException) -> int:
+    """Log ``message`` at ERROR with ``exception``'s traceback to the log *files* of this process only (every
+    handler of the ``lightning_pipedap`` logger and its ancestors that does not print to the terminal, e.g. Hydra's
+    ``<job>.log``, a rank's ``train_ddp_process_<r>.log``); returns how many handlers got it.
+
+    The exception goes on to end the process, and Python (or Hydra, or the caller) prints its traceback on this
+    rank's terminal once: a console copy here would print every traceback twice. Without a file handler nothing
+    is logged (no stderr handler is added, and Python's last-resort handler is not used)."""
+    if not log.isEnabledFor(logging.ERROR):
+        return 0
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, (),
+                            (type(exception), exception, exception.__traceback__))
+    if not log.filter(record):  # (the rank prefix)
+        return 0
+    n = 0
+    logger: Optional[logging.Logger] = log
+    while logger is not None:
+        for handler in logger.handlers:
+            if not is_console(handler) and record.levelno >= handler.level:
+                handler.handle(record)
+                n += 1
+        logger = logger.parent if logger.propagate else None
+    return n
 
 
 def info(message: str) -> None:
