@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
 from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
+import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.strategy.controller import describe_startup, steps_text
 
 #: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
@@ -464,6 +465,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ValueError: an invalid config value (before any process is started).
     """
     validate(cfg)
+    M.route_console_handlers()  # Hydra's console handler: pipedap's lines never land inside a progress bar's line
     multirun = in_multirun()
     output_dir = os.path.abspath(str(cfg.paths.output_dir))
     if multirun:  # a sweep runs each distinct job once (`strategy=ddp scheduler=dear` is `strategy=ddp`)

@@ -192,6 +192,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             raise ValueError("pipedap: Trainer(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
                              "CPU implementation); remove sync_batchnorm=True on CPU, or train on GPUs")
         super().setup(trainer)
+        M.use_progress_bar(getattr(trainer, "progress_bar_callback", None))  # (messages print around the bar)
         if trainer.state.fn != TrainerFn.FITTING or self._rt is None:  # (one process: no run-time, see configure_ddp)
             return
         refuse_self_communicating(self.optimizers)
@@ -453,6 +454,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             self.precision_plugin.clip_gradients = self._orig_clip
         if self._restore_priority is not None:
             self._restore_priority()
+        M.use_progress_bar(None)
         self._last, self._rt, self._comm, self._aborted = rt or self._last, None, None, False
         self._orig_clip, self._restore_priority = None, None
         self._flush_callback = None
