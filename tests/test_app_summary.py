@@ -242,3 +242,29 @@ def test_the_summary_of_one_process_says_nothing_was_synchronised():
     text = format_summary(_res(ran, processes=1))
     assert ("strategy        pipedap (schedule optimal: not used, one process has nothing to synchronise), "
             "1 process(es), cpu") in text
+
+
+def test_a_run_into_a_directory_that_holds_one_writes_a_fresh_version_folder(tmp_path, monkeypatch):
+    """A second run into the same output directory overwrote results.json and mixed two runs in one TensorBoard
+    folder: the directory is left as it is and the run writes into <dir>/version_N, said in the log and summary."""
+    from lightning_pipedap.app.train import RUN_DIR_ENV, earlier_run, run_dir
+
+    job = str(tmp_path / "run")
+    os.makedirs(os.path.join(job, ".hydra"))
+    (tmp_path / "run" / "train.log").write_text("Hydra's log of this run\n")
+    assert earlier_run(job) == [] and run_dir(job) == (job, None)  # Hydra's own files are not a run
+    (tmp_path / "run" / "results.json").write_text("{}")
+    os.makedirs(os.path.join(job, "tensorboard"))
+    (tmp_path / "run" / "tensorboard" / "events.out.tfevents.1").write_text("")
+    where, why = run_dir(job)
+    assert where == os.path.join(job, "version_1")
+    assert why == (f"{job} already holds a run (results.json, tensorboard): it is kept as it is, and this run writes "
+                   f"into {where} (another directory: hydra.run.dir=<dir>, or hydra.sweep.dir=<dir> for a sweep)")
+    os.makedirs(where)
+    assert run_dir(job)[0] == os.path.join(job, "version_2")
+    # a rank started by Lightning's popen launcher writes where the launching process chose
+    monkeypatch.setenv(RUN_DIR_ENV, where)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run_dir(job) == (where, None)
+    text = format_summary(_res({}, output_dir=where, earlier_run=why))
+    assert f"results         {where}/results.json" in text and f"output dir      {why}" in text

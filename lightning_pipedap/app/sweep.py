@@ -107,12 +107,35 @@ class ValidateSweep(Callback):
                 raise SystemExit(1) from e
 
 
+#: the folders a run writes into when its directory already holds an earlier run (``version_1``, ``version_2``, ...)
+VERSION_PREFIX = "version_"
+
+
+def version_of(path: str) -> int:
+    """The ``N`` of a ``version_N`` folder name (0 for anything else: the job directory itself)."""
+    name = os.path.basename(os.path.normpath(path))
+    suffix = name[len(VERSION_PREFIX):] if name.startswith(VERSION_PREFIX) else ""
+    return int(suffix) if suffix.isdigit() else 0
+
+
+def latest_results_file(job_dir: str) -> Optional[str]:
+    """The ``results.json`` of the latest run in ``job_dir``: its highest ``version_N/results.json`` (a run into a
+    directory that already held one writes into a fresh ``version_N``, see ``app.train.run_dir``), else
+    ``job_dir/results.json``; None when there is none."""
+    found = [p for p in [os.path.join(job_dir, "results.json"),
+                         *glob.glob(os.path.join(job_dir, VERSION_PREFIX + "*", "results.json"))] if os.path.isfile(p)]
+    return max(found, key=lambda p: version_of(os.path.dirname(p))) if found else None
+
+
 def read_results(sweep_dir: str) -> list[dict[str, Any]]:
-    """All ``<sweep_dir>/*/results.json`` of a sweep, sorted by job number."""
+    """The latest ``results.json`` of every job directory of a sweep (:func:`latest_results_file`: a sweep run again
+    into the same directory is read, not the earlier one), sorted by job number."""
     rows = []
-    for path in glob.glob(os.path.join(sweep_dir, "*", "results.json")):
-        with open(path) as f:
-            rows.append(json.load(f))
+    for job_dir in sorted(glob.glob(os.path.join(sweep_dir, "*", ""))):
+        path = latest_results_file(job_dir)
+        if path is not None:
+            with open(path) as f:
+                rows.append(json.load(f))
     return sorted(rows, key=lambda r: r.get("job_num", 0))
 
 
@@ -150,6 +173,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "speedup_vs_ddp": r.get("speedup_vs_ddp"), "energy_J_per_step": r.get("energy_J_per_step"),
             "energy_kind": r.get("energy_kind") or "", "fit_s": r.get("fit_s"),
             "duplicate_of": r.get("duplicate_of"),  # (not a column: marks the job in the Markdown table)
+            # (not a column: the job's directory held an earlier run, this one is in a version_N folder of it)
+            "version_dir": r.get("output_dir") if r.get("earlier_run") else None,
         })
     return out
 
@@ -195,6 +220,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         lines += ["", f"Job(s) {', '.join('#' + j for j in reducer)}: measured plan selection installed "
                       f"`{DDP_REDUCER}`, PyTorch's own DDP reducer (no pipedap schedule), so the speedup compares DDP "
                       "with DDP."]
+    again = [r for r in rows if r.get("version_dir")]
+    if again:
+        lines += ["", f"Job(s) {', '.join('#' + str(r['job']) for r in again)}: the job directory already held an "
+                      "earlier run, kept as it was; this sweep's run is in "
+                      + ", ".join(f"`{r['version_dir']}`" for r in again) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -11,7 +11,9 @@ Examples::
     pipedap-train -m strategy=ddp,pipedap scheduler=allreduce,dear trainer.max_epochs=2
 
 Each job writes ``results.json`` (metrics, median iteration time, energy, paths) in its output
-directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep directory.
+directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep directory. A run into a
+directory that already holds one leaves it as it is and writes into a fresh ``version_<N>`` folder of it
+(said in the log and the summary; :func:`run_dir`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
-from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
+from lightning_pipedap.app.launch import (
+    distributed_env, externally_launched, in_multirun, named_strategy_for, start_method_for,
+)
+from lightning_pipedap.app.sweep import VERSION_PREFIX, latest_results_file
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
 import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.strategy.controller import describe_startup, steps_text
@@ -152,14 +157,59 @@ def effective_key(cfg: DictConfig, output_dir: str) -> str:
 
 
 def earlier_same_job(key: str, output_dir: str, job_num: int) -> Optional[dict[str, Any]]:
-    """The ``results.json`` of an earlier job of the same sweep (a sibling directory of ``output_dir``,
-    lower job number) whose :func:`effective_key` is ``key``; None when there is none."""
+    """The ``results.json`` of an earlier job of the same sweep (a sibling directory of the job directory
+    ``output_dir``, lower job number; its latest run: :func:`~lightning_pipedap.app.sweep.latest_results_file`)
+    whose :func:`effective_key` is ``key``; None when there is none."""
     found = []
-    for path in glob.glob(os.path.join(os.path.dirname(output_dir), "*", RESULTS_FILE)):
+    for job_dir in glob.glob(os.path.join(os.path.dirname(output_dir), "*", "")):
+        path = latest_results_file(job_dir)
+        if path is None:
+            continue
         res = _read_json(path)
         if res.get("effective_key") == key and res.get("duplicate_of") is None and res.get("job_num", job_num) < job_num:
             found.append(res)
     return min(found, key=lambda r: r["job_num"]) if found else None
+
+
+#: what in a job directory shows that a run already wrote there (files, or folders that are not empty)
+EARLIER_RUN_MARKERS = (RESULTS_FILE, MEASURE_FILE, "tensorboard", "csv", "checkpoints", "timeline")
+#: the directory the launching process chose for this run, for the ranks Lightning's popen launcher starts (they run
+#: this app again with the same hydra.run.dir, after rank 0 may have written into the fresh folder)
+RUN_DIR_ENV = "PIPEDAP_RUN_DIR"
+
+
+def earlier_run(job_dir: str) -> list[str]:
+    """What of :data:`EARLIER_RUN_MARKERS` ``job_dir`` holds (an earlier run wrote there); [] for a fresh directory
+    (Hydra's own ``.hydra/`` and ``<job>.log`` do not count)."""
+    found = []
+    for name in EARLIER_RUN_MARKERS:
+        path = os.path.join(job_dir, name)
+        if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
+            found.append(name)
+    return found
+
+
+def run_dir(job_dir: str) -> tuple[str, Optional[str]]:
+    """Where this run writes (results.json, measure_summary.json, TensorBoard, checkpoints, timelines), and why when
+    that is not the job directory.
+
+    A job directory that already holds a run (:func:`earlier_run`: ``pipedap-train hydra.run.dir=X`` twice, or a
+    sweep run again into the same ``hydra.sweep.dir``) is left as it is, and this run writes into a fresh
+    ``<job dir>/version_<N>`` (the first unused ``N``), as Lightning's loggers number their versions; the reason is
+    returned for the log and the summary. The ranks started by Lightning's popen launcher take the launching
+    process's choice (:data:`RUN_DIR_ENV`)."""
+    inherited = os.environ.get(RUN_DIR_ENV)
+    if inherited and externally_launched() and os.path.dirname(inherited) == job_dir:
+        return inherited, None
+    found = earlier_run(job_dir)
+    if not found:
+        return job_dir, None
+    n = 1
+    while os.path.exists(os.path.join(job_dir, f"{VERSION_PREFIX}{n}")):
+        n += 1
+    version = os.path.join(job_dir, f"{VERSION_PREFIX}{n}")
+    return version, (f"{job_dir} already holds a run ({', '.join(found)}): it is kept as it is, and this run writes "
+                     f"into {version} (another directory: hydra.run.dir=<dir>, or hydra.sweep.dir=<dir> for a sweep)")
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -439,6 +489,7 @@ def format_summary(res: dict[str, Any]) -> str:
         f"fit time        {res['fit_s']:.1f} s",
         f"TensorBoard     tensorboard --logdir {res.get('tensorboard_dir') or res['output_dir']}",
         f"results         {os.path.join(res['output_dir'], RESULTS_FILE)}",
+        *([f"output dir      {res['earlier_run']}"] if res.get("earlier_run") else []),
     ]
     bar = "-" * 72
     return "\n".join([bar, f"pipedap-train summary ({res['model']})", bar, *lines, bar])
@@ -467,13 +518,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     validate(cfg)
     M.route_console_handlers()  # Hydra's console handler: pipedap's lines never land inside a progress bar's line
     multirun = in_multirun()
-    output_dir = os.path.abspath(str(cfg.paths.output_dir))
+    job_dir = os.path.abspath(str(cfg.paths.output_dir))
+    output_dir, again = run_dir(job_dir)  # (a directory that holds a run already: a fresh version_N in it)
+    if again:
+        logging.getLogger("lightning_pipedap").warning(f"pipedap-train: {again}")
+        cfg.paths.output_dir = output_dir  # (everything the app writes follows ${paths.output_dir})
     if multirun:  # a sweep runs each distinct job once (`strategy=ddp scheduler=dear` is `strategy=ddp`)
-        same = earlier_same_job(effective_key(cfg, output_dir), output_dir, _job_num())
+        same = earlier_same_job(effective_key(cfg, output_dir), job_dir, _job_num())
         if same is not None:
             hc = HydraConfig.get()
             res = dict(same, job_num=_job_num(), duplicate_of=same["job_num"], output_dir=output_dir,
-                       overrides=list(hc.overrides.task))
+                       overrides=list(hc.overrides.task), earlier_run=again)
             os.makedirs(output_dir, exist_ok=True)
             with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
                 json.dump(res, f, indent=2)
@@ -500,13 +555,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for lg in trainer.loggers:  # the job's full config as hyper-parameters (hparams.yaml, TensorBoard's HPARAMS tab)
         lg.log_hyperparams({k: v for k, v in config.items() if k not in ("paths", "hydra")})
     with distributed_env():
-        t0 = time.perf_counter()
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        fit_s = time.perf_counter() - t0
+        launching = not externally_launched()
+        if launching:
+            os.environ[RUN_DIR_ENV] = output_dir  # (the ranks the popen launcher starts write where this one does)
+        try:
+            t0 = time.perf_counter()
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            fit_s = time.perf_counter() - t0
+        finally:
+            if launching:
+                os.environ.pop(RUN_DIR_ENV, None)
 
     if trainer.global_rank != 0:
         return {}
     res = collect_results(cfg, trainer, output_dir, fit_s)
+    res["earlier_run"] = again
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
         json.dump(res, f, indent=2)
