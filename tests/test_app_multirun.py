@@ -208,3 +208,28 @@ def test_single_run_rank_one_log_has_its_own_messages(tmp_path):
     rank0 = (tmp_path / "run" / "train.log").read_text()
     assert "[lightning_pipedap][INFO] - pipedap: rank 0 of 2 set up on " in rank0 and "[rank 1]" not in rank0
     assert _processes_with(marker) == []
+
+
+def test_a_second_run_into_the_same_directory_keeps_the_first_and_writes_a_fresh_version(tmp_path):
+    """``hydra.run.dir=X`` twice: the second run silently overwrote results.json and wrote its events into the first
+    run's TensorBoard folder. Now X is kept as it is, the second run (both ranks) writes into X/version_1 and the log
+    and the summary say so."""
+    run = tmp_path / "run"
+    args = [*TINY, "strategy=ddp", "~callbacks.energy", f"hydra.run.dir={run}"]
+    first, marker = _run(args, tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = (run / "results.json").read_text()
+    events = sorted(p.name for p in (run / "tensorboard").iterdir())
+    second, _ = _run(args, tmp_path)
+    out = second.stdout + second.stderr
+    assert second.returncode == 0, out[-3000:]
+    assert (run / "results.json").read_text() == before  # the first run is untouched
+    assert sorted(p.name for p in (run / "tensorboard").iterdir()) == events
+    res = json.loads((run / "version_1" / "results.json").read_text())
+    assert res["output_dir"] == str(run / "version_1") and res["tensorboard_dir"].startswith(str(run / "version_1"))
+    assert os.listdir(run / "version_1" / "tensorboard") and os.listdir(run / "version_1" / "checkpoints")
+    said = f"{run} already holds a run (results.json, measure_summary.json, tensorboard, checkpoints): it is kept"
+    assert said in (run / "train.log").read_text() and f"output dir      {said}" in second.stdout, out[-3000:]
+    assert f"results         {run / 'version_1' / 'results.json'}" in second.stdout
+    assert not (run / "version_2").exists()  # rank 1 wrote where rank 0 did
+    assert _processes_with(marker) == []

@@ -223,3 +223,62 @@ def test_the_summary_says_how_little_communication_there_is_to_hide_and_where_th
     assert "little communication to hide" in text and WHAT_IF_COMMAND in text
     busy = communication_text({"busy_s": 0.05, "compute_s": 0.05, "share": 0.5}, 8)
     assert "(50% of the two)" in busy and "little" not in busy
+
+
+def test_the_summary_flags_a_speedup_below_one_and_a_large_prediction_error_with_reasons():
+    """TensorBoard showed speedup_vs_no_overlap 0.60 and prediction_error_pct 82 and the summary said nothing."""
+    ran = {"schedule": "optimal", "installed": {"name": "dear"}, "buckets": 2, "predicted_iteration_s": 0.0055,
+           "no_overlap_time_s": 0.006, "profiled_compute_s": 0.0058, "contention": {"compute_slowdown": 0.3,
+                                                                                    "comm_slowdown": 0.1},
+           "cost_model_origin": "α-β model fitted on the live group in 2.1 s"}
+    res = _res(ran, iteration_ms=10.0, speedup_vs_no_overlap=0.6, no_overlap_time_s=0.006,
+               predicted_iteration_s=0.0055, prediction_error_pct=81.8, host_cpus=2)
+    lines = [line for line in format_summary(res).splitlines() if line.startswith("check")]
+    assert len(lines) == 2, format_summary(res)
+    speed, err = lines
+    assert speed.startswith("check           speedup vs no overlap 0.60 (< 1.0): the step (10.0 ms) is slower than "
+                            "the no-overlap reference (6.0 ms), which is not a measured run but a prediction")
+    assert "all-reduce of every bucket (0.2 ms, 3% of it)" in speed and "a few % of the step" in speed
+    assert "loopback" in speed and "compute ran slower than in the profiling steps" in speed
+    assert "2 training processes and their communication threads share 2 CPU cores" in speed
+    assert "measured compute 30% slower while communication runs" in speed
+    assert err.startswith("check           prediction error +82% (more than 25%): measured 10.0 ms per step, the plan "
+                          "predicted 5.5 ms")
+    assert "more than all the communication the model predicts (0.2 ms)" in err and "compute ran slower" in err
+    # nothing surprising: no line
+    calm = _res(ran, iteration_ms=5.6, speedup_vs_no_overlap=1.07, no_overlap_time_s=0.006,
+                predicted_iteration_s=0.0055, prediction_error_pct=1.8, host_cpus=2)
+    assert "check" not in format_summary(calm)
+
+
+def test_the_summary_of_one_process_says_nothing_was_synchronised():
+    ran = {"schedule": "optimal", "installed": None, "single_process": True}
+    text = format_summary(_res(ran, processes=1))
+    assert ("strategy        pipedap (schedule optimal: not used, one process has nothing to synchronise), "
+            "1 process(es), cpu") in text
+
+
+def test_a_run_into_a_directory_that_holds_one_writes_a_fresh_version_folder(tmp_path, monkeypatch):
+    """A second run into the same output directory overwrote results.json and mixed two runs in one TensorBoard
+    folder: the directory is left as it is and the run writes into <dir>/version_N, said in the log and summary."""
+    from lightning_pipedap.app.train import RUN_DIR_ENV, earlier_run, run_dir
+
+    job = str(tmp_path / "run")
+    os.makedirs(os.path.join(job, ".hydra"))
+    (tmp_path / "run" / "train.log").write_text("Hydra's log of this run\n")
+    assert earlier_run(job) == [] and run_dir(job) == (job, None)  # Hydra's own files are not a run
+    (tmp_path / "run" / "results.json").write_text("{}")
+    os.makedirs(os.path.join(job, "tensorboard"))
+    (tmp_path / "run" / "tensorboard" / "events.out.tfevents.1").write_text("")
+    where, why = run_dir(job)
+    assert where == os.path.join(job, "version_1")
+    assert why == (f"{job} already holds a run (results.json, tensorboard): it is kept as it is, and this run writes "
+                   f"into {where} (another directory: hydra.run.dir=<dir>, or hydra.sweep.dir=<dir> for a sweep)")
+    os.makedirs(where)
+    assert run_dir(job)[0] == os.path.join(job, "version_2")
+    # a rank started by Lightning's popen launcher writes where the launching process chose
+    monkeypatch.setenv(RUN_DIR_ENV, where)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run_dir(job) == (where, None)
+    text = format_summary(_res({}, output_dir=where, earlier_run=why))
+    assert f"results         {where}/results.json" in text and f"output dir      {why}" in text

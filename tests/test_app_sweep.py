@@ -100,3 +100,56 @@ def test_a_job_that_was_not_run_again_is_marked(tmp_path):
     paths = write_summary(str(tmp_path), tensorboard=False)
     with open(paths["csv"]) as f:
         assert "duplicate_of" not in f.readline()
+
+
+def test_the_bar_chart_marks_a_job_not_run_again_and_says_energy_was_estimated():
+    """The plot drew a de-duplicated job (``strategy=ddp`` under two scheduler values) as a full bar of its own, and
+    its energy panel did not say the energy was estimated, as the summary does."""
+    from lightning_pipedap.app.sweep import bar_chart_figure
+
+    raw = [{"job_num": 0, "strategy": "ddp", "overrides": ["strategy=ddp", "scheduler=allreduce"], "iteration_ms": 5.0,
+            "energy_J_per_step": 0.3, "energy_kind": "estimated"},
+           {"job_num": 1, "strategy": "ddp", "overrides": ["strategy=ddp", "scheduler=dear"], "iteration_ms": 5.0,
+            "energy_J_per_step": 0.3, "energy_kind": "estimated", "duplicate_of": 0},
+           {"job_num": 2, "strategy": "pipedap", "schedule": "dear", "overrides": ["strategy=pipedap"],
+            "iteration_ms": 4.0, "energy_J_per_step": 0.25, "energy_kind": "estimated"}]
+    rows = table_rows(add_speedup(raw))
+    fig = bar_chart_figure(rows)
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == ["median iteration time (ms)", "speedup vs DDP",
+                                               "energy per step (J, estimated)"]
+    for ax in axes:
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["#0 ddp", "#1 ddp (same run as #0)",
+                                                                "#2 pipedap/dear"]
+        bars = [p for p in ax.patches if p.get_height() > 0.5]
+        assert [bool(b.get_hatch()) for b in bars] == [False, True, False]
+    # a sweep with both kinds labels each energy bar
+    rows[0]["energy_kind"] = "measured"
+    energy = bar_chart_figure(rows).axes[-1]
+    assert energy.get_title() == "energy per step (J)"
+    assert [t.get_text().strip() for t in energy.texts] == ["measured", "estimated", "estimated"]
+
+
+def test_a_sweep_run_again_into_its_directory_is_read_from_the_fresh_version_folders(tmp_path):
+    """A sweep run again into the same hydra.sweep.dir writes each job into <job>/version_N (the earlier results are
+    kept): the summary reads the latest run of every job and says where it is."""
+    root = str(tmp_path)
+    _job(root, 0, "ddp", None, ["strategy=ddp"], 12.0)
+    _job(root, 1, "pipedap", "dear", ["strategy=pipedap"], 8.0)
+    for num, it_ms in ((0, 10.0), (1, 5.0)):
+        d = os.path.join(root, str(num), "version_1")
+        os.makedirs(d)
+        with open(os.path.join(d, "results.json"), "w") as f:
+            json.dump({"job_num": num, "strategy": "ddp" if num == 0 else "pipedap", "overrides": [],
+                       "iteration_ms": it_ms, "output_dir": d, "earlier_run": f"{root}/{num} already holds a run",
+                       "metrics": {}}, f)
+    from lightning_pipedap.app.sweep import latest_results_file, read_results
+
+    assert latest_results_file(os.path.join(root, "0")) == os.path.join(root, "0", "version_1", "results.json")
+    assert [r["iteration_ms"] for r in read_results(root)] == [10.0, 5.0]
+    paths = write_summary(root, tensorboard=False)
+    with open(paths["csv"]) as f:
+        assert [float(r["speedup_vs_ddp"]) for r in csv.DictReader(f)] == [1.0, 2.0]
+    md = open(paths["md"]).read()
+    assert "Job(s) #0, #1: the job directory already held an earlier run, kept as it was; this sweep's run is in " \
+           f"`{root}/0/version_1`, `{root}/1/version_1`." in md

@@ -158,9 +158,37 @@ def test_fabric_strategy_refuses_unknown_keywords(kwarg, match):
         PipeDAPFabricStrategy(**{kwarg: True})
 
 
-def test_fabric_refuses_a_single_device():
-    import lightning_pipedap  # noqa: F401
+def _fabric_one_process(strategy):
+    import torch.distributed as dist
     from lightning.fabric import Fabric
 
-    with pytest.raises(ValueError, match="needs at least 2 processes, got world size 1"):
-        Fabric(accelerator="cpu", devices=1, strategy="pipedap")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    fabric.launch()
+    fabric.seed_everything(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model, opt = fabric.setup(model, opt)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(6):
+            x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        return fabric, [p.detach().clone() for p in model.parameters()]
+    finally:
+        if getattr(fabric.strategy, "_rt", None) is not None:
+            fabric.strategy.teardown()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_fabric_one_process_runs_as_ddp_does_bit_for_bit():
+    """``Fabric(devices=1, strategy="pipedap")`` used to be refused where 'ddp' runs; it runs with no run-time."""
+    import lightning_pipedap  # noqa: F401
+
+    _, ddp = _fabric_one_process("ddp")
+    fabric, ours = _fabric_one_process("pipedap")
+    assert all(torch.equal(a, b) for a, b in zip(ddp, ours))
+    assert fabric.strategy.single_process and fabric.strategy._rt is None and fabric.strategy._last is None

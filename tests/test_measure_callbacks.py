@@ -449,8 +449,9 @@ def test_comm_timeline_with_strategy_records(tmp_path):
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
         got = sorted((e["name"], round(e["ts"] / 1000, 6), round(e["dur"] / 1000, 6)) for e in events)
-        assert got == sorted([("forward", 0, 10), ("backward", 10, 20), ("update", 30, 2), ("AG0", 0, 4),
-                              ("RS0", 20, 15), ("compress0", 30, 3)])
+        step = int(os.path.basename(path)[4:11])  # the callback's own compute records name the sampled step
+        assert got == sorted([(f"it {step}: forward", 0, 10), (f"it {step}: backward", 10, 20),
+                              (f"it {step}: update", 30, 2), ("AG0", 0, 4), ("RS0", 20, 15), ("compress0", 30, 3)])
         assert os.path.isfile(path.replace(".trace.json", ".png"))
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -551,3 +552,23 @@ def test_compression_monitor_logs_ratio_and_hidden_share():
     trainer.global_step = 21  # not a logging step
     CompressionMonitor(every_n_steps=10).on_train_batch_end(trainer, None, None, None, 0)
     assert len(logged) == 1
+
+
+def test_speedup_summary_has_the_steady_state_comparison_with_the_strategys_predictions(tmp_path):
+    """TensorBoard showed speedup_vs_no_overlap 0.60 and prediction_error_pct 82, but the summary file (which the
+    app's summary reads) had neither: now it has both, over the whole steady-state median."""
+    mon = SpeedupMonitor(warmup_steps=0, window_steps=100, clock=ListClock([0.0, 0.1, 0.2, 0.3]),
+                         summary_file=str(tmp_path / "s.json"))
+    tr, batch = FakeTrainer(), torch.zeros(3, 1)
+    tr.strategy = StartupStrategy()
+    tr.strategy.startup = {"total_steps": 0, "total_s": 0.0}
+    tr.strategy.no_overlap_time_s, tr.strategy.predicted_iteration_s = 0.06, 0.055
+    for step in range(4):
+        mon.on_train_batch_start(tr, None, batch, step)
+    mon.on_train_end(tr, None)
+    summary = read_summary(str(tmp_path / "s.json"))
+    assert summary["iteration_s"] == pytest.approx(0.1)
+    assert summary["no_overlap_time_s"] == pytest.approx(0.06)
+    assert summary["speedup_vs_no_overlap"] == pytest.approx(0.6)
+    assert summary["predicted_iteration_s"] == pytest.approx(0.055)
+    assert summary["prediction_error_pct"] == pytest.approx(100 * (0.1 / 0.055 - 1))

@@ -142,3 +142,79 @@ def test_gantt_png_and_rgb(tmp_path):
     img = gantt_rgb(recs)
     assert img.shape == (260, 1000, 3) and str(img.dtype) == "uint8"
     assert gantt_rgb([]).shape == (260, 1000, 3)  # an empty step still renders
+
+
+def _two_iterations():
+    """Step 12 (forward 0-10, backward 10-30 ms, RS0 of it 12 at 20-35) with the previous iteration's AR0 (0-6 ms)
+    and update0 (6-8 ms) drawn across its forward: the case the Gantt chart drew without saying whose they were."""
+    spec = [("forward", "forward", None, 0, 10, "compute", 12), ("backward", "backward", None, 10, 30, "compute", 12),
+            ("AR0", "AR", 0, 0, 6, "comm", 11), ("update0", "update", 0, 6, 8, "compute", 11),
+            ("RS0", "RS", 0, 20, 35, "comm", 12)]
+    return [OpRecord(n, k, b, *ms(s, e), lane, it) for n, k, b, s, e, lane, it in spec]
+
+
+def test_gantt_and_trace_label_each_operation_with_its_iteration(tmp_path):
+    from lightning_pipedap.measure.timeline import display_name, gantt_figure
+
+    recs = _two_iterations()
+    fig = gantt_figure(recs, title="step 12", origin_s=BASE)
+    ax = fig.axes[0]
+    texts = {t.get_text() for t in ax.texts}
+    assert {"it 11: AR0", "it 11: update0", "it 12: RS0", "it 12: forward", "it 12: backward"} <= texts, texts
+    # odd iterations are dotted, even ones plain: told apart where a bar has no room for its label
+    assert [c.get_hatch() for c in ax.collections].count("..") == 2  # it 11's AR0 and update0
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[-2:] == ["it 11", "it 12"], legend
+    # the Chrome trace names them too, and reads back
+    trace = chrome_trace(recs, origin_s=BASE)
+    names = sorted(e["name"] for e in trace["traceEvents"] if e["ph"] == "X")
+    assert names == sorted(display_name(r) for r in recs) and "it 11: AR0" in names
+    back = records_from_chrome_trace(trace)
+    assert sorted((r.name, r.iteration) for r in back) == sorted((r.name, r.iteration) for r in recs)
+    # records without an iteration keep their plain names
+    assert display_name(hand_made_step()[3]) == "RS0"
+    with pytest.raises(ValueError, match="iteration='3'"):
+        OpRecord("x", "RS", 0, 0.0, 1.0, "comm", "3")
+
+
+def test_engine_timings_and_simulated_records_carry_their_iteration():
+    items = [types.SimpleNamespace(op=Op(OpKind.ALL_REDUCE, 0), start_s=2.0, end_s=2.25, iteration=7)]
+    assert as_op_records(items)[0].iteration == 7
+    from lightning_pipedap.plan import CostModel, simulate, to_op_records
+    from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
+    from lightning_pipedap.schedule import Schedule
+
+    prof = ModelProfile("m", (LayerProfile("l0", 100, 1.0, 2.0), LayerProfile("l1", 100, 1.0, 1.0)), t_update=0.2)
+    res = simulate(prof, CostModel.from_allreduce(0.5, 0.01),
+                   Schedule(((0,), (1,)), (Op(OpKind.REDUCE_SCATTER, 1), Op(OpKind.REDUCE_SCATTER, 0),
+                                           Op(OpKind.ALL_GATHER, 0), Op(OpKind.ALL_GATHER, 1))))
+    recs = to_op_records(res, iterations=2)
+    assert {r.iteration for r in recs if r.lane == "compute"} == {0, 1}
+    assert {r.iteration for r in recs if r.lane == "comm"} <= {-1, 0, 1} and any(
+        r.iteration == -1 for r in recs if r.lane == "comm")
+
+
+def test_the_engine_labels_a_rounds_ops_with_the_step():
+    """The engine's op timings carry the label begin_iteration was given (the strategy passes the optimizer step)."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pipedap.engine import collectives as C
+    from lightning_pipedap.engine.engine import CommEngine
+    from lightning_pipedap.schedule import builtin_schedule
+
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        comm = C.new_comm_group(timeout_s=30)
+        engine = CommEngine(comm, [torch.zeros(10)], builtin_schedule("allreduce", [40], 1 << 20), wait_timeout_s=30)
+        engine.timeline_enabled = True
+        for label in (41, None):
+            engine.begin_iteration(label)
+            engine.grad_ready(0, torch.ones(10))
+            engine.finish_backward()
+            engine.wait_idle()
+        assert [t.iteration for t in engine.take_timings()] == [41, 2]  # (None: the round count)
+        engine.close()
+        C.destroy_comm_group(comm)
+    finally:
+        dist.destroy_process_group()

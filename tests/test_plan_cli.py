@@ -54,8 +54,10 @@ def test_table_png_and_trace_on_tiny_profile(tmp_path, capsys):
     threads = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"
                and e["pid"] == pid}
     assert threads == {"compute": 0, "comm": 1, "compress": 2}
-    comm_names = {e["name"] for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 1}
-    assert comm_names == {str(op) for op in get_planner("optimal")(prof, cm, 4).ops}
+    comm = [e for e in events if e["ph"] == "X" and e["pid"] == pid and e["tid"] == 1]
+    assert {e["args"]["op"] for e in comm} == {str(op) for op in get_planner("optimal")(prof, cm, 4).ops}
+    # each named with its iteration (-1: the previous iteration's ops that reach into the first one)
+    assert all(e["name"] == f"it {e['args']['iteration']}: {e['args']['op']}" for e in comm)
     assert not hasattr(cli, "draw_gantt") and cli.chrome_trace is timeline.chrome_trace  # one drawing and writer
 
 

@@ -72,9 +72,58 @@ def test_timeout_seconds_or_timedelta_becomes_the_group_timeout(timeout, seconds
         lightning_pipedap.PipeDAPFabricStrategy(timeout=[5])
 
 
-def test_world_size_one_fails_before_launch():
-    with pytest.raises(ValueError, match="needs at least 2 processes, got world size 1"):
-        pl.Trainer(strategy="pipedap", accelerator="cpu", devices=1, logger=False)
+class _Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _fit_one_process(strategy):
+    import torch.distributed as dist
+
+    pl.seed_everything(3, verbose=False)
+    model = _Regression()
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, max_epochs=2,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False)
+    try:
+        trainer.fit(model)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return trainer, [p.detach().clone() for p in model.parameters()]
+
+
+def test_one_process_trains_as_ddp_does_bit_for_bit(caplog):
+    """``devices=1`` used to be refused ('needs at least 2 processes') where strategy='ddp' runs: it runs, with no
+    engine and no trials, says once that there is nothing to synchronise, and equals DDP's one process exactly."""
+    import logging
+
+    _, ddp = _fit_one_process("ddp")
+    with caplog.at_level(logging.INFO, logger="lightning_pipedap"):
+        trainer, ours = _fit_one_process("pipedap")
+    for a, b in zip(ddp, ours):
+        assert torch.equal(a, b)
+    said = [r.getMessage() for r in caplog.records if r.name == "lightning_pipedap"]
+    assert [m for m in said if "nothing to synchronise" in m] == [
+        "pipedap: one process: nothing to synchronise; training runs without communication (no engine, no plan, no "
+        "trials), as strategy='ddp' does with one process (schedule 'optimal' not used)"], said
+    strategy = trainer.strategy
+    assert isinstance(strategy, PipeDAPStrategy) and strategy.single_process
+    assert strategy._last is None and strategy.trial_results == [] and strategy.startup == {}
+    assert not [m for m in said if "schedule" in m and "nothing to synchronise" not in m]  # no plan, no trials
+    assert strategy.what_ran()["single_process"] is True and strategy.what_ran()["installed"] is None
 
 
 def _stalled_peer(rank, world):
@@ -181,3 +230,55 @@ def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once()
     assert [m for m in said if "not used" in m] == [PipeDAPConfig(wire_dtype="fp16").ignored_options()[0]]
     assert [m for m in said if "warm-up schedule" in m] == [
         "pipedap: warm-up schedule (sync mode, until the plan is ready) allreduce: 1 buckets: AR0"]
+
+
+_NO_TRAINABLE_SCRIPT = """
+import sys
+import torch
+import lightning.pytorch as pl
+import lightning_pipedap  # noqa: F401
+
+
+class NoTrainable(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.lin.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
+
+
+if __name__ == "__main__":
+    pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, logger=False, max_steps=1, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False).fit(NoTrainable())
+"""
+
+
+@pytest.mark.multiprocess
+def test_an_error_is_printed_once_per_rank_as_under_ddp(tmp_path):
+    """A model without trainable parameters on 2 ranks printed 4 tracebacks under pipedap (each rank's failure record
+    with its traceback, then Python's) where DDP prints 2."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "no_trainable.py"
+    script.write_text(_NO_TRAINABLE_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                           os.environ.get("PYTHONPATH", "")]))
+    for k in ("LOCAL_RANK", "MASTER_PORT", "MASTER_ADDR", "WORLD_SIZE", "NODE_RANK", "RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(script), "pipedap"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "no trainable parameters" in out, out[-3000:]
+    assert out.count("Traceback (most recent call last)") == 2, out  # one per rank, as DDP
+    assert "failed; collectives of the default group are skipped" not in out

@@ -7,7 +7,8 @@
 
 :class:`SweepSummary` (``on_multirun_end``) reads each job's ``results.json`` and writes, in the
 sweep directory, ``sweep_summary.csv``, ``sweep_summary.md`` and ``sweep_summary.png`` (bar charts of
-median iteration time, speedup and energy per step), and a TensorBoard run
+median iteration time, speedup and energy per step; a job not run again is hatched and labelled
+``same run as #k``, and the energy panel says ``estimated`` or ``measured``), and a TensorBoard run
 ``<sweep_dir>/tensorboard`` with the same numbers as scalars (step = job number), the table as text
 and the chart as an image.
 
@@ -106,12 +107,35 @@ class ValidateSweep(Callback):
                 raise SystemExit(1) from e
 
 
+#: the folders a run writes into when its directory already holds an earlier run (``version_1``, ``version_2``, ...)
+VERSION_PREFIX = "version_"
+
+
+def version_of(path: str) -> int:
+    """The ``N`` of a ``version_N`` folder name (0 for anything else: the job directory itself)."""
+    name = os.path.basename(os.path.normpath(path))
+    suffix = name[len(VERSION_PREFIX):] if name.startswith(VERSION_PREFIX) else ""
+    return int(suffix) if suffix.isdigit() else 0
+
+
+def latest_results_file(job_dir: str) -> Optional[str]:
+    """The ``results.json`` of the latest run in ``job_dir``: its highest ``version_N/results.json`` (a run into a
+    directory that already held one writes into a fresh ``version_N``, see ``app.train.run_dir``), else
+    ``job_dir/results.json``; None when there is none."""
+    found = [p for p in [os.path.join(job_dir, "results.json"),
+                         *glob.glob(os.path.join(job_dir, VERSION_PREFIX + "*", "results.json"))] if os.path.isfile(p)]
+    return max(found, key=lambda p: version_of(os.path.dirname(p))) if found else None
+
+
 def read_results(sweep_dir: str) -> list[dict[str, Any]]:
-    """All ``<sweep_dir>/*/results.json`` of a sweep, sorted by job number."""
+    """The latest ``results.json`` of every job directory of a sweep (:func:`latest_results_file`: a sweep run again
+    into the same directory is read, not the earlier one), sorted by job number."""
     rows = []
-    for path in glob.glob(os.path.join(sweep_dir, "*", "results.json")):
-        with open(path) as f:
-            rows.append(json.load(f))
+    for job_dir in sorted(glob.glob(os.path.join(sweep_dir, "*", ""))):
+        path = latest_results_file(job_dir)
+        if path is not None:
+            with open(path) as f:
+                rows.append(json.load(f))
     return sorted(rows, key=lambda r: r.get("job_num", 0))
 
 
@@ -149,6 +173,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "speedup_vs_ddp": r.get("speedup_vs_ddp"), "energy_J_per_step": r.get("energy_J_per_step"),
             "energy_kind": r.get("energy_kind") or "", "fit_s": r.get("fit_s"),
             "duplicate_of": r.get("duplicate_of"),  # (not a column: marks the job in the Markdown table)
+            # (not a column: the job's directory held an earlier run, this one is in a version_N folder of it)
+            "version_dir": r.get("output_dir") if r.get("earlier_run") else None,
         })
     return out
 
@@ -194,35 +220,76 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         lines += ["", f"Job(s) {', '.join('#' + j for j in reducer)}: measured plan selection installed "
                       f"`{DDP_REDUCER}`, PyTorch's own DDP reducer (no pipedap schedule), so the speedup compares DDP "
                       "with DDP."]
+    again = [r for r in rows if r.get("version_dir")]
+    if again:
+        lines += ["", f"Job(s) {', '.join('#' + str(r['job']) for r in again)}: the job directory already held an "
+                      "earlier run, kept as it was; this sweep's run is in "
+                      + ", ".join(f"`{r['version_dir']}`" for r in again) + "."]
     return "\n".join(lines) + "\n"
 
 
-def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
-    """PNG with one bar panel per quantity (iteration time, speedup, energy when present); a pipedap job's label
-    names the installed schedule when it differs from the configured one (``#1 pipedap/optimal -> torch_ddp``)."""
-    import matplotlib  # noqa: PLC0415
+def _bar_label(r: dict[str, Any]) -> str:
+    """A bar's y label: ``#1 pipedap/optimal -> torch_ddp``; a job that was not run again says which job it repeats."""
+    label = (f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
+             + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else ""))
+    if r.get("duplicate_of") is not None:
+        label += f" (same run as #{r['duplicate_of']})"
+    return label
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+def _energy_title(rows: list[dict[str, Any]]) -> str:
+    """The energy panel's title: says "estimated" (or "measured") as the summary's ``energy_kind`` does; with both
+    kinds in one sweep each bar is labelled instead."""
+    kinds = {r.get("energy_kind") or "" for r in rows if r.get("energy_J_per_step") is not None}
+    if len(kinds) == 1 and "" not in kinds:
+        return f"energy per step (J, {kinds.pop()})"
+    return "energy per step (J)"
+
+
+def bar_chart_figure(rows: list[dict[str, Any]]):
+    """The sweep's bar chart as a matplotlib ``Figure`` (Agg canvas, no pyplot state): one panel per quantity
+    (iteration time, speedup, energy when present).
+
+    A pipedap job's label names the installed schedule when it differs from the configured one
+    (``#1 pipedap/optimal -> torch_ddp``). A job the sweep did not run again (``duplicate_of``: e.g. ``strategy=ddp``
+    under two ``scheduler`` values) is drawn hatched and pale and labelled ``(same run as #k)``: its numbers are job
+    #k's. The energy panel says whether the energy was ``estimated`` or ``measured`` (each bar is labelled when a
+    sweep has both)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: PLC0415
+    from matplotlib.figure import Figure  # noqa: PLC0415
 
     panels = [("iteration_ms", "median iteration time (ms)"), ("speedup_vs_ddp", "speedup vs DDP"),
-              ("energy_J_per_step", "energy per step (J)")]
+              ("energy_J_per_step", _energy_title(rows))]
     panels = [p for p in panels if any(r[p[0]] is not None for r in rows)] or panels[:1]
-    labels = [f"#{r['job']} {r['strategy']}{'/' + r['schedule'] if r['schedule'] else ''}"
-              + (f" -> {r['installed']}" if r.get("installed") and r["installed"] != r["schedule"] else "")
-              for r in rows]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), squeeze=False)
+    labels = [_bar_label(r) for r in rows]
+    fig = Figure(figsize=(4.5 * len(panels), 0.5 * len(rows) + 2), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(panels), squeeze=False)
+    mixed_energy = _energy_title(rows) == "energy per step (J)"  # (no single kind to name in the title)
     for ax, (key, title) in zip(axes[0], panels):
         vals = [r[key] if r[key] is not None else 0.0 for r in rows]
-        ax.barh(range(len(rows)), vals, color=["#888888" if r["strategy"] == "ddp" else "#1f77b4" for r in rows])
+        bars = ax.barh(range(len(rows)), vals, color=["#888888" if r["strategy"] == "ddp" else "#1f77b4" for r in rows])
+        for bar, r in zip(bars, rows):
+            if r.get("duplicate_of") is not None:
+                bar.set_hatch("///")
+                bar.set_alpha(0.45)
+                bar.set_edgecolor("black")
+            if key == "energy_J_per_step" and mixed_energy and r[key] is not None and r.get("energy_kind"):
+                ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['energy_kind']}", va="center",
+                        fontsize=7)
         ax.set_yticks(range(len(rows)), labels, fontsize=8)
         ax.invert_yaxis()
         ax.set_title(title, fontsize=10)
         if key == "speedup_vs_ddp":
             ax.axvline(1.0, color="k", lw=0.8, ls="--")
     fig.tight_layout()
+    return fig
+
+
+def bar_chart(rows: list[dict[str, Any]], path: str) -> None:
+    """Write :func:`bar_chart_figure` of ``rows`` to the PNG file ``path``."""
+    fig = bar_chart_figure(rows)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def write_summary(sweep_dir: str, tensorboard: bool = True) -> Optional[dict[str, str]]:

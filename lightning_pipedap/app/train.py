@@ -11,7 +11,9 @@ Examples::
     pipedap-train -m strategy=ddp,pipedap scheduler=allreduce,dear trainer.max_epochs=2
 
 Each job writes ``results.json`` (metrics, median iteration time, energy, paths) in its output
-directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep directory.
+directory; a multirun also gets ``sweep_summary.{csv,md,png}`` in the sweep directory. A run into a
+directory that already holds one leaves it as it is and writes into a fresh ``version_<N>`` folder of it
+(said in the log and the summary; :func:`run_dir`).
 """
 
 from __future__ import annotations
@@ -35,8 +37,12 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 import lightning_pipedap  # noqa: F401  (registers "pipedap" and "pipedap_spawn" with Lightning)
-from lightning_pipedap.app.launch import distributed_env, in_multirun, named_strategy_for, start_method_for
+from lightning_pipedap.app.launch import (
+    distributed_env, externally_launched, in_multirun, named_strategy_for, start_method_for,
+)
+from lightning_pipedap.app.sweep import VERSION_PREFIX, latest_results_file
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
+import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.strategy.controller import describe_startup, steps_text
 
 #: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
@@ -151,14 +157,59 @@ def effective_key(cfg: DictConfig, output_dir: str) -> str:
 
 
 def earlier_same_job(key: str, output_dir: str, job_num: int) -> Optional[dict[str, Any]]:
-    """The ``results.json`` of an earlier job of the same sweep (a sibling directory of ``output_dir``,
-    lower job number) whose :func:`effective_key` is ``key``; None when there is none."""
+    """The ``results.json`` of an earlier job of the same sweep (a sibling directory of the job directory
+    ``output_dir``, lower job number; its latest run: :func:`~lightning_pipedap.app.sweep.latest_results_file`)
+    whose :func:`effective_key` is ``key``; None when there is none."""
     found = []
-    for path in glob.glob(os.path.join(os.path.dirname(output_dir), "*", RESULTS_FILE)):
+    for job_dir in glob.glob(os.path.join(os.path.dirname(output_dir), "*", "")):
+        path = latest_results_file(job_dir)
+        if path is None:
+            continue
         res = _read_json(path)
         if res.get("effective_key") == key and res.get("duplicate_of") is None and res.get("job_num", job_num) < job_num:
             found.append(res)
     return min(found, key=lambda r: r["job_num"]) if found else None
+
+
+#: what in a job directory shows that a run already wrote there (files, or folders that are not empty)
+EARLIER_RUN_MARKERS = (RESULTS_FILE, MEASURE_FILE, "tensorboard", "csv", "checkpoints", "timeline")
+#: the directory the launching process chose for this run, for the ranks Lightning's popen launcher starts (they run
+#: this app again with the same hydra.run.dir, after rank 0 may have written into the fresh folder)
+RUN_DIR_ENV = "PIPEDAP_RUN_DIR"
+
+
+def earlier_run(job_dir: str) -> list[str]:
+    """What of :data:`EARLIER_RUN_MARKERS` ``job_dir`` holds (an earlier run wrote there); [] for a fresh directory
+    (Hydra's own ``.hydra/`` and ``<job>.log`` do not count)."""
+    found = []
+    for name in EARLIER_RUN_MARKERS:
+        path = os.path.join(job_dir, name)
+        if os.path.isfile(path) or (os.path.isdir(path) and os.listdir(path)):
+            found.append(name)
+    return found
+
+
+def run_dir(job_dir: str) -> tuple[str, Optional[str]]:
+    """Where this run writes (results.json, measure_summary.json, TensorBoard, checkpoints, timelines), and why when
+    that is not the job directory.
+
+    A job directory that already holds a run (:func:`earlier_run`: ``pipedap-train hydra.run.dir=X`` twice, or a
+    sweep run again into the same ``hydra.sweep.dir``) is left as it is, and this run writes into a fresh
+    ``<job dir>/version_<N>`` (the first unused ``N``), as Lightning's loggers number their versions; the reason is
+    returned for the log and the summary. The ranks started by Lightning's popen launcher take the launching
+    process's choice (:data:`RUN_DIR_ENV`)."""
+    inherited = os.environ.get(RUN_DIR_ENV)
+    if inherited and externally_launched() and os.path.dirname(inherited) == job_dir:
+        return inherited, None
+    found = earlier_run(job_dir)
+    if not found:
+        return job_dir, None
+    n = 1
+    while os.path.exists(os.path.join(job_dir, f"{VERSION_PREFIX}{n}")):
+        n += 1
+    version = os.path.join(job_dir, f"{VERSION_PREFIX}{n}")
+    return version, (f"{job_dir} already holds a run ({', '.join(found)}): it is kept as it is, and this run writes "
+                     f"into {version} (another directory: hydra.run.dir=<dir>, or hydra.sweep.dir=<dir> for a sweep)")
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -191,7 +242,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
     saying why when the fit ended before steady state. ``startup_cost_s`` (:func:`startup_cost_s`) is what the
     start-up cost over running its steps at the steady-state iteration time (s). ``plan_cache``: ``"hit"``,
     ``"miss"``, ``"off"`` or ``"stale (re-selected)"`` for pipedap (whether the plan came from the plan cache;
-    ``pipedap.plan_cache_entry`` says which), else None."""
+    ``pipedap.plan_cache_entry`` says which), else None. ``speedup_vs_no_overlap`` and
+    ``prediction_error_pct`` (with ``no_overlap_time_s`` and ``predicted_iteration_s``) compare the steady-state
+    median with the strategy's predictions; the summary flags them when surprising (:func:`surprises`)."""
     metrics = _scalar_metrics(trainer)
     measure = _read_json(os.path.join(output_dir, MEASURE_FILE))
     name, schedule = strategy_label(cfg)
@@ -208,6 +261,7 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "compression": (cfg.strategy.get("compression") if name == "pipedap" else None),
         "model": str(cfg.model.get("net", {}).get("_target_", cfg.model._target_)).rsplit(".", 1)[-1],
         "processes": int(trainer.world_size),
+        "nodes": int(getattr(trainer, "num_nodes", 1) or 1),
         "accelerator": str(cfg.trainer.get("accelerator", "")),
         "fit_s": fit_s,
         "val_acc": metrics.get("val/acc"),
@@ -230,6 +284,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "energy_total_J": measure.get("energy_total_J"),
         "energy_kind": measure.get("energy_kind"),
         "speedup_vs_reference": None,
+        # the steady-state median against the strategy's predictions (SpeedupMonitor; pipedap only)
+        **{k: measure.get(k) for k in COMPARISON_KEYS},
+        "host_cpus": os.cpu_count(),
         "metrics": metrics,
         "output_dir": output_dir,
         "tensorboard_dir": tb_dirs[0] if tb_dirs else None,
@@ -242,6 +299,76 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         if ref_s:
             res["speedup_vs_reference"] = 1000.0 * float(ref_s) / res["iteration_ms"]
     return res
+
+
+#: what SpeedupMonitor writes when the strategy predicts its step (:func:`~lightning_pipedap.measure.speedup.model_comparison`)
+COMPARISON_KEYS = ("no_overlap_time_s", "speedup_vs_no_overlap", "predicted_iteration_s", "prediction_error_pct")
+#: the summary flags a steady-state iteration time off the planner's prediction by more than this (%)
+PREDICTION_ERROR_FLAG_PCT = 25.0
+
+
+def _contention_text(res: dict[str, Any]) -> str:
+    """Why compute may have run slower than profiled, with what the run knows: the processes per CPU core, the
+    measured slowdown of compute while communication runs."""
+    parts = []
+    cpus = res.get("host_cpus")
+    if str(res.get("accelerator")) == "cpu" and cpus:
+        parts.append(f"{res['processes']} training processes and their communication threads share {cpus} CPU "
+                     f"core{'s' if cpus != 1 else ''} with whatever else runs on the machine")
+    sigma = ((res.get("pipedap") or {}).get("contention") or {}).get("compute_slowdown")
+    if sigma:
+        parts.append(f"the contention benchmark measured compute {sigma:.0%} slower while communication runs")
+    return "; ".join(parts)
+
+
+def surprises(res: dict[str, Any]) -> list[str]:
+    """The numbers of ``res`` a reader would not expect, each with the reason the run can give: a speed-up over
+    the no-overlap reference below 1.0, and a steady-state iteration time more than
+    :data:`PREDICTION_ERROR_FLAG_PCT` % off the planner's prediction. Empty when nothing is surprising."""
+    out: list[str] = []
+    ran = res.get("pipedap") or {}
+    it_ms = res.get("iteration_ms")
+    compute_s = ran.get("profiled_compute_s")
+    no_overlap_s = res.get("no_overlap_time_s") or ran.get("no_overlap_time_s")
+    comm_s = None if compute_s is None or no_overlap_s is None else max(0.0, no_overlap_s - compute_s)
+    contention = _contention_text(res)
+    speedup = res.get("speedup_vs_no_overlap")
+    if speedup is not None and speedup < 1.0 and it_ms and no_overlap_s:
+        text = (f"speedup vs no overlap {speedup:.2f} (< 1.0): the step ({it_ms:.1f} ms) is slower than the "
+                f"no-overlap reference ({1e3 * no_overlap_s:.1f} ms), which is not a measured run but a prediction")
+        if comm_s is not None:
+            share = comm_s / no_overlap_s if no_overlap_s else 0.0
+            text += (f": compute + update of the profiling steps ({1e3 * compute_s:.1f} ms) plus the α-β model's "
+                     f"all-reduce of every bucket ({1e3 * comm_s:.1f} ms, {share:.0%} of it)")
+            if share < 0.10:
+                where = " (on one machine, over loopback)" if res.get("nodes", 1) == 1 else ""
+                text += (f". With communication a few % of the step{where} overlap can save at most that, and any "
+                         "slowdown of compute outweighs it")
+        text += (". A step slower than compute and communication in series means compute ran slower than in the "
+                 "profiling steps")
+        text += f" ({contention})" if contention else ""
+        out.append(text)
+    err = res.get("prediction_error_pct")
+    predicted_s = res.get("predicted_iteration_s") or ran.get("predicted_iteration_s")
+    if err is not None and abs(err) > PREDICTION_ERROR_FLAG_PCT and predicted_s and it_ms:
+        text = (f"prediction error {err:+.0f}% (more than {PREDICTION_ERROR_FLAG_PCT:.0f}%): measured {it_ms:.1f} ms "
+                f"per step, the plan predicted {1e3 * predicted_s:.1f} ms from the profiling steps and the α-β model")
+        origin = ran.get("cost_model_origin")
+        gap_s = 1e-3 * it_ms - predicted_s
+        if err > 0 and comm_s is not None and gap_s > comm_s:
+            text += (f". The gap ({1e3 * gap_s:.1f} ms) is more than all the communication the model predicts "
+                     f"({1e3 * comm_s:.1f} ms), so exposed communication cannot explain it: compute ran slower than "
+                     "in the profiling steps")
+            text += f" ({contention})" if contention else ""
+        elif err > 0:
+            text += (". Communication was slower, or less hidden, than the α-β model predicts"
+                     + (f" ({origin}; fitted on an idle link)" if origin else "")
+                     + (f", or compute ran slower than profiled ({contention})" if contention else ""))
+        else:
+            text += (". The step ran faster than predicted: the profiling steps (sync mode) were slower than steady "
+                     "state, or the α-β model overestimates communication" + (f" ({origin})" if origin else ""))
+        out.append(text)
+    return out
 
 
 #: the training-run length the summary sets the start-up cost against (s): issue-tracker goal "under 10% of
@@ -341,7 +468,9 @@ def format_summary(res: dict[str, Any]) -> str:
     sched = f" (schedule {res['schedule']}" if res.get("schedule") else ""
     ran = res.get("pipedap") or {}
     unfinished = ran.get("plan_selection_status") == "unfinished"
-    if sched and unfinished:  # no candidate was chosen: say what ran instead of "installed"
+    if sched and ran.get("single_process"):
+        sched += ": not used, one process has nothing to synchronise"
+    elif sched and unfinished:  # no candidate was chosen: say what ran instead of "installed"
         sched += f" -> plan selection {ran['plan_selection']}, {ran.get('ran_at_end') or 'nothing'} ran at the end"
     elif sched and ran.get("installed"):
         sched += f" -> installed {ran['installed']['name']}"
@@ -390,10 +519,12 @@ def format_summary(res: dict[str, Any]) -> str:
         *([communication_text(ran["communication"], res["processes"])] if ran.get("communication") else []),
         *([f"plan cache      {plan_cache_text(ran)}"] if ran.get("plan_cache") else []),
         f"speedup         {speed}",
+        *[f"check           {text}" for text in surprises(res)],
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",
         f"TensorBoard     tensorboard --logdir {res.get('tensorboard_dir') or res['output_dir']}",
         f"results         {os.path.join(res['output_dir'], RESULTS_FILE)}",
+        *([f"output dir      {res['earlier_run']}"] if res.get("earlier_run") else []),
     ]
     bar = "-" * 72
     return "\n".join([bar, f"pipedap-train summary ({res['model']})", bar, *lines, bar])
@@ -420,14 +551,19 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ValueError: an invalid config value (before any process is started).
     """
     validate(cfg)
+    M.route_console_handlers()  # Hydra's console handler: pipedap's lines never land inside a progress bar's line
     multirun = in_multirun()
-    output_dir = os.path.abspath(str(cfg.paths.output_dir))
+    job_dir = os.path.abspath(str(cfg.paths.output_dir))
+    output_dir, again = run_dir(job_dir)  # (a directory that holds a run already: a fresh version_N in it)
+    if again:
+        logging.getLogger("lightning_pipedap").warning(f"pipedap-train: {again}")
+        cfg.paths.output_dir = output_dir  # (everything the app writes follows ${paths.output_dir})
     if multirun:  # a sweep runs each distinct job once (`strategy=ddp scheduler=dear` is `strategy=ddp`)
-        same = earlier_same_job(effective_key(cfg, output_dir), output_dir, _job_num())
+        same = earlier_same_job(effective_key(cfg, output_dir), job_dir, _job_num())
         if same is not None:
             hc = HydraConfig.get()
             res = dict(same, job_num=_job_num(), duplicate_of=same["job_num"], output_dir=output_dir,
-                       overrides=list(hc.overrides.task))
+                       overrides=list(hc.overrides.task), earlier_run=again)
             os.makedirs(output_dir, exist_ok=True)
             with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
                 json.dump(res, f, indent=2)
@@ -454,13 +590,21 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for lg in trainer.loggers:  # the job's full config as hyper-parameters (hparams.yaml, TensorBoard's HPARAMS tab)
         lg.log_hyperparams({k: v for k, v in config.items() if k not in ("paths", "hydra")})
     with distributed_env():
-        t0 = time.perf_counter()
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
-        fit_s = time.perf_counter() - t0
+        launching = not externally_launched()
+        if launching:
+            os.environ[RUN_DIR_ENV] = output_dir  # (the ranks the popen launcher starts write where this one does)
+        try:
+            t0 = time.perf_counter()
+            trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+            fit_s = time.perf_counter() - t0
+        finally:
+            if launching:
+                os.environ.pop(RUN_DIR_ENV, None)
 
     if trainer.global_rank != 0:
         return {}
     res = collect_results(cfg, trainer, output_dir, fit_s)
+    res["earlier_run"] = again
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
         json.dump(res, f, indent=2)

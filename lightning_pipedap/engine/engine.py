@@ -29,7 +29,7 @@ import contextlib
 import queue
 import threading
 import time
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -247,8 +247,12 @@ class CommEngine:
         """The buckets holding parameter ``param_index`` (one for a whole parameter; a split one's in element order)."""
         return self.split.get(param_index) or (self._slot_of[param_index][0],)
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, label: Optional[int] = None) -> None:
         """Start collecting gradients for one reduction round and wake the worker.
+
+        ``label``: the training iteration these gradients belong to (the strategy's optimizer step), kept in the
+        round's op timings (:attr:`OpTiming.iteration`) so a timeline can tell rounds apart; default: the round
+        count (:attr:`iteration`).
 
         Raises:
             EngineError: if the previous round has not finished within the timeout, or the worker failed.
@@ -269,7 +273,7 @@ class CommEngine:
         self._idle.clear()
         self.iteration += 1
         self.collecting = True
-        self._jobs.put(self.iteration)
+        self._jobs.put(self.iteration if label is None else label)
 
     def grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
         """Copy one parameter's finished local gradient into its bucket (called from the autograd thread).
@@ -548,7 +552,7 @@ class CommEngine:
             if job is None:
                 return
             try:
-                self._run_round()
+                self._run_round(job)
             except BaseException as exc:  # surfaced to the trainer at its next wait
                 self._error = exc
                 for evs in (self._ready, self._reduced, self._done):
@@ -559,7 +563,7 @@ class CommEngine:
                 return
             self._idle.set()
 
-    def _run_round(self) -> None:
+    def _run_round(self, label: Any = None) -> None:
         ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
         busy = 0.0
         with ctx:
@@ -579,7 +583,7 @@ class CommEngine:
                     t1 = time.perf_counter()
                     busy += t1 - t0
                     if record:
-                        self._timings.append(OpTiming(op if done is op.kind else Op(done, b), t0, t1))
+                        self._timings.append(OpTiming(op if done is op.kind else Op(done, b), t0, t1, label))
                     self._signal(b, done)
                 if pos == self._last_reduce_pos:
                     self._all_reduced.set()

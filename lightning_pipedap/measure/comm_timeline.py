@@ -51,7 +51,10 @@ class CommTimeline(Callback):
       ``timeline/overlap_ratio`` (``1 - sum exposed / sum comm``), with compression records
       ``timeline/compress_ms``, ``timeline/exposed_compress_ms``; all clipped to the step's interval;
     * writes ``<log_dir>/<trace_dir>/step<global_step>_rank<r>.trace.json`` (Chrome trace, every rank)
-      and, on rank 0, a Gantt PNG next to it and as the TensorBoard image ``timeline/gantt``.
+      and, on rank 0, a Gantt PNG next to it and as the TensorBoard image ``timeline/gantt``; every operation
+      is labelled with the iteration it belongs to (``"it 12: AR0"``: a deferred all-gather or update of the
+      previous iteration runs in this step's forward), the callback's own compute records with the step's
+      (when the strategy has ``take_timeline``: without it every record is the step's own).
 
     Args:
         every_n_steps: sampling period in training batches (>= 1).
@@ -120,13 +123,15 @@ class CommTimeline(Callback):
             rank_zero_warn(f"CommTimeline: strategy {type(strategy).__name__} has no take_timeline(); recording "
                            "compute lanes only (no exposed communication / overlap ratio)")
         self._open = {"t0": self._clock(), "step": trainer.global_step, "has_take": has_take,
+                      # (the compute records name the step when the strategy's records can be of another one)
+                      "it": trainer.global_step if has_take else None,
                       "records": [], "fwd_end": None, "bwd0": None, "upd0": None}
 
     def _forward_done(self) -> None:
         o = self._open
         if o is not None and o["fwd_end"] is None:
             o["fwd_end"] = self._clock()
-            o["records"].append(OpRecord("forward", "forward", None, o["t0"], o["fwd_end"], "compute"))
+            o["records"].append(OpRecord("forward", "forward", None, o["t0"], o["fwd_end"], "compute", o["it"]))
 
     def on_before_zero_grad(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
         self._forward_done()
@@ -139,7 +144,7 @@ class CommTimeline(Callback):
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
         o = self._open
         if o is not None and o["bwd0"] is not None:
-            o["records"].append(OpRecord("backward", "backward", None, o["bwd0"], self._clock(), "compute"))
+            o["records"].append(OpRecord("backward", "backward", None, o["bwd0"], self._clock(), "compute", o["it"]))
             o["bwd0"] = None
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
@@ -149,7 +154,7 @@ class CommTimeline(Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         o = self._open
         if o is not None and o["upd0"] is not None:
-            o["records"].append(OpRecord("update", "update", None, o["upd0"], self._clock(), "compute"))
+            o["records"].append(OpRecord("update", "update", None, o["upd0"], self._clock(), "compute", o["it"]))
             o["upd0"] = None
 
     def on_validation_start(self, trainer: Any, pl_module: Any) -> None:

@@ -24,10 +24,28 @@ def steady_from_step(strategy: Any) -> Optional[int]:
     """The first steady-state step index (0-based, in the fit) of ``strategy``: 0 when it has no start-up
     (no ``startup`` attribute: Lightning's DDP, a registry name), ``startup["total_steps"] + SETTLE_STEPS``
     once its start-up is over, None while it is not (or the fit ended before it was)."""
-    if isinstance(strategy, str) or not hasattr(strategy, "startup"):
-        return 0
+    if isinstance(strategy, str) or not hasattr(strategy, "startup") or getattr(strategy, "single_process", False):
+        return 0  # (pipedap with one process has no start-up: nothing to synchronise)
     startup = getattr(strategy, "startup", None)
     return int(startup["total_steps"]) + SETTLE_STEPS if startup else None
+
+
+def model_comparison(strategy: Any, iteration_s: float) -> dict[str, float]:
+    """The steady-state iteration time ``iteration_s`` against what ``strategy`` predicted (the summary's
+    ``no_overlap_time_s``, ``speedup_vs_no_overlap``, ``predicted_iteration_s``, ``prediction_error_pct``, as the
+    ``speed/`` tags of the same names); only the entries whose prediction the strategy exposes."""
+    out: dict[str, float] = {}
+    if isinstance(strategy, str) or not iteration_s:
+        return out
+    no_overlap = getattr(strategy, "no_overlap_time_s", None)
+    if no_overlap is not None:
+        out["no_overlap_time_s"] = float(no_overlap)
+        out["speedup_vs_no_overlap"] = float(no_overlap) / iteration_s
+    predicted = getattr(strategy, "predicted_iteration_s", None)
+    if predicted:
+        out["predicted_iteration_s"] = float(predicted)
+        out["prediction_error_pct"] = 100.0 * (iteration_s / float(predicted) - 1.0)
+    return out
 
 
 class SpeedupMonitor(Callback):
@@ -75,8 +93,10 @@ class SpeedupMonitor(Callback):
     without one), ``startup_s`` (their seconds),
     ``steady_state`` (whether any steady-state interval was timed), ``warmup_steps`` (this monitor's),
     ``replan_steps`` (intervals left out for a drift re-plan after the start-up),
-    ``iteration_note`` (why there is no ``iteration_s``, else None) and, with known batch sizes,
-    ``samples_per_step`` and ``throughput_samples_per_s``.
+    ``iteration_note`` (why there is no ``iteration_s``, else None), with known batch sizes
+    ``samples_per_step`` and ``throughput_samples_per_s``, and, when the strategy exposes them, the steady-state
+    ``speedup_vs_no_overlap`` (with ``no_overlap_time_s``) and ``prediction_error_pct`` (with
+    ``predicted_iteration_s``) of the tags above, over the whole median (:func:`model_comparison`).
 
     Args:
         warmup_steps: intervals discarded at the start (>= 0).
@@ -263,6 +283,7 @@ class SpeedupMonitor(Callback):
         it_s = med_sum / trainer.world_size
         summary["iteration_s"] = it_s
         summary["iteration_note"] = None
+        summary.update(model_comparison(trainer.strategy, it_s))
         if self._samples_per_step:
             summary["samples_per_step"] = self._samples_per_step
             summary["throughput_samples_per_s"] = self._samples_per_step / it_s

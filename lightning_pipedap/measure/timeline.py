@@ -54,9 +54,13 @@ class OpRecord:
         bucket: bucket index (forward order) for per-bucket operations, else ``None``.
         start_s, end_s: ``time.perf_counter()`` seconds; ``end_s >= start_s``.
         lane: ``"compute"``, ``"comm"`` or ``"compress"`` (see :func:`lane_of_kind` for the usual one).
+        iteration: the training iteration (optimizer step) the operation belongs to, or ``None`` when unknown.
+            A pipelined schedule runs one iteration's all-gathers, all-reduces and updates during the next
+            one's forward: the Gantt chart and the Chrome trace name it (``"it 12: AR0"``, :func:`display_name`).
 
     Raises:
-        ValueError: unknown ``kind`` or ``lane``, ``end_s < start_s``, or a non-integer ``bucket``.
+        ValueError: unknown ``kind`` or ``lane``, ``end_s < start_s``, or a non-integer ``bucket`` or
+            ``iteration``.
     """
 
     name: str
@@ -65,6 +69,7 @@ class OpRecord:
     start_s: float
     end_s: float
     lane: str
+    iteration: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -73,6 +78,8 @@ class OpRecord:
             raise ValueError(f"OpRecord {self.name!r}: lane={self.lane!r}; valid choices: {LANES}")
         if self.bucket is not None and (isinstance(self.bucket, bool) or not isinstance(self.bucket, int)):
             raise ValueError(f"OpRecord {self.name!r}: bucket={self.bucket!r} must be an int or None")
+        if self.iteration is not None and (isinstance(self.iteration, bool) or not isinstance(self.iteration, int)):
+            raise ValueError(f"OpRecord {self.name!r}: iteration={self.iteration!r} must be an int or None")
         if not self.end_s >= self.start_s:
             raise ValueError(f"OpRecord {self.name!r}: end_s={self.end_s} < start_s={self.start_s}")
 
@@ -80,6 +87,11 @@ class OpRecord:
     def duration_s(self) -> float:
         """``end_s - start_s`` in seconds."""
         return self.end_s - self.start_s
+
+
+def display_name(record: OpRecord) -> str:
+    """``record.name`` with its iteration when known: ``"it 12: AR0"`` (the Gantt chart's and the trace's label)."""
+    return record.name if record.iteration is None else f"it {record.iteration}: {record.name}"
 
 
 def lane_of_kind(kind: str) -> str:
@@ -101,11 +113,13 @@ class OpTiming:
     seconds); :func:`as_op_records` turns it into an :class:`OpRecord` on lane ``"comm"``.
 
     On CUDA these are the times the op was *issued* and its issue returned, not device times.
+    ``iteration``: the training iteration whose gradients the op communicates (None: unknown).
     """
 
     op: Op
     start_s: float
     end_s: float
+    iteration: Optional[int] = None
 
 
 def as_op_records(items: Iterable[Any]) -> list[OpRecord]:
@@ -113,7 +127,8 @@ def as_op_records(items: Iterable[Any]) -> list[OpRecord]:
 
     Accepts :class:`OpRecord` as is, and op-timing objects with attributes ``op`` (having ``kind``,
     an enum whose ``value`` or a string is ``"RS"``/``"AG"``/``"AR"``, and ``bucket``), ``start_s``
-    and ``end_s`` (such as :class:`OpTiming`), which become records on lane ``"comm"``.
+    and ``end_s`` (such as :class:`OpTiming`; its ``iteration``, when it has one, is kept), which become
+    records on lane ``"comm"``.
 
     Raises:
         TypeError: an item is neither.
@@ -129,7 +144,9 @@ def as_op_records(items: Iterable[Any]) -> list[OpRecord]:
         kind = getattr(op.kind, "value", op.kind)
         bucket = getattr(op, "bucket", None)
         name = f"{kind}{bucket}" if bucket is not None else str(kind)
-        out.append(OpRecord(name, str(kind), bucket, float(it.start_s), float(it.end_s), lane_of_kind(str(kind))))
+        iteration = getattr(it, "iteration", None)
+        out.append(OpRecord(name, str(kind), bucket, float(it.start_s), float(it.end_s), lane_of_kind(str(kind)),
+                            None if iteration is None else int(iteration)))
     return out
 
 
@@ -255,7 +272,9 @@ def chrome_trace(records: Iterable[OpRecord], rank: int = 0, origin_s: Optional[
 
     One complete event (``"ph": "X"``) per record, ``pid`` = rank, ``tid`` = lane (0 compute, 1 comm,
     2 compress, named by metadata events); ``ts``/``dur`` in µs relative to ``origin_s`` (default:
-    the earliest start). ``args`` hold ``bucket``, ``kind`` and the absolute ``start_s``. The
+    the earliest start). An event is named :func:`display_name` (``"it 12: AR0"`` when the record's iteration is
+    known). ``args`` hold ``bucket``, ``kind``, ``iteration``, the record's own name ``op`` and the absolute
+    ``start_s``. The
     process is named ``process_name`` (default ``"rank <rank>"``); the ``traceEvents`` of several
     calls with distinct ``rank`` can be concatenated into one trace (e.g. one process per planner).
     """
@@ -270,9 +289,10 @@ def chrome_trace(records: Iterable[OpRecord], rank: int = 0, origin_s: Optional[
         events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}})
     for r in sorted(records, key=lambda r: (r.start_s, r.end_s)):
         events.append({
-            "name": r.name, "cat": r.kind, "ph": "X", "pid": rank, "tid": LANES.index(r.lane),
+            "name": display_name(r), "cat": r.kind, "ph": "X", "pid": rank, "tid": LANES.index(r.lane),
             "ts": (r.start_s - origin_s) * 1e6, "dur": r.duration_s * 1e6,
-            "args": {"kind": r.kind, "bucket": r.bucket, "start_s": r.start_s},
+            "args": {"kind": r.kind, "bucket": r.bucket, "iteration": r.iteration, "op": r.name,
+                     "start_s": r.start_s},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -293,8 +313,9 @@ def records_from_chrome_trace(trace: dict[str, Any]) -> list[OpRecord]:
         if ev.get("ph") != "X":
             continue
         start = ev["args"]["start_s"]
-        out.append(OpRecord(ev["name"], ev["args"]["kind"], ev["args"]["bucket"], start,
-                            start + ev["dur"] / 1e6, LANES[ev["tid"]]))
+        args = ev["args"]
+        out.append(OpRecord(args.get("op", ev["name"]), args["kind"], args["bucket"], start,
+                            start + ev["dur"] / 1e6, LANES[ev["tid"]], args.get("iteration")))
     return out
 
 
@@ -302,6 +323,11 @@ _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "update": "#8172b2", "RS
            "AG": "#c44e52", "AR": "#937860", "compress": "#da8bc3", "decompress": "#8c8c8c",
            "wait": "#ffffff"}
 _EXPOSED_COLOR = "#d62728"
+#: hatch of the operations of odd iterations (even ones are plain), so that two consecutive iterations' operations
+#: are told apart where a bar is too narrow for its "it N: ..." label
+_ODD_ITERATION_HATCH = ".."
+#: the legend names each iteration drawn up to this many, else says "even / odd iteration"
+_MAX_ITERATIONS_IN_LEGEND = 4
 #: a bar gets its name written on it when it is at least this fraction of the visible time span wide
 _LABEL_MIN_FRACTION = 0.02
 
@@ -347,9 +373,14 @@ def exposed_intervals(records: Iterable[OpRecord], window: Optional[Interval] = 
     return subtract(_intervals(records, comm_kinds, window), _busy_compute(records, compute_kinds, window))
 
 
+def _iteration_hatch(iteration: Optional[int]) -> Optional[str]:
+    return _ODD_ITERATION_HATCH if iteration is not None and iteration % 2 else None
+
+
 def _draw_panel(ax, records: list[OpRecord], origin_s: float, window: Optional[Interval], highlight_exposed: bool,
-                title: str) -> set[str]:
-    """Draw one timeline on ``ax`` (lanes top to bottom); return the kinds drawn (for the legend)."""
+                title: str) -> tuple[set[str], set[int]]:
+    """Draw one timeline on ``ax`` (lanes top to bottom); return the kinds and the iterations drawn (for the
+    legend)."""
     lanes = [ln for ln in LANES if ln != "compress" or any(r.lane == ln for r in records)]
     if window is not None:
         records = [r for r in records if r.end_s > window[0] and r.start_s < window[1]]
@@ -368,9 +399,12 @@ def _draw_panel(ax, records: list[OpRecord], origin_s: float, window: Optional[I
         w = (e - s) * 1000.0
         wait = r.kind == WAIT_KIND  # drawn hatched on top of the compute phase it interrupts
         ax.broken_barh([(x0, max(w, 1e-6))], (y0, h if not wait else 0.8), facecolors=_COLORS[r.kind],
-                       edgecolor="black", linewidth=0.3, hatch="///" if wait else None, zorder=3 if wait else 2)
-        if r.bucket is not None and w >= _LABEL_MIN_FRACTION * span:
-            ax.text(x0 + w / 2, y0 + h / 2, r.name, fontsize=6, va="center", ha="center", clip_on=True, zorder=5)
+                       edgecolor="black", linewidth=0.3, hatch="///" if wait else _iteration_hatch(r.iteration),
+                       zorder=3 if wait else 2)
+        if (r.bucket is not None or r.iteration is not None) and not wait and w >= _LABEL_MIN_FRACTION * span:
+            ax.text(x0 + w / 2, y0 + h / 2, display_name(r), fontsize=6, va="center", ha="center", clip_on=True,
+                    zorder=5, bbox={"facecolor": "white", "alpha": 0.6, "pad": 0.5, "linewidth": 0}
+                    if r.iteration is not None and r.iteration % 2 else None)
     exposed = exposed_intervals(records, window) if highlight_exposed else []
     y = lanes.index("comm")
     for s, e in exposed:
@@ -389,19 +423,28 @@ def _draw_panel(ax, records: list[OpRecord], origin_s: float, window: Optional[I
     kinds = {r.kind for r in records}
     if exposed:
         kinds.add("exposed")
-    return kinds
+    return kinds, {r.iteration for r in records if r.iteration is not None and r.kind != WAIT_KIND}
 
 
-def _legend(target, kinds: set[str], **kw) -> None:
+def _legend(target, kinds: set[str], iterations: set[int] = frozenset(), **kw) -> None:
+    """The kinds' colours, then which hatch is which iteration: ``it 11`` (dotted), ``it 12`` (plain), or
+    ``odd iteration`` / ``even iteration`` when more than :data:`_MAX_ITERATIONS_IN_LEGEND` are drawn."""
     used = [k for k in (*KINDS, "exposed") if k in kinds]
-    if not used:
+    if not used and not iterations:
         return
     from matplotlib.patches import Patch
 
     handles = [Patch(facecolor=_EXPOSED_COLOR, label="exposed comm.") if k == "exposed" else
                Patch(facecolor=_COLORS[k], edgecolor="black", linewidth=0.3, hatch="///" if k == WAIT_KIND else None,
                      label=k) for k in used]
-    target.legend(handles=handles, fontsize=6, ncol=len(used), framealpha=0.7, **kw)
+    if len(iterations) > 1:
+        if len(iterations) <= _MAX_ITERATIONS_IN_LEGEND:
+            named = [(_iteration_hatch(i), f"it {i}") for i in sorted(iterations)]
+        else:
+            named = [(_iteration_hatch(1), "odd iteration"), (None, "even iteration")]
+        handles += [Patch(facecolor="white", edgecolor="black", linewidth=0.3, hatch=h, label=label)
+                    for h, label in named]
+    target.legend(handles=handles, fontsize=6, ncol=len(handles), framealpha=0.7, **kw)
 
 
 def _figure(panels: Sequence[Panel], origin_s: Optional[float], window: Optional[Interval], highlight_exposed: bool,
@@ -417,14 +460,18 @@ def _figure(panels: Sequence[Panel], origin_s: Optional[float], window: Optional
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
     kinds: set[str] = set()
+    iterations: set[int] = set()
     for ax, (title, recs) in zip(axes, panels):
-        kinds |= _draw_panel(ax, recs, origin_s, window, highlight_exposed, title)
+        k, its = _draw_panel(ax, recs, origin_s, window, highlight_exposed, title)
+        kinds |= k
+        iterations |= its
     axes[-1].set_xlabel("time since step start (ms)")
     if len(panels) == 1:
-        _legend(axes[0], kinds, loc="lower right", bbox_to_anchor=(1.0, 1.0))  # above the plot, beside the title
+        # above the plot, beside the title
+        _legend(axes[0], kinds, iterations, loc="lower right", bbox_to_anchor=(1.0, 1.0))
         fig.tight_layout()
     else:
-        _legend(fig, kinds, loc="upper right")
+        _legend(fig, kinds, iterations, loc="upper right")
         fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / figsize[1]))
     return fig
 
@@ -435,7 +482,10 @@ def gantt_panels_figure(panels: Sequence[Panel], origin_s: Optional[float] = Non
 
     Each panel has a ``compute`` lane (forward, backward, update; ``wait`` hatched on top: the
     training thread blocked on communication), a ``comm`` lane (RS/AG/AR; concurrent operations
-    are stacked in sub-rows, see :func:`pack_rows`) and, when used, a ``compress`` lane. With
+    are stacked in sub-rows, see :func:`pack_rows`) and, when used, a ``compress`` lane. An operation
+    whose iteration is known is labelled with it (``"it 12: AR0"``, when its bar is wide enough) and the
+    operations of odd iterations are dotted, so an update or all-reduce of one iteration drawn across
+    another's operations is told apart; the legend says which hatch is which iteration. With
     ``highlight_exposed`` the exposed communication (:func:`exposed_intervals`) is shaded red
     across the panel and marked by a red bar under the ``comm`` lane. Used for measured timelines
     (:class:`~lightning_pipedap.measure.comm_timeline.CommTimeline`) and simulated ones

@@ -164,7 +164,9 @@ def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
       for), named ``W<b>``, ``U<b>``, ``F<b>``; ``backward``: one record ``B<b>`` per run of
       consecutive layers of bucket ``b`` (their backward intervals are back to back);
     * every helper-lane compression (:attr:`SimResult.helper`) of those iterations and the previous
-      one's that end after 0, kind ``compress``, lane ``compress``, named ``C<b>``.
+      one's that end after 0, kind ``compress``, lane ``compress``, named ``C<b>``;
+    * each record's ``iteration``: ``k`` for the k-th iteration (0-based), ``-1`` for the previous
+      iteration's ops, so the Gantt chart can say which iteration an op overlapping the next one is of.
 
     Hence ``measure.timeline.exposed_communication_ms(records, window=(0, k * P))`` equals
     ``k * exposed_comm_s`` in ms (the channel is busy whenever the compute stream waits), and
@@ -189,26 +191,29 @@ def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
     P = result.iteration_s
     prefix = {"forward": "F", "backward": "B", "update": "U", "wait": "W"}
     compute: list[OpRecord] = []
-    for c in result.compute_window(iterations):
+    window = result.compute_window(iterations)  # (each iteration's compute intervals, in order)
+    per_iteration = len(result.compute)
+    for i, c in enumerate(window):
+        it = i // per_iteration if per_iteration else 0
         last = compute[-1] if compute else None
         if (c.kind == "backward" and last is not None and last.kind == "backward" and last.bucket == c.bucket
-                and abs(last.end_s - c.start) <= 1e-12 * max(1.0, abs(c.start))):
+                and last.iteration == it and abs(last.end_s - c.start) <= 1e-12 * max(1.0, abs(c.start))):
             last.end_s = c.end
             continue
         name = prefix[c.kind] + ("" if c.bucket is None else str(c.bucket))
-        compute.append(OpRecord(name, c.kind, c.bucket, c.start, c.end, "compute"))
+        compute.append(OpRecord(name, c.kind, c.bucket, c.start, c.end, "compute", it))
     comm: list[OpRecord] = []
     for k in range(-1, iterations):
         for t in result.ops:
             s, e = t.start + k * P, t.end + k * P
             if k >= 0 or e > 0.0:
-                comm.append(OpRecord(str(t.op), t.op.kind.value, t.op.bucket, s, e, "comm"))
+                comm.append(OpRecord(str(t.op), t.op.kind.value, t.op.bucket, s, e, "comm", k))
     comm.sort(key=lambda r: (r.start_s, r.end_s))
     helper: list[OpRecord] = []
     for k in range(-1, iterations):
         for c in result.helper:
             s, e = c.start + k * P, c.end + k * P
             if k >= 0 or e > 0.0:
-                helper.append(OpRecord(f"C{c.bucket}", "compress", c.bucket, s, e, "compress"))
+                helper.append(OpRecord(f"C{c.bucket}", "compress", c.bucket, s, e, "compress", k))
     helper.sort(key=lambda r: (r.start_s, r.end_s))
     return compute + comm + helper

@@ -337,8 +337,9 @@ class DeferredUpdates:
         else:
             self._unwritten.add(b)
         if self.timeline():
-            self.records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute"))
-            self.records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute"))
+            it = pending.step if pending.step >= 0 else None
+            self.records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute", it))
+            self.records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute", it))
         pending.remaining.discard(b)
         self.counts[where] += 1
         if where == "forward":

@@ -97,7 +97,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
 
     Raises:
         ValueError: an option out of range (see ``PipeDAPConfig``), ``defer_update`` not in
-            ``("auto", False)``, ``compression`` not None; at set-up: world size 1, a second model, a
+            ``("auto", False)``, ``compression`` not None; at set-up: a second model, a
             model without trainable parameters, models that differ between ranks, SyncBatchNorm on CPU, a
             self-communicating optimizer, a sparse embedding with a 16-bit ``wire_dtype``. Sparse embeddings
             (``nn.Embedding(sparse=True)``) are supported: their gradients are all-reduced as DDP does
@@ -175,16 +175,11 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
 
     # ------------------------------------------------------------------ set-up
     @override
-    def _set_world_ranks(self) -> None:
-        super()._set_world_ranks()
-        if self.cluster_environment is not None and self.num_processes * self.num_nodes < 2:
-            raise ValueError(f"strategy 'pipedap' needs at least 2 processes, got world size "
-                             f"{self.num_processes * self.num_nodes} (devices x num_nodes); use strategy='auto' for "
-                             "a single device")
-
-    @override
     def setup_module(self, module: Module) -> Module:
         """Broadcast rank 0's parameters and buffers, build the run-time (buckets, engine), install the hooks.
+
+        With one process (``devices=1``, one node) there is nothing to synchronise: no run-time is built, and the
+        wrapper runs forward, backward and the optimizer step as they are (what DDP computes with one process).
 
         Returns:
             A thin wrapper whose ``forward`` runs ``module``'s through the run-time (what Fabric's
@@ -198,6 +193,9 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             raise ValueError(f"PipeDAPFabricStrategy sets up one model; {type(self._rt.module).__name__} is set up "
                              f"already and {type(module).__name__} was passed. Put both in one nn.Module, or use "
                              "strategy='ddp'")
+        if self.single_process:  # nothing to synchronise: no run-time; forward, backward and step run as they are
+            self.note_single_process()
+            return _PipeDAPModule(module, self)
         rt = self._start_runtime(module, lambda: self._optimizers, ResumeState(), self._on_lost_peer)
         rt.install_warmup()
         rt.trainable_key = rt.trainable_signature()

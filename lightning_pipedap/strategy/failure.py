@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from lightning_pipedap.strategy.messages import log
+from lightning_pipedap.strategy.messages import failure, log
 
 #: exit code of a process ended because a peer stopped answering
 LOST_PEER_EXIT_CODE = 1
@@ -56,9 +56,10 @@ class CollectivesOffAfterFailure:
         if rt is not None and rt.engine is not None:
             rt.engine.close(abort=True)
         if exception is not None and not isinstance(exception, (SystemExit, KeyboardInterrupt)):
-            # on every rank, so each rank's own log file (train_ddp_process_<r>.log, [rank r]-prefixed) has it
-            log.error("pipedap: rank %s failed; collectives of the default group are skipped from now on",
-                      getattr(self, "global_rank", "?"), exc_info=exception)
+            # on every rank, so each rank's own log file (train_ddp_process_<r>.log, [rank r]-prefixed) has it; not on
+            # the terminal, where Python/Hydra print the exception once (a console copy printed every error twice)
+            failure(f"pipedap: rank {getattr(self, 'global_rank', '?')} failed; collectives of the default group are "
+                    "skipped from now on", exception)
 
     def on_train_start(self) -> None:
         route_sigterm(self)

@@ -93,7 +93,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         ValueError: unknown ``schedule``, non-positive ``bucket_cap_mb``/``ring_chunk_mb``/
             ``wait_timeout_s``, ``warmup_steps < 1``, ``defer_update`` not ``"auto"``/True/False,
             ``nonfinite`` not one of its choices, ``check_params_every_n_steps`` not None or >= 1; at
-            set-up: world size 1, a model without trainable parameters, parameters or strategy options
+            set-up: a model without trainable parameters, parameters or strategy options
             (schedule, compression method/kwargs/mode, ...) that differ between ranks (on every rank,
             naming the first difference), ``sync_batchnorm=True`` / SyncBatchNorm on CPU, sparse embeddings
             (``nn.Embedding(sparse=True)``: supported, reduced as DDP does) with ``compression`` or a 16-bit
@@ -193,12 +193,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                                                "sync (DeAR/PipeDAP)")
 
     # ------------------------------------------------------------------ set-up
-    @override
-    def set_world_ranks(self) -> None:
-        super().set_world_ranks()
-        if self.cluster_environment is not None and self.world_size < 2:
-            raise ValueError(f"strategy 'pipedap' needs at least 2 processes, got world size {self.world_size} "
-                             "(devices x num_nodes); use strategy='auto' for a single device")
 
     @override
     def setup(self, trainer: Any) -> None:
@@ -206,7 +200,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             raise ValueError("pipedap: Trainer(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
                              "CPU implementation); remove sync_batchnorm=True on CPU, or train on GPUs")
         super().setup(trainer)
-        if trainer.state.fn != TrainerFn.FITTING:
+        M.use_progress_bar(getattr(trainer, "progress_bar_callback", None))  # (messages print around the bar)
+        if trainer.state.fn != TrainerFn.FITTING or self._rt is None:  # (one process: no run-time, see configure_ddp)
             return
         refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
@@ -228,12 +223,19 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def configure_ddp(self) -> None:
         """Replace DDP wrapping: broadcast rank 0's states, build the run-time (buckets, engine), install hooks.
 
+        With one process (``devices=1``, one node) there is nothing to synchronise: no run-time, no engine, no plan
+        or trials; the model is trained unwrapped, which is what DDP with one process computes (bit for bit), and
+        one log line says so.
+
         Raises:
             ValueError: no trainable parameter, parameters that differ between ranks, a SyncBatchNorm module on
                 CPU, a sparse embedding with compression or a 16-bit wire format (its name is given).
         """
         model = self.model
         assert isinstance(model, torch.nn.Module)
+        if self.single_process:  # nothing to synchronise: the model runs unwrapped, as a single device
+            self.note_single_process()
+            return
         rt = self._start_runtime(model, lambda: self.optimizers, self._resume, exit_on_lost_peer)
         rt.step_of = lambda: self.lightning_module.global_step
         for m in eager_modules(model):
@@ -473,6 +475,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             self.precision_plugin.clip_gradients = self._orig_clip
         if self._restore_priority is not None:
             self._restore_priority()
+        M.use_progress_bar(None)
         self._last, self._rt, self._comm, self._aborted = rt or self._last, None, None, False
         self._orig_clip, self._restore_priority = None, None
         self._flush_callback = None

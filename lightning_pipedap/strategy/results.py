@@ -142,7 +142,9 @@ class RunResults:
         candidates a confirmation compared, else measured_s), decided_in (``"first pass"`` /
         ``"confirmation"``), windows_s, chosen), ``selection_notes`` (why that selection chose as it did, in
         words: the controller's ``selection_notes``),
-        ``predicted_iteration_s``, ``measured_iteration_s``, ``replans``, ``startup`` (:attr:`startup`),
+        ``predicted_iteration_s``, ``measured_iteration_s``, ``no_overlap_time_s``, ``profiled_compute_s`` and
+        ``contention`` (what the predictions rest on: :meth:`_prediction_basis`), ``replans``, ``startup``
+        (:attr:`startup`),
         ``cost_model_origin`` (where the α-β model came from, in words: ``"cached α-β model from <path>
         (fitted <time>)"``, ``"α-β model fitted on the live group in 2.1 s"``, ``"α-β model loaded from
         cost_model=<file>"``;
@@ -157,7 +159,8 @@ class RunResults:
         ``plan_cache`` (``"hit"``, ``"miss"``, ``"off"`` or ``"stale (re-selected)"``: whether the plan came from
         the plan cache, see :attr:`Controller.plan_cache`; None outside a fit) and ``plan_cache_entry`` (after a
         hit: the entry's ``path``, ``selected_at``, ``chosen``, ``describe``, ``measured_s`` and the
-        ``candidates`` its selection measured; else None).
+        ``candidates`` its selection measured; else None),
+        ``single_process`` (one process: nothing was synchronised, :attr:`single_process`).
         """
         rt = self._rt or self._last
         if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
@@ -179,6 +182,7 @@ class RunResults:
                                                   "windows_s", "chosen")}
                            for r in self.trial_results],
             "predicted_iteration_s": self.predicted_iteration_s, "measured_iteration_s": self.measured_iteration_s,
+            **self._prediction_basis(rt),
             "selection_notes": list(rt.controller.selection_notes) if rt is not None else [],
             "replans": self.replans_done, "startup": dict(self.startup),
             "cost_model_origin": getattr(planning, "cost_model_origin", None),
@@ -188,7 +192,23 @@ class RunResults:
             "wire16_buckets": getattr(final, "num_wire16", 0) if final is not None else 0,
             "plan_cache": getattr(getattr(rt, "controller", None), "plan_cache", None),
             "plan_cache_entry": _entry_of(getattr(rt, "plan_cache", None)),
+            "single_process": self.single_process,
         }
+
+    def _prediction_basis(self, rt: Optional[Runtime]) -> dict[str, Any]:
+        """What the predictions rest on, for the summary to explain a surprising number: ``no_overlap_time_s``
+        (profiled compute + update + the α-β model's all-reduce of every bucket, s), ``profiled_compute_s``
+        (forward + backward + update of the profiling steps, s; None without a profile) and ``contention``
+        (the measured slowdowns ``compute_slowdown`` σ_c and ``comm_slowdown`` σ_m; None when not measured)."""
+        profile = getattr(getattr(rt, "planning", None), "profile", None) if rt is not None else None
+        compute = None
+        if isinstance(profile, dict) and profile.get("layers"):
+            compute = sum(float(l.get("t_f", 0.0)) + float(l.get("t_b", 0.0)) for l in profile["layers"]) \
+                + float(profile.get("t_update", 0.0))
+        c = self._measured.contention
+        return {"no_overlap_time_s": self.no_overlap_time_s, "profiled_compute_s": compute,
+                "contention": None if c is None else {"compute_slowdown": c.compute_slowdown,
+                                                      "comm_slowdown": c.comm_slowdown}}
 
     @staticmethod
     def _selection_state(rt: Optional[Runtime]) -> dict[str, Any]:
@@ -201,6 +221,20 @@ class RunResults:
                 "unfinished_candidates": [{k: r.get(k) for k in ("name", "predicted_s", "measured_s", "windows_s")}
                                           for r in sel["partial"]],
                 "ran_at_end": rt.running_schedule}
+
+    @property
+    def single_process(self) -> bool:
+        """Whether the run has one process (world size 1): nothing to synchronise, so no run-time (no engine, no
+        plan, no trials, no start-up) and the model trains as on a single device."""
+        return getattr(self, "cluster_environment", None) is not None and self.world_size == 1
+
+    def note_single_process(self) -> None:
+        """The log line of a one-process run (once per strategy)."""
+        if not getattr(self, "_said_single_process", False):
+            self._said_single_process = True
+            M.info(f"pipedap: one process: nothing to synchronise; training runs without communication (no engine, "
+                   f"no plan, no trials), as strategy='ddp' does with one process (schedule "
+                   f"{self.config.schedule!r} not used)")
 
     @property
     def phase(self) -> Optional[Phase]:

@@ -641,7 +641,8 @@ class Runtime:
         self.deferred.before_backward()
         self.engine.attach_views()  # (gradient_as_bucket_view: None .grad -> zeroed views; every pending bucket landed)
         if self.sync_grads:
-            self.engine.begin_iteration()
+            step = self.step_of()
+            self.engine.begin_iteration(step if step >= 0 else None)  # (timeline records name the step)
             if self.recorder is not None:
                 self.sync_device()
                 self.recorder.backward_start()
@@ -666,7 +667,9 @@ class Runtime:
                 sparse.start()
         engine.wait_idle()
         if self.timeline():
-            self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute"))
+            step = self.step_of()
+            self.records.append(OpRecord("wait_all", "wait", None, t0, time.perf_counter(), "compute",
+                                         step if step >= 0 else None))
         with torch.no_grad():
             watching = self.controller.phase is not Phase.RUN  # (trace, profile and trial steps)
             for b in range(engine.num_buckets):
