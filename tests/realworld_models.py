@@ -52,8 +52,19 @@ class Case:
     kind: str = "parity"  # "parity" | "refusal_ok" (matching DDP or a ValueError naming `param` both pass)
     param: str = ""  # refusal_ok: the parameter name the error must contain
     skip: Optional[Callable[[], Optional[str]]] = None  # returns a reason to skip, measured at run time
-    variants: Optional[list[str]] = None  # default: ["default", "dear"]
+    variants: Optional[list[str]] = None  # default: the harness's PIPEDAP_VARIANTS ("default", "dear", "switching")
+    extra_variants: list[str] = field(default_factory=list)  # judged too, run besides ``variants``
     info_variants: list[str] = field(default_factory=list)  # run once, reported, not judged
+    # state keys (substrings) that DDP itself keeps per rank (state updated in forward from the rank's own batch):
+    # compared per rank with the reference's same rank, left out of the cross-rank replica check
+    rank_local: tuple[str, ...] = ()
+    # what the "switching" variants must show in every run (tests/test_realworld_parity.py): by default every candidate
+    # installed in turn (>= 3 candidates, DDP's reducer among them, >= 3 windows measured); a case where that cannot
+    # be says why in `no_torch_ddp` and sets the switches it must show in `min_switches`
+    min_switches: Optional[int] = None
+    no_torch_ddp: str = ""
+    # steps at which the ranks took different control flow in the reference run (info "called"), asserted when set
+    per_rank_steps: Optional[int] = None
 
 
 CASES: dict[str, Case] = {}
@@ -420,7 +431,9 @@ class GradAccumNorm(MLP, Recorder):
         self.record("grad_norm_total", grad_norm(self, norm_type=2)["grad_2.0_norm_total"])
 
 
-@case("accumulate_grad_norm")
+@case("accumulate_grad_norm", min_switches=1,
+      no_torch_ddp="accumulate_grad_batches=3: a switch would fall inside an accumulation window, so DDP's reducer is "
+                   "not trialled; 6 optimizer steps leave room for the first window and the switch to the second")
 def build_accum_norm() -> Spec:
     """accumulate_grad_batches=3 with a gradient-norm read in on_before_optimizer_step (called once per 3
     micro-batches, after accumulation; documented in src/lightning/pytorch/core/hooks.py). Pattern of
@@ -621,7 +634,8 @@ class GAN(pl.LightningModule):
                 torch.optim.Adam(self.discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999)))
 
 
-@case("gan_manual_toggle", ref="ddp_find_unused_parameters_true")
+@case("gan_manual_toggle", ref="ddp_find_unused_parameters_true", min_switches=0,
+      no_torch_ddp="manual optimization runs in sync mode: no plan, no trials")
 def build_gan() -> Spec:
     """Lightning's basic GAN: manual optimization, two Adam optimizers (betas 0.5, 0.999), toggle_optimizer /
     untoggle_optimizer around each manual_backward, BatchNorm1d(o, 0.8) + LeakyReLU blocks in the generator.
@@ -1236,3 +1250,4 @@ def build_val_reader() -> Spec:
     return Spec(MLP(), loader(ds), val=loader(ds, shuffle=False), trainer_kw={"val_check_interval": 2,
                                                                           "limit_val_batches": 2},
                 callbacks=[ValGradReader()])
+
