@@ -1255,8 +1255,11 @@ def build_val_reader() -> Spec:
 
 # ------------------------------------------------------------------------------------------------ issue 26: switching must never change results
 def _world() -> int:
-    """The number of ranks the harness runs (``WORLD_SIZE`` of the launch; data layouts that place batches on ranks
-    need it)."""
+    """The number of ranks the harness runs (data layouts that place batches on ranks need it): the default process
+    group's size (the harness keeps one across fits; ``WORLD_SIZE`` does not survive a Lightning fit), else the
+    launch's ``WORLD_SIZE``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
     return max(1, int(os.environ.get("WORLD_SIZE", "1")))
 
 
