@@ -106,6 +106,7 @@ def main(out_path: str, names: list[str]) -> None:
         raise SystemExit(f"unknown cases {unknown}")
     xchg = rc.Exchange(out_path + ".xchg")
     rc.init_pg(xchg.root)
+    rc.freeze_heap()
     results: dict[str, Any] = {"_meta": {"cases": names, "world": rc.WORLD, "runs": RUNS}}
     t0 = time.monotonic()
     for name in names:
