@@ -1,6 +1,8 @@
 """Real-world parity suite: each case of ``tests/realworld_models.py`` trained with a reference strategy and with
-``pipedap`` (default ``PipeDAPStrategy()`` and a many-bucket ``PipeDAPStrategy(schedule="dear",
-bucket_cap_mb=0.002)``, each twice), compared tensor by tensor.
+``pipedap`` (default ``PipeDAPStrategy()``, a many-bucket ``PipeDAPStrategy(schedule="dear", bucket_cap_mb=0.002)``
+and ``switching``: measured selection forced through every candidate, DDP's reducer included, in short fixed
+windows; each twice), compared tensor by tensor. Each pipedap run also reports what measured selection did
+(``selection``: the schedules installed in order, the windows measured per candidate, what ran at the end).
 
 Run as a script on every rank (``tests/test_realworld_parity.py`` starts 2 ranks with Lightning's environment
 variables; every ``Trainer`` joins them)::
@@ -9,7 +11,7 @@ variables; every ``Trainer`` joins them)::
 
 Environment: ``REALWORLD_CASES=mha,ema_weight_averaging`` (subset), ``REALWORLD_VARIANTS=dear`` (subset of
 the pipedap variants), ``REALWORLD_RUNS=1`` (one run per variant instead of two; reproducibility is then not
-measured).
+measured). Any number of ranks >= 2 (``tests/test_three_ranks.py`` runs 3 through ``tests/three_rank_cases.py``).
 
 The ranks never use the default process group for the harness itself: after each fit every rank writes its
 status, error and tensors to ``OUT.json.xchg/`` and waits for the other's file (so an exception on one rank
@@ -20,6 +22,7 @@ is destroyed and re-created (FileStore) so the next case starts clean; the defau
 
 from __future__ import annotations
 
+import gc
 import inspect
 import json
 import logging
@@ -34,10 +37,10 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Sampler
+from torch.utils.data import DataLoader, DistributedSampler, Sampler
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 import lightning_pipedap  # noqa: F401  (registers "pipedap")
 from lightning_pipedap import PipeDAPStrategy
@@ -51,7 +54,7 @@ PG_TIMEOUT_S = float(os.environ.get("REALWORLD_PG_TIMEOUT_S", "60"))
 WAIT_TIMEOUT_S = 60.0
 SWAP_TIMEOUT_S = 3 * PG_TIMEOUT_S + 120
 RUNS = int(os.environ.get("REALWORLD_RUNS", "2"))
-PIPEDAP_VARIANTS = [v for v in os.environ.get("REALWORLD_VARIANTS", "default,dear").split(",") if v]
+PIPEDAP_VARIANTS = [v for v in os.environ.get("REALWORLD_VARIANTS", "default,dear,switching").split(",") if v]
 RANK = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -63,15 +66,87 @@ def _pipedap(**kw: Any) -> PipeDAPStrategy:
     return PipeDAPStrategy(**kw)
 
 
+#: measured selection forced to switch: 2 KiB buckets (many), one trace and one profiled step, then every candidate
+#: (up to 4 schedules and DDP's reducer, last) for a window of one settling and one measured step, in one round;
+#: with torch_ddp_margin=0 a schedule measured faster than DDP's reducer displaces it only after a confirmation
+#: round of the two (2 more windows). In the suite's 18-step fits the trials take steps 2-11 (up to 15), and the
+#: chosen candidate runs the rest. The windows' order is fixed; which candidate wins depends on timing, which at 2
+#: ranks cannot change the bits (every candidate sums a/2 + b/2 exactly).
+SWITCHING = dict(bucket_cap_mb=0.002, plan_trials=4, trial_steps=1, trial_rounds=1, trial_window_s=0,
+                 torch_ddp_margin=0.0, profile_steps=1, model_contention=False)
+
 STRATEGIES: dict[str, Callable[[], Any]] = {
     "default": lambda: _pipedap(),
     "dear": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002),
+    "switching": lambda: _pipedap(**SWITCHING),
+    # the same trials, then DDP's reducer kept (another candidate would have to be > 99% faster): the steps after
+    # the trials run under DDP's reducer, entered and left mid-fit
+    "switching_keep_ddp": lambda: _pipedap(**{**SWITCHING, "torch_ddp_margin": 0.99}),
+    # pipedap's default under Trainer(deterministic=True) (VARIANT_TRAINER_KW): at >= 3 ranks the fixed dear schedule
+    "default_deterministic": lambda: _pipedap(),
+    "ddp_small_buckets": lambda: DDPStrategy(bucket_cap_mb=0.002),
+    "ddp_tiny_buckets": lambda: DDPStrategy(bucket_cap_mb=0.0002),
     # gradient_as_bucket_view: every .grad a view into its bucket (REALWORLD_VARIANTS=dear_view,default_view)
     "dear_view": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002, gradient_as_bucket_view=True),
     "default_view": lambda: _pipedap(gradient_as_bucket_view=True),
     "ddp": lambda: "ddp",
     "ddp_find_unused_parameters_true": lambda: "ddp_find_unused_parameters_true",
 }
+
+#: Trainer keyword arguments of a variant (on top of the case's)
+VARIANT_TRAINER_KW: dict[str, dict[str, Any]] = {"default_deterministic": {"deterministic": True}}
+
+
+# ------------------------------------------------------------------------------------------------ what selection did
+class _ScheduleLog(logging.Handler):
+    """Collects the name of every final schedule installed (``pipedap: schedule <describe>``, said by rank 0 each time
+    the engine changes schedule or hands over to DDP's reducer)."""
+
+    PREFIX = "pipedap: schedule "
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        if msg.startswith(self.PREFIX):
+            self.names.append(msg[len(self.PREFIX):].split(":")[0].split(" ")[0])
+
+
+SCHEDULE_LOG = _ScheduleLog()
+_pipedap_log = logging.getLogger("lightning_pipedap")
+_pipedap_log.addHandler(SCHEDULE_LOG)
+_stderr = logging.StreamHandler(sys.stderr)  # (the strategy's own stderr handler is added only when none exists)
+_stderr.setFormatter(logging.Formatter("%(message)s"))
+_pipedap_log.addHandler(_stderr)
+_pipedap_log.setLevel(logging.INFO)
+
+
+def selection_record(strategy: Any) -> Optional[dict[str, Any]]:
+    """What measured selection did in the last fit of a pipedap ``strategy`` (None for another strategy):
+    ``installs`` (rank 0: every final schedule installed, in order; a change of name is a switch), ``switches``,
+    ``handovers`` (entries into DDP's reducer), ``windows`` (measured windows per candidate, finished selections and
+    one in progress), ``selections`` (finished), ``status``, ``chosen`` (per finished selection) and ``ran_at_end``."""
+    if not isinstance(strategy, PipeDAPStrategy):
+        return None
+    rt = strategy._rt or strategy._last
+    if rt is None:
+        return None
+    ctl = rt.controller
+    windows: dict[str, int] = {}
+    for sel in ctl.selections:
+        for r in sel:
+            windows[r["name"]] = windows.get(r["name"], 0) + len(r["windows_s"])
+    state = ctl.plan_selection()
+    for r in state["partial"]:
+        windows[r["name"]] = windows.get(r["name"], 0) + len(r["windows_s"])
+    names = list(SCHEDULE_LOG.names)
+    return {"installs": names, "switches": sum(a != b for a, b in zip(names, names[1:])),
+            "handovers": sum(n == "torch_ddp" for n in names), "windows": windows,
+            "selections": len(ctl.selections), "status": state["status"],
+            "chosen": [next((r["name"] for r in sel if r["chosen"]), None) for sel in ctl.selections],
+            "ran_at_end": rt.running_schedule, "timing_free": rt.timing_free}
 
 
 # ------------------------------------------------------------------------------------------------ union-batch reference
@@ -110,7 +185,7 @@ class UnionBatchSampler(Sampler[list[int]]):
 
 
 def union_loader(dl: DataLoader) -> DataLoader:
-    shuffle = isinstance(dl.sampler, RandomSampler)
+    shuffle = True  # (Lightning gives a training loader DistributedSampler(shuffle=True) whatever its own sampler)
     return DataLoader(dl.dataset, batch_sampler=UnionBatchSampler(len(dl.dataset), dl.batch_size, shuffle, WORLD))
 
 
@@ -118,7 +193,7 @@ def union_loader(dl: DataLoader) -> DataLoader:
 def fit(c: Case, strategy_name: str) -> dict[str, Any]:
     """Train case ``c`` once; returns {status, error, error_type, global_step, state, info, update_counts}."""
     out: dict[str, Any] = {"status": "ok", "error": None, "error_type": None, "error_msg": None, "global_step": None,
-                           "state": {}, "info": {}, "update_counts": None, "wall_s": None}
+                           "state": {}, "info": {}, "update_counts": None, "wall_s": None, "selection": None}
     union = strategy_name == "union"
     if union and RANK != 0:
         out["status"] = "skipped"
@@ -133,6 +208,8 @@ def fit(c: Case, strategy_name: str) -> dict[str, Any]:
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   num_sanity_val_steps=0, limit_val_batches=2)
         kw.update(spec.trainer_kw)
+        kw.update(VARIANT_TRAINER_KW.get(strategy_name, {}))
+        SCHEDULE_LOG.names.clear()
         trainer = pl.Trainer(strategy=strategy, callbacks=spec.callbacks, **kw)
         train = spec.train
         if union and train is not None:
@@ -156,6 +233,11 @@ def fit(c: Case, strategy_name: str) -> dict[str, Any]:
             out["global_step"] = int(trainer.global_step)
         counts = getattr(strategy, "update_counts", None)
         out["update_counts"] = dict(counts) if isinstance(counts, dict) else None
+        try:
+            out["selection"] = selection_record(strategy)
+        except Exception as exc:  # (reported; the test then says what is missing)
+            out["selection"] = {"error": f"{type(exc).__name__}: {exc}"}
+        torch.use_deterministic_algorithms(False)  # Trainer(deterministic=None) leaves the last fit's setting
     return out
 
 
@@ -215,8 +297,17 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float
     return worst, name
 
 
-def _model_part(state: dict) -> dict:
-    return {k: v for k, v in state.items() if "rec/" not in k}
+def _model_part(state: dict, rank_local: tuple[str, ...] = ()) -> dict:
+    return {k: v for k, v in state.items() if "rec/" not in k and not any(s in k for s in rank_local)}
+
+
+def _local_part(state: dict, rank_local: tuple[str, ...]) -> dict:
+    return {k: v for k, v in state.items() if any(s in k for s in rank_local)}
+
+
+def _replicas(states: list[dict], part: Callable[[dict], dict]) -> float:
+    """Largest difference of ``part`` of every rank's state from rank 0's."""
+    return max((_diff(part(states[0]), part(s))[0] for s in states[1:]), default=0.0)
 
 
 def _rec_part(state: dict) -> dict:
@@ -261,12 +352,16 @@ def run_case(c: Case, xchg: Exchange) -> dict[str, Any]:
         params = {k: v for k, v in ref["state"].items() if k in init_state}
         res["ref_moved"] = _num(_diff(params, init_state)[0])
         if c.ref != "union" and WORLD > 1:
-            res["ref_replicas"] = _num(_diff(_model_part(ref_outs[0]["state"]), _model_part(ref_outs[1]["state"]))[0])
+            ref_states = [o["state"] for o in ref_outs]
+            res["ref_replicas"] = _num(_replicas(ref_states, lambda s: _model_part(s, c.rank_local)))
+            if c.rank_local:  # DDP keeps them per rank: > 0 shows the case exercises rank-local state
+                res["ref_replicas_rank_local"] = _num(_replicas(ref_states, lambda s: _local_part(s, c.rank_local)))
         info = [o["info"] for o in ref_outs if o["status"] == "ok"]
-        if info and "called" in info[0] and len(info) == 2:
-            res["ref_steps_with_per_rank_control_flow"] = sum(a != b for a, b in zip(info[0]["called"], info[1]["called"]))
+        if info and "called" in info[0] and len(info) == WORLD:
+            res["ref_steps_with_per_rank_control_flow"] = sum(any(x != step[0] for x in step[1:])
+                                                          for step in zip(*(i["called"] for i in info)))
 
-    variants = c.variants if c.variants is not None else PIPEDAP_VARIANTS
+    variants = (c.variants if c.variants is not None else PIPEDAP_VARIANTS) + c.extra_variants
     all_variants = [(v, RUNS) for v in variants] + [(v, 1) for v in c.info_variants]
     res["variants"] = {}
     for v, runs in all_variants:
@@ -283,6 +378,7 @@ def run_case(c: Case, xchg: Exchange) -> dict[str, Any]:
                 break
             states.append([o["state"] for o in outs])
             vr["update_counts"] = [o["update_counts"] for o in outs]
+            vr.setdefault("selection", []).append(outs[0]["selection"])  # (rank 0 says which schedules it installed)
             vr.setdefault("wall_s", []).append(outs[0]["wall_s"])
         if states and ref["status"] == "ok":
             # every run, every rank against the reference's same rank (rank 0's for the single-process union run)
@@ -290,13 +386,21 @@ def run_case(c: Case, xchg: Exchange) -> dict[str, Any]:
             d, worst = max((_diff(s[r], ref_states[r]) for s in states for r in range(len(s))), key=lambda t: t[0])
             vr["vs_ref"], vr["worst"] = _num(d), worst
             if WORLD > 1:  # replicas: parameters, buffers, extra model state; rank-local records reported apart
-                vr["replicas"] = _num(max(_diff(_model_part(s[0]), _model_part(s[1]))[0] for s in states))
-                vr["replicas_records"] = _num(max(_diff(_rec_part(s[0]), _rec_part(s[1]))[0] for s in states))
+                vr["replicas"] = _num(max(_replicas(s, lambda st: _model_part(st, c.rank_local)) for s in states))
+                vr["replicas_records"] = _num(max(_replicas(s, _rec_part) for s in states))
             if len(states) > 1 and "error" not in vr:
                 vr["repro"] = _num(max(_diff(states[0][r], states[1][r])[0] for r in range(len(states[0]))))
         res["variants"][v] = vr
     res["wall_s"] = round(time.monotonic() - t0, 1)
     return res
+
+
+def freeze_heap() -> None:
+    """Move everything alive after the imports (torch, Lightning, transformers) out of the garbage collector's view
+    (``gc.freeze``): leaving DDP's reducer runs a full ``gc.collect()`` (``strategy/handover.py``), 0.3-0.5 s per
+    switch over this process's heap, which made the switching variant half of the suite's time. Results unchanged."""
+    gc.collect()
+    gc.freeze()
 
 
 def main(out_path: str, names: list[str]) -> None:
@@ -309,6 +413,7 @@ def main(out_path: str, names: list[str]) -> None:
         raise SystemExit(f"unknown cases {unknown}; known: {', '.join(CASES)}")
     xchg = Exchange(out_path + ".xchg")
     init_pg(xchg.root)
+    freeze_heap()
     results: dict[str, Any] = {"_meta": {"cases": names, "variants": PIPEDAP_VARIANTS, "runs": RUNS, "world": WORLD}}
     t0 = time.monotonic()
     for name in names:
@@ -341,8 +446,10 @@ def _summary(r: dict) -> str:
         if "error" in vr:
             parts.append(f"{v}: ERROR {vr['error_first_line']}")
         else:
+            sel = next((x for x in vr.get("selection") or [] if x), None)
+            how = f" switches {sel.get('switches')} ran_at_end {sel.get('ran_at_end')}" if sel else ""
             parts.append(f"{v}: vs_ref {vr.get('vs_ref')} ({vr.get('worst')}) repro {vr.get('repro')} "
-                         f"replicas {vr.get('replicas')}")
+                         f"replicas {vr.get('replicas')}{how}")
     return f"{r.get('wall_s')} s | " + " | ".join(parts)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -18,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import (BackboneFinetuning, Callback, EMAWeightAveraging, LambdaCallback,
@@ -52,8 +53,19 @@ class Case:
     kind: str = "parity"  # "parity" | "refusal_ok" (matching DDP or a ValueError naming `param` both pass)
     param: str = ""  # refusal_ok: the parameter name the error must contain
     skip: Optional[Callable[[], Optional[str]]] = None  # returns a reason to skip, measured at run time
-    variants: Optional[list[str]] = None  # default: ["default", "dear"]
+    variants: Optional[list[str]] = None  # default: the harness's PIPEDAP_VARIANTS ("default", "dear", "switching")
+    extra_variants: list[str] = field(default_factory=list)  # judged too, run besides ``variants``
     info_variants: list[str] = field(default_factory=list)  # run once, reported, not judged
+    # state keys (substrings) that DDP itself keeps per rank (state updated in forward from the rank's own batch):
+    # compared per rank with the reference's same rank, left out of the cross-rank replica check
+    rank_local: tuple[str, ...] = ()
+    # what the "switching" variants must show in every run (tests/test_realworld_parity.py): by default every candidate
+    # installed in turn (>= 3 candidates, DDP's reducer among them, >= 3 windows measured); a case where that cannot
+    # be says why in `no_torch_ddp` and sets the switches it must show in `min_switches`
+    min_switches: Optional[int] = None
+    no_torch_ddp: str = ""
+    # steps at which the ranks took different control flow in the reference run (info "called"), asserted when set
+    per_rank_steps: Optional[int] = None
 
 
 CASES: dict[str, Case] = {}
@@ -420,7 +432,9 @@ class GradAccumNorm(MLP, Recorder):
         self.record("grad_norm_total", grad_norm(self, norm_type=2)["grad_2.0_norm_total"])
 
 
-@case("accumulate_grad_norm")
+@case("accumulate_grad_norm", min_switches=1,
+      no_torch_ddp="accumulate_grad_batches=3: a switch would fall inside an accumulation window, so DDP's reducer is "
+                   "not trialled; 6 optimizer steps leave room for the first window and the switch to the second")
 def build_accum_norm() -> Spec:
     """accumulate_grad_batches=3 with a gradient-norm read in on_before_optimizer_step (called once per 3
     micro-batches, after accumulation; documented in src/lightning/pytorch/core/hooks.py). Pattern of
@@ -621,7 +635,8 @@ class GAN(pl.LightningModule):
                 torch.optim.Adam(self.discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999)))
 
 
-@case("gan_manual_toggle", ref="ddp_find_unused_parameters_true")
+@case("gan_manual_toggle", ref="ddp_find_unused_parameters_true", min_switches=0,
+      no_torch_ddp="manual optimization runs in sync mode: no plan, no trials")
 def build_gan() -> Spec:
     """Lightning's basic GAN: manual optimization, two Adam optimizers (betas 0.5, 0.999), toggle_optimizer /
     untoggle_optimizer around each manual_backward, BatchNorm1d(o, 0.8) + LeakyReLU blocks in the generator.
@@ -1236,3 +1251,243 @@ def build_val_reader() -> Spec:
     return Spec(MLP(), loader(ds), val=loader(ds, shuffle=False), trainer_kw={"val_check_interval": 2,
                                                                           "limit_val_batches": 2},
                 callbacks=[ValGradReader()])
+
+
+# ------------------------------------------------------------------------------------------------ issue 26: switching must never change results
+def _world() -> int:
+    """The number of ranks the harness runs (data layouts that place batches on ranks need it): the default process
+    group's size (the harness keeps one across fits; ``WORLD_SIZE`` does not survive a Lightning fit), else the
+    launch's ``WORLD_SIZE``."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+class ConditionalBoxHead(pl.LightningModule):
+    """Detection-style: objectness on every anchor, box regression through ``box_head`` only for positive anchors,
+    the head not called at all when the batch has none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(D, 32), nn.ReLU())
+        self.cls_head = nn.Linear(32, 1)
+        self.box_head = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.called: list[bool] = []
+
+    def training_step(self, batch, batch_idx):
+        x, labels, boxes = batch  # (B, A, D), (B, A), (B, A, 4)
+        feat = self.backbone(x)
+        positives = labels > 0
+        loss = F.binary_cross_entropy_with_logits(self.cls_head(feat).squeeze(-1), positives.float())
+        if positives.any():  # the box head runs on positive anchors only: not at all for a batch without one
+            loss = loss + F.smooth_l1_loss(self.box_head(feat[positives]), boxes[positives])
+        self.called.append(bool(positives.any()))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+#: (rank, step) whose batch has no positive anchor in ``build_conditional_box_head`` (rank None: every rank), late in
+#: the 40-step fit, after start-up and after the switching variants' trials (steps 2-15) have ended
+NO_POSITIVES = ((1, 31), (1, 35), (0, 37), (None, 39))
+BOX_STEPS, ANCHORS = 40, 4
+
+
+def detection_data(world: int, steps: int = BOX_STEPS, seed: int = 7) -> TensorDataset:
+    """``steps * BATCH * world`` samples of ``ANCHORS`` anchors each (~27% positive) for one epoch; the batches of
+    :data:`NO_POSITIVES` get none. Lightning gives each rank of a training loader ``DistributedSampler(shuffle=True,
+    seed=0)`` (whatever the loader's own ``shuffle``), epoch 0: the same sampler places those batches."""
+    g = torch.Generator().manual_seed(seed)
+    n = steps * BATCH * world
+    x = torch.randn(n, ANCHORS, D, generator=g)
+    labels = (x[:, :, :3].sum(-1) > 0.9).long()
+    boxes = torch.tanh(x[:, :, 4:8] + 0.5 * x[:, :, 8:12])
+    per_rank = []
+    for r in range(world):
+        sampler = DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=True, seed=0)
+        sampler.set_epoch(0)
+        per_rank.append(list(sampler))
+    for r, s in NO_POSITIVES:
+        for rr in (range(world) if r is None else [r % world]):
+            labels[per_rank[rr][s * BATCH:(s + 1) * BATCH]] = 0
+    return TensorDataset(x, labels, boxes)
+
+
+@case("detection_box_head_if_positives", ref="ddp_find_unused_parameters_true", epochs=1,
+      extra_variants=["switching_keep_ddp"], per_rank_steps=3)
+def build_conditional_box_head() -> Spec:
+    """A detection-style box head run only ``if positives.any()`` (issue 26, finding 1: DDP's reducer installed
+    without find_unused_parameters crashed at step 372 when one rank's batch had no positives). Box and class terms
+    only for a batch with targets, as ultralytics/yolov5 utils/loss.py (ComputeLoss.__call__: ``if n :=
+    b.shape[0]:``); the head module itself run on positive proposals only, as two-stage detectors do
+    (facebookresearch/maskrcnn-benchmark maskrcnn_benchmark/modeling/roi_heads/mask_head/mask_head.py:
+    keep_only_positive_boxes before the head during training). One epoch of 40 steps: rank 1 has no positive at
+    steps 31 and 35, rank 0 at step 37, no rank at step 39 (the head gets no gradient anywhere: SGD skips it);
+    ``switching_keep_ddp`` keeps DDP's reducer after the trials, so those steps run under it."""
+    return Spec(ConditionalBoxHead(), loader(detection_data(_world())),
+                info=lambda s: {"called": s.model.called})
+
+
+class VectorQuantizerEMA(nn.Module):
+    """VQ-VAE quantizer whose codebook follows exponential moving averages of the encoder outputs assigned to each
+    code, updated in forward (training only) from this rank's batch: the cluster sizes a buffer, the summed vectors
+    and the codebook frozen parameters, all updated in place. No gradient reaches the codebook (straight-through)."""
+
+    def __init__(self, num_embeddings: int = 8, embedding_dim: int = 4, commitment_cost: float = 0.25,
+                 decay: float = 0.9, epsilon: float = 1e-5) -> None:
+        super().__init__()
+        self._num_embeddings, self._embedding_dim = num_embeddings, embedding_dim
+        self._commitment_cost, self._decay, self._epsilon = commitment_cost, decay, epsilon
+        self._embedding = nn.Embedding(num_embeddings, embedding_dim)
+        self._embedding.weight.data.normal_()
+        self._embedding.weight.requires_grad_(False)
+        self.register_buffer("_ema_cluster_size", torch.zeros(num_embeddings))
+        self._ema_w = nn.Parameter(torch.randn(num_embeddings, embedding_dim), requires_grad=False)
+
+    def forward(self, inputs):  # (..., embedding_dim)
+        flat = inputs.reshape(-1, self._embedding_dim)
+        w = self._embedding.weight
+        distances = flat.pow(2).sum(1, keepdim=True) + w.pow(2).sum(1) - 2 * flat @ w.t()
+        encodings = F.one_hot(distances.argmin(1), self._num_embeddings).to(flat.dtype)
+        if self.training:
+            with torch.no_grad():
+                size = self._ema_cluster_size
+                size.mul_(self._decay).add_((1 - self._decay) * encodings.sum(0))
+                n = size.sum()
+                size.copy_((size + self._epsilon) / (n + self._num_embeddings * self._epsilon) * n)
+                self._ema_w.mul_(self._decay).add_((1 - self._decay) * (encodings.t() @ flat))
+                self._embedding.weight.copy_(self._ema_w / size.unsqueeze(1))
+        quantized = encodings @ self._embedding.weight
+        loss = self._commitment_cost * F.mse_loss(quantized.detach(), flat)
+        quantized = flat + (quantized - flat).detach()  # straight-through estimator
+        return loss, quantized.view_as(inputs)
+
+
+class VQVAE(pl.LightningModule):
+    def __init__(self, tokens: int = 4, dim: int = 4) -> None:
+        super().__init__()
+        self.tokens, self.dim = tokens, dim
+        self.encoder = nn.Sequential(nn.Linear(D, 32), nn.ReLU(), nn.Linear(32, tokens * dim))
+        self.vq = VectorQuantizerEMA(embedding_dim=dim)
+        self.decoder = nn.Sequential(nn.Linear(tokens * dim, 32), nn.ReLU(), nn.Linear(32, D))
+
+    def training_step(self, batch, batch_idx):
+        x, _ = batch
+        z = self.encoder(x).view(-1, self.tokens, self.dim)
+        vq_loss, q = self.vq(z)
+        return F.mse_loss(self.decoder(q.reshape(x.size(0), -1)), x) + vq_loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+
+
+@case("vqvae_ema_codebook", rank_local=("vq._embedding.weight", "vq._ema_w", "vq._ema_cluster_size"))
+def build_vqvae() -> Spec:
+    """VQ-VAE with an EMA codebook (issue 26, finding 2: every switch into DDP's reducer re-broadcast rank 0's
+    parameters and buffers, and the rank-local codebook ended 0.22 from DDP). Quantizer after VectorQuantizerEMA of
+    zalandoresearch/pytorch-vq-vae vq-vae.ipynb (EMA cluster sizes and summed vectors, codebook = ema_w / cluster
+    size, straight-through quantized output, commitment loss only), written with in-place updates of a buffer
+    (cluster sizes) and frozen parameters (codebook, summed vectors) as ports to DDP do. Under DDP the frozen
+    parameters stay per rank (never broadcast after set-up) and the buffer is rank 0's before every training
+    forward (broadcast_buffers), then updated per rank: the case compares every rank with DDP's same rank, and
+    leaves these three tensors out of the replica check."""
+    return Spec(VQVAE(), loader(classification()))
+
+
+class BertFineTune(pl.LightningModule):
+    """BertForSequenceClassification (tiny BertConfig) fine-tuned as the GLUE tutorial does it: AdamW with no
+    weight decay on biases and LayerNorm weights, linear warm-up/decay per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import BertConfig, BertForSequenceClassification
+
+        # initializer_range 0.2: gradient norms 1.5-3.5 over the fit, so that gradient_clip_val=1.0 clips every step
+        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                         max_position_embeddings=16, num_labels=2, initializer_range=0.2)
+        self.model = BertForSequenceClassification(cfg)
+
+    def training_step(self, batch, batch_idx):
+        ids, mask, labels = batch
+        return self.model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+    def configure_optimizers(self):
+        from transformers import get_linear_schedule_with_warmup
+
+        no_decay = ("bias", "LayerNorm.weight")
+        named = list(self.model.named_parameters())
+        groups = [{"params": [p for n, p in named if not any(nd in n for nd in no_decay)], "weight_decay": 0.01},
+                  {"params": [p for n, p in named if any(nd in n for nd in no_decay)], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=1e-3, eps=1e-8)
+        sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=2,
+                                                num_training_steps=self.trainer.estimated_stepping_batches)
+        return [opt], [{"scheduler": sched, "interval": "step", "frequency": 1}]
+
+
+def padded_tokens(n: int = N, t: int = 12, vocab: int = 64, seed: int = 7) -> TensorDataset:
+    """Token ids 1..vocab-1 of random lengths 6..t, padded with 0 (attention_mask 0), and a binary label."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (n, t), generator=g)
+    lengths = torch.randint(6, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
+    ids = ids * mask
+    labels = ((ids[:, 0] + ids[:, 1]) % 2 == 0).long()
+    return TensorDataset(ids, mask, labels)
+
+
+def _transformers_skip() -> Optional[str]:
+    try:
+        import transformers  # noqa: F401
+        return None
+    except Exception as exc:
+        return f"transformers is not installed ({type(exc).__name__}: {exc})"
+
+
+@case("bert_finetune_clip_adamw", skip=_transformers_skip)
+def build_bert() -> Spec:
+    """BERT fine-tuning with Trainer(gradient_clip_val=1.0) and AdamW (issue 26, finding 3: the clip coefficient from
+    float64 shard sums differed from torch's fp32 per-tensor norms, and AdamW amplified the difference on the
+    attention key bias, whose true gradient is zero: 6.8e-5..9.1e-5 from DDP, different every run). The model is
+    huggingface/transformers src/transformers/models/bert/modeling_bert.py BertForSequenceClassification with a
+    tiny BertConfig (hidden 32, 2 layers, 2 heads, vocab 64, dropout 0.1 as configured); the LightningModule follows
+    Lightning-AI/tutorials lightning_examples/text-transformers/text-transformers.py (GLUETransformer: AdamW, no
+    decay for bias/LayerNorm.weight, get_linear_schedule_with_warmup per step), clipping at 1.0 as the HF Trainer's
+    default max_grad_norm (src/transformers/training_args.py). Padded token sequences with an attention mask."""
+    return Spec(BertFineTune(), loader(padded_tokens()), trainer_kw={"gradient_clip_val": 1.0})
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + x)
+
+
+class TinyResNet(Classifier):
+    def __init__(self, c: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.layer1 = BasicBlock(c)
+        self.fc = nn.Linear(c, C)
+
+    def forward(self, x):
+        return self.fc(F.adaptive_avg_pool2d(self.layer1(self.stem(x)), 1).flatten(1))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+
+
+@case("resnet_batchnorm", rank_local=("running_mean", "running_var"))
+def build_resnet_bn() -> Spec:
+    """A ResNet basic block with BatchNorm2d (running statistics: buffers updated in every training forward, which
+    DDP broadcasts from rank 0 before each forward: the buffer rule a switch of reducer must carry over), SGD with
+    momentum and weight decay 5e-4. Source: pytorch/vision torchvision/models/resnet.py (BasicBlock) and
+    Lightning-AI/tutorials lightning_examples/cifar10-baseline/baseline.py (ResNet with BatchNorm, SGD momentum 0.9,
+    weight_decay 5e-4), shrunk to 8 channels on 8x8 images. Under DDP the running statistics end per rank (rank 0's
+    before the last forward, then each rank's batch): compared per rank, left out of the replica check."""
+    return Spec(TinyResNet(), loader(images()))

@@ -494,7 +494,7 @@ def finish_stalled_reduction(params: Sequence[torch.nn.Parameter], comm: CommGro
     reduce = [p for p, h in zip(params, flags) if h > 0]
     if reduce:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in reduce]
-        flat = torch.cat([g.reshape(-1) for g in grads]).div_(comm.world_size)
+        flat = torch.cat([g.reshape(-1) for g in grads]).mul_(1.0 / comm.world_size)  # (DDP's copy into its buckets)
         dist.all_reduce(flat, group=comm.group)
         off = 0
         for p, g in zip(reduce, grads):

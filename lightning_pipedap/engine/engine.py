@@ -307,7 +307,7 @@ class CommEngine:
         if bucket.as_view and bucket.is_view(slot, grad):
             view.div_(self.comm.world_size)  # backward accumulated into the bucket itself
         else:
-            torch.div(grad, self.comm.world_size, out=view)
+            torch.mul(grad, 1.0 / self.comm.world_size, out=view)  # (DDP's copy: times 1/N, not divided by N)
             self.copies += 1
             if bucket.as_view:  # autograd made a new tensor (.grad was None), or user code replaced .grad
                 bucket.params[slot].grad = view
@@ -329,7 +329,7 @@ class CommEngine:
         for b, slot, start, stop in self.places[param_index]:
             bucket = self.buckets[b]
             view = bucket.grad_view(slot)
-            torch.div(flat[start:stop], self.comm.world_size, out=view)
+            torch.mul(flat[start:stop], 1.0 / self.comm.world_size, out=view)  # (as DDP's copy, see grad_ready)
             if extra is not None:  # once: see carry_to_next_gradient
                 view.add_(extra[start:stop].to(view.dtype))
             self.copies += 1
