@@ -512,9 +512,10 @@ class Controller:
         schedule, no_overlap_s, recorded_s = cached
         self.how = "cached"
         self._enter(schedule, no_overlap_s)
-        # short windows (``trial_steps`` measured steps): verifying is not selecting; the first window within the
-        # margin ends it, a slow one is measured again, and only every one of 2+ windows slow makes the plan stale
-        self.window_steps = self.trial_steps
+        # short windows (MIN_BUDGET_WINDOW = 2 measured steps; a hit is in steady state 5 steps after set-up):
+        # verifying is not selecting; the first window within the margin ends it, a slow one is measured again, and
+        # only every one of 2+ windows slow makes the plan stale
+        self.window_steps = min(self.trial_steps, MIN_BUDGET_WINDOW)
         self.verify = Verify(recorded_s, windows=max(2, self.trial_rounds))
         self._leave(Phase.VERIFY)
         return True
