@@ -228,7 +228,7 @@ def test_a_second_run_into_the_same_directory_keeps_the_first_and_writes_a_fresh
     res = json.loads((run / "version_1" / "results.json").read_text())
     assert res["output_dir"] == str(run / "version_1") and res["tensorboard_dir"].startswith(str(run / "version_1"))
     assert os.listdir(run / "version_1" / "tensorboard") and os.listdir(run / "version_1" / "checkpoints")
-    said = f"{run} already holds a run (results.json, measure_summary.json, tensorboard, checkpoints): it is kept"
+    said = f"{run} already holds a run (results.json, measure_summary.json, tensorboard, checkpoints): its results are kept"
     assert said in (run / "train.log").read_text() and f"output dir      {said}" in second.stdout, out[-3000:]
     assert f"results         {run / 'version_1' / 'results.json'}" in second.stdout
     assert not (run / "version_2").exists()  # rank 1 wrote where rank 0 did

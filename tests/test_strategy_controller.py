@@ -744,16 +744,23 @@ def test_the_startup_budget_shortens_windows_and_installs_the_best_so_far():
         "not run (the start-up budget left no room for trials)")
 
 
-def test_a_candidate_dropped_by_racing_is_never_chosen():
-    """Regression (the README helper's main job): racing dropped torch_ddp after round 1, and at the end its one
-    window won because the α-β floor (fitted on a loaded machine) ruled the faster candidates mismeasured. The
-    choice is made among the candidates still in the race."""
+def test_a_candidate_dropped_by_racing_is_never_chosen_and_ddps_reducer_is_never_dropped():
+    """Regression (the README helper's main job): a candidate racing dropped after round 1 won at the end with its
+    one window, because the α-β floor (fitted on a loaded machine) ruled the faster candidates mismeasured. The
+    choice is made among the candidates still in the race. DDP's reducer is never dropped by racing (the fresh-user
+    check: one noisy window removed it whatever torch_ddp_margin said): only the margin and a confirmation
+    displace it."""
     clock = Clock()
-    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9), Sched("torch_ddp", 1.0)], profiled=(1,),
-                     floor=0.3)
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("b", 0.9), Sched("c", 1.0)], profiled=(1,), floor=0.3)
     ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=2)
     _start_trial(ctl)
-    _drive_windows(ctl, clock, [0.20, 0.21, 0.40])  # torch_ddp 2x slower: dropped
+    _drive_windows(ctl, clock, [0.20, 0.21, 0.40])  # c 2x slower: dropped
     assert ctl.trial.alive == [0, 1]
     _drive_windows(ctl, clock, [0.20, 0.21])
     assert ctl.phase is Phase.RUN and [r["name"] for r in ctl.trial_results if r["chosen"]] == ["a"]
+    clock = Clock()
+    fx = FakeEffects(candidates=[Sched("a", 1.0), Sched("torch_ddp", 1.0)], profiled=(1,))
+    ctl = _ctl(fx, clock, profile_steps=1, trial_steps=2, trial_rounds=2)
+    _start_trial(ctl)
+    _drive_windows(ctl, clock, [0.20, 0.40])  # one noisy window of DDP's reducer: it stays in the race
+    assert ctl.phase is Phase.TRIAL and ctl.trial.alive == [0, 1]

@@ -85,9 +85,9 @@ class PipeDAPStrategyConf:
     trial_steps: int = 3
     trial_rounds: int = 2
     trial_window_s: float = 0.25
-    startup_budget: Optional[float] = 0.1  # fraction of the fit's steps for trace, profiling and trials; null: none
+    startup_budget: Any = 0.1  # fraction of the fit's steps for trace, profiling and trials; null: none (checked by PipeDAPConfig)
     torch_ddp_candidate: bool = True
-    find_unused_parameters: Optional[bool] = None  # None: set for DDP's reducer (torch_ddp); False: you vouch
+    find_unused_parameters: Any = None  # null: set for DDP's reducer (torch_ddp); false: you vouch (checked by PipeDAPConfig)
     torch_ddp_margin: float = 0.10
     train_thread_nice: int = 0
     compression: Optional[str] = None

@@ -208,8 +208,11 @@ def run_dir(job_dir: str) -> tuple[str, Optional[str]]:
     while os.path.exists(os.path.join(job_dir, f"{VERSION_PREFIX}{n}")):
         n += 1
     version = os.path.join(job_dir, f"{VERSION_PREFIX}{n}")
-    return version, (f"{job_dir} already holds a run ({', '.join(found)}): it is kept as it is, and this run writes "
-                     f"into {version} (another directory: hydra.run.dir=<dir>, or hydra.sweep.dir=<dir> for a sweep)")
+    return version, (f"{job_dir} already holds a run ({', '.join(found)}): its results are kept, and this run writes "
+                     f"its results, TensorBoard logs and checkpoints into {version}; Hydra's own log files there "
+                     f"(train.log, train_ddp_process_<r>.log, .hydra/) get this run's lines appended (Hydra opens them "
+                     "before the app runs): for separate logs use another directory (hydra.run.dir=<dir>, or "
+                     "hydra.sweep.dir=<dir> for a sweep)")
 
 
 def _scalar_metrics(trainer: pl.Trainer) -> dict[str, float]:
@@ -402,8 +405,9 @@ def iteration_text(res: dict[str, Any]) -> str:
         cost = res.get("startup_cost_s")
         it += (f" of {n} steady-state steps (from step {first}, after {res['startup_steps']} start-up steps in "
                f"{_fmt(res.get('startup_s'), '.1f', ' s')}"
-               + ("" if cost is None else f", {cost:+.1f} s over steady state = {cost / REFERENCE_RUN_S:.1%} of a "
-                  f"{REFERENCE_RUN_S / 60:.0f}-minute run")
+               + ("" if cost is None else f", {cost:+.1f} s over steady state"
+                  + (f" = {cost / res['fit_s']:.1%} of this fit" if res.get("fit_s") else "")
+                  + f", {cost / REFERENCE_RUN_S:.1%} of a {REFERENCE_RUN_S / 60:.0f}-minute run")
                + (f"; {res['replan_steps']} steps of a drift re-plan left out" if res.get("replan_steps") else "")
                + ")")
     elif n is not None:

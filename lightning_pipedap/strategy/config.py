@@ -386,6 +386,10 @@ class PipeDAPConfig:
             raise ValueError(f"plan_cache must be True (remember selected plans in the default directory: "
                              "$PIPEDAP_CACHE_DIR/plans, default ~/.cache/lightning_pipedap/plans), False (off) or a "
                              f"directory path, got {value!r}")
+        if isinstance(value, str) and value.strip().lower() in ("off", "on", "true", "false", "yes", "no", "none",
+                                                                "null", "0", "1"):
+            raise ValueError(f"plan_cache={value!r} reads like a switch, not a directory: pass False to turn the plan "
+                             "cache off, True for the default directory, or a directory path")
         if isinstance(value, str) and os.path.exists(os.path.expanduser(value)) \
                 and not os.path.isdir(os.path.expanduser(value)):
             raise ValueError(f"plan_cache={value!r} is a file; give a directory for the plan cache (created if "

@@ -499,6 +499,7 @@ class Controller:
             self._trial_step()
         elif self.phase is Phase.VERIFY:
             self._phase_steps += 1
+            self._selection_steps += 1  # (a stale verdict's selection shares the start-up budget with it)
             self._verify_step()
         elif self.phase is Phase.RUN:
             self._drift_step()
@@ -703,10 +704,12 @@ class Controller:
         for note in notes[len(tr.dropped):]:  # (the racing notes were logged when they happened)
             self.effects.info(f"pipedap: {note}")
         first, chosen = self.trial_results[0], self.trial_results[best]
+        gain = " (the planner's own plan)" if best == 0 else ""
         if best != 0 and first["deciding_s"] and chosen["deciding_s"]:
-            gain = f" (measured {first['deciding_s'] / chosen['deciding_s'] - 1:.0%} faster than {first['name']})"
-        else:
-            gain = " (the planner's own plan)" if best == 0 else ""
+            ratio = first["deciding_s"] / chosen["deciding_s"] - 1
+            gain = (f" (measured {ratio:.0%} faster than {first['name']})" if ratio > 0 else
+                    f" ({first['name']} measured {-ratio:.0%} faster, within the noise or the margin that keeps "
+                    f"{chosen['name']}: see the notes above)")
         self.effects.info(f"pipedap: asked: {self.asked or tr.schedules[0].name} -> running: "
                           f"{tr.schedules[best].name}{gain}")
         if best != installed:  # the last window's candidate is the one installed now
@@ -746,8 +749,9 @@ class Controller:
             windows = self.effects.agree([[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s])
             med = {i: statistics.median(windows[i]) for i in tr.alive if windows[i]}
             lead = min(med, key=med.__getitem__) if med else None
-            if lead is not None:
-                out = [i for i in tr.alive if i in med and med[i] > med[lead] * (1.0 + self.race_drop)]
+            if lead is not None:  # (never DDP's reducer: only torch_ddp_margin and a confirmation displace it)
+                out = [i for i in tr.alive if i in med and med[i] > med[lead] * (1.0 + self.race_drop)
+                       and tr.schedules[i].name not in PREFERRED]
         if out:
             assert lead is not None and self.race_drop is not None
             note = (f"racing, after round {tr.rounds_done}: dropped " + ", ".join(

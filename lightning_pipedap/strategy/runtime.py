@@ -257,7 +257,9 @@ class Runtime:
         for p in sparse[:1]:
             refuse_sparse_with(self.config, self.name_of(p), kinds[id(p)])
         dense = [p for p in trainable if id(p) not in kinds]
-        self.controller.planned = self.config.planned and bool(dense)  # (nothing to plan without a dense bucket)
+        # (nothing to plan without a dense bucket; nothing timing-dependent under deterministic=True where candidates
+        # round differently)
+        self.controller.planned = self.config.planned and not self.timing_free and bool(dense)
         if not sparse and self.sparse is None:
             return dense
         if self.sparse is None:
