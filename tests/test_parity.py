@@ -92,9 +92,11 @@ def test_measured_plan_selection_keeps_parity(parity_results):
     trials = res["trials"]
     assert 3 <= len(trials) <= 4 and len({t["describe"] for t in trials}) == len(trials)
     assert trials[0]["name"] == "optimal" and trials[-1]["name"] == "torch_ddp"
-    # two interleaved rounds; a first-pass winner over torch_ddp is confirmed in two more rounds of the two
+    # two interleaved rounds (a candidate > 25% slower than the fastest after round 1 is dropped by racing: one
+    # window; never DDP's reducer); a first-pass winner over torch_ddp is confirmed in two more rounds of the two
     confirmed = [t for t in trials if len(t["windows_s"]) == 4]
-    assert all(len(t["windows_s"]) in (2, 4) and t["measured_s"] > 0 for t in trials)
+    assert all(len(t["windows_s"]) in (1, 2, 4) and t["measured_s"] > 0 for t in trials)
+    assert len(trials[-1]["windows_s"]) in (2, 4)  # (torch_ddp: every round)
     assert confirmed == [] or (len(confirmed) == 2 and confirmed[-1]["name"] == "torch_ddp")
     chosen = [t for t in trials if t["chosen"]]
     assert len(chosen) == 1
