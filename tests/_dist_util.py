@@ -111,3 +111,19 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
                 p.wait()
         for log in logs:
             log.close()
+
+
+def launch_results(module: str, out, names: list[str], world: int, timeout_s: float, cwd: str) -> dict:
+    """Run ``python -m module OUT names...`` on ``world`` ranks (:func:`run_lightning_ranks`) and return the JSON
+    the ranks wrote to ``out`` (a path), with ``"_launch_error"``: the tail of the error when a rank failed or hung
+    (the cases that finished before it are kept), else None."""
+    import json
+
+    launch_error = None
+    try:
+        run_lightning_ranks(["-m", module, str(out), *names], world=world, timeout_s=timeout_s, cwd=cwd)
+    except (AssertionError, TimeoutError) as exc:  # keep the cases that finished before a hang or crash
+        launch_error = str(exc)[-4000:]
+    results = json.loads(out.read_text()) if out.exists() else {}
+    results["_launch_error"] = launch_error
+    return results

@@ -15,13 +15,12 @@ Quick iteration: ``REALWORLD_CASES=mha,ema_weight_averaging python -m pytest -q 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tests._dist_util import run_lightning_ranks
+from tests._dist_util import launch_results
 from tests.realworld_models import CASES
 
 TOL = 1e-6
@@ -35,15 +34,7 @@ def realworld_results(tmp_path_factory):
     unknown = [n for n in SELECTED if n not in CASES]
     assert not unknown, f"REALWORLD_CASES names unknown cases {unknown}"
     out = tmp_path_factory.mktemp("realworld") / "results.json"
-    launch_error = None
-    try:
-        run_lightning_ranks(["-m", "tests.realworld_cases", str(out), *SELECTED], world=2, timeout_s=1500,
-                            cwd=str(ROOT))
-    except (AssertionError, TimeoutError) as exc:  # keep the cases that finished before a hang or crash
-        launch_error = str(exc)[-4000:]
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results["_launch_error"] = launch_error
-    return results
+    return launch_results("tests.realworld_cases", out, SELECTED, world=2, timeout_s=1500, cwd=str(ROOT))
 
 
 def _get(results: dict, case: str) -> dict:

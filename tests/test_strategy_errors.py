@@ -234,26 +234,9 @@ def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once()
 
 _NO_TRAINABLE_SCRIPT = """
 import sys
-import torch
 import lightning.pytorch as pl
 import lightning_pipedap  # noqa: F401
-
-
-class NoTrainable(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.lin = torch.nn.Linear(2, 2)
-        self.lin.requires_grad_(False)
-
-    def training_step(self, batch, batch_idx):
-        return self.lin(batch[0]).sum()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-    def train_dataloader(self):
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(4, 2)), batch_size=2)
-
+from tests.test_strategy_errors import _NoTrainable as NoTrainable
 
 if __name__ == "__main__":
     pl.Trainer(strategy=sys.argv[1], accelerator="cpu", devices=2, logger=False, max_steps=1, enable_progress_bar=False,

@@ -30,13 +30,12 @@ bit (both scale by 1/N before summing). Quick iteration: ``THREE_RANK_CASES=mha,
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import pytest
 
-from tests._dist_util import run_lightning_ranks, run_ranks
+from tests._dist_util import launch_results, run_ranks
 from tests.three_rank_cases import THREE_RANK_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,15 +48,7 @@ REPLICA_TOL = 1e-7
 @pytest.fixture(scope="module")
 def three_rank_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("three_ranks") / "results.json"
-    launch_error = None
-    try:
-        run_lightning_ranks(["-m", "tests.three_rank_cases", str(out), *SELECTED], world=3, timeout_s=600,
-                            cwd=str(ROOT))
-    except (AssertionError, TimeoutError) as exc:  # keep the cases that finished before a hang or crash
-        launch_error = str(exc)[-4000:]
-    results = json.loads(out.read_text()) if out.exists() else {}
-    results["_launch_error"] = launch_error
-    return results
+    return launch_results("tests.three_rank_cases", out, SELECTED, world=3, timeout_s=600, cwd=str(ROOT))
 
 
 @pytest.mark.multiprocess
