@@ -199,8 +199,10 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     return lines
 
 
-def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: dict) -> StepTimer:
-    """``Trainer.fit`` of the spec's model for ``steps`` steps on ``strategy``; returns its timer."""
+def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: dict,
+         trainer_kw: Optional[dict] = None) -> StepTimer:
+    """``Trainer.fit`` of the spec's model for ``steps`` steps on ``strategy`` (``trainer_kw``: extra ``Trainer``
+    arguments, e.g. a variant's clipping); returns its timer."""
     pl.seed_everything(0, verbose=False)
     module = make_module(spec["model"], spec["size"], options=spec.get("model_options"))
     timer = _make_timer(spec["watts"])
@@ -211,7 +213,8 @@ def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: d
         callbacks.append(EMAWeightAveraging(decay=0.999))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **devices_kw)
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **devices_kw,
+                         **(trainer_kw or {}))
     trainer.fit(module, DataLoader(ds, batch_size=spec["batch"], shuffle=False))
     return timer
 
@@ -261,7 +264,7 @@ def _run_variant(spec: dict, name: str, ds: TensorDataset, world: int, bucket_mb
     if spec.get("quick") and sp.family == "ddp":
         warmup = QUICK_DDP_WARMUP
     strategy = _make_strategy(spec, name, world, bucket_mb)
-    timer = _fit(spec, strategy, ds, warmup + steps, dict(devices=1, num_nodes=world))
+    timer = _fit(spec, strategy, ds, warmup + steps, dict(devices=1, num_nodes=world), sp.trainer_kwargs)
     med, n = median_step_s(timer.starts, warmup)
     energy = (timer.joules[-1] - timer.joules[warmup]) / n
     out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression,
