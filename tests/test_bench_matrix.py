@@ -629,3 +629,12 @@ def test_clip_suffix_passes_clip_by_norm_to_the_trainer(monkeypatch):
     assert seen == {"ddp": {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}}
     W._run_variant(spec, "ddp", None, 2)
     assert seen["ddp"] == {}
+
+
+def test_pipedap_variants_run_without_a_start_up_budget():
+    # extra_warmup_steps budgets the whole measured plan selection; the strategy's default start-up budget (10% of
+    # this short fit's steps) would install the planner's schedule without any trial
+    import lightning_pipedap.bench.matrix.worker as W
+
+    for name in ("pipedap-optimal", "pipedap-optimal@clip1", "pipedap-dear"):
+        assert W._make_strategy(dict(timeline=False), name, 2, None).config.startup_budget is None

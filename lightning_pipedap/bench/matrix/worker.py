@@ -247,7 +247,11 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, wire_dtype=sp.wire,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
                                trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
-                               trial_window_s=0, **comp)  # (window = trial_steps: the warm-up count is exact)
+                               trial_window_s=0,  # (window = trial_steps: the warm-up count is exact)
+                               # no start-up budget: the selection runs in the warm-up that extra_warmup_steps adds for
+                               # it, as in a long fit (the default budget, 10% of this short fit's steps, would leave
+                               # no room for trials and install the planner's schedule unmeasured)
+                               startup_budget=None, **comp)
     strategy.timeline_enabled = bool(spec["timeline"])
     return strategy
 
