@@ -638,3 +638,9 @@ def test_pipedap_variants_run_without_a_start_up_budget():
 
     for name in ("pipedap-optimal", "pipedap-optimal@clip1", "pipedap-dear"):
         assert W._make_strategy(dict(timeline=False), name, 2, None).config.startup_budget is None
+
+
+def test_machine_description_counts_cores_whatever_omp_num_threads_says(monkeypatch):
+    # GNU nproc honours OMP_NUM_THREADS, which every documented command sets to 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert f", {len(os.sched_getaffinity(0))} cores (nproc)," in M.machine_description()
