@@ -568,3 +568,79 @@ def test_margin_suffix_selects_torch_ddp_margin_and_rejects_bad_values():
     for bad in ("pipedap-optimal+fp16@margin5", "pipedap-dear@margin5", "pipedap-optimal@fp16@margin5"):
         with pytest.raises(ValueError, match=r"@margin<percent> needs an uncompressed fp32 pipedap variant"):
             M.parse_strategy(bad)
+
+
+def test_clip_suffix_selects_clip_by_norm_on_ddp_and_uncompressed_pipedap():
+    for name, base in (("ddp@clip1", "ddp"), ("pipedap-dear@clip1", "pipedap"), ("pipedap-optimal@clip1", "pipedap")):
+        sp = M.parse_strategy(name)
+        assert (sp.name, sp.family, sp.clip) == (name, base, 1.0)
+        assert sp.trainer_kwargs == {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}
+    assert M.parse_strategy("pipedap-optimal@clip1").schedule == "optimal"
+    sp = M.parse_strategy("pipedap-optimal@fp16@clip0.5@nice3")
+    assert (sp.wire, sp.clip, sp.nice) == ("fp16", 0.5, 3)
+    assert M.parse_strategy("pipedap-optimal@part1@margin5@clip2").clip == 2.0
+    assert M.parse_strategy("ddp").clip is None and M.parse_strategy("pipedap-dear").trainer_kwargs == {}
+    # a clipped variant keeps its planner's trials and warm-up; it is not a compressed variant of anything
+    assert M.plan_trials("pipedap-optimal@clip1") == 4 and M.extra_warmup_steps("pipedap-optimal@clip1") == 56
+    assert M.plan_trials("ddp@clip1") == 1 and M.extra_warmup_steps("ddp@clip1") == 0
+    assert M.uncompressed_name("ddp@clip1") is None and M.uncompressed_name("pipedap-dear@clip1") is None
+    assert M.uncompressed_name("pipedap-dear@fp16@clip1") == "pipedap-dear@clip1"
+    assert {"ddp@clip1", "pipedap-dear@clip1", "pipedap-optimal@clip1"} <= set(M.valid_strategies())
+    assert not any("@clip" in s for s in M.all_strategies())
+    a = M.parse_args(["--strategies", "ddp,ddp@clip1,pipedap-dear,pipedap-dear@clip1,pipedap-optimal,pipedap-optimal@clip1"])
+    assert a.strategies == ["ddp", "ddp@clip1", "pipedap-dear", "pipedap-dear@clip1", "pipedap-optimal",
+                            "pipedap-optimal@clip1"]
+
+
+def test_clip_suffix_rejects_bad_values_and_strategies():
+    for bad in ("ddp@clip0", "ddp@clip", "ddp@clip-1", "ddp@clipx", "ddp@clipnan", "ddp@clip1e-3", "pipedap-dear@clip0",
+                "pipedap-optimal@clip0.0", "pipedap-optimal@clip 1"):
+        with pytest.raises(ValueError, match=r"valid: @clip<max_norm> with a decimal number > 0 \(Trainer "
+                                             r"gradient_clip_val, algorithm norm\)"):
+            M.parse_strategy(bad)
+    for bad in ("pipedap-optimal+fp16@clip1", "pipedap-dear+powersgd:inline@clip1"):
+        with pytest.raises(ValueError, match=r"@clip<max_norm> needs ddp or an uncompressed pipedap variant"):
+            M.parse_strategy(bad)
+    for bad in ("ddp_tuned@clip1", "fsdp2@clip1", "ddp+fp16hook@clip1", "ddp@fp16", "ddp@nice3"):
+        with pytest.raises(ValueError, match=r"takes no suffix but @clip<max_norm>, and only ddp takes that"):
+            M.parse_strategy(bad)
+    with pytest.raises(ValueError, match=r"bad suffix '@clip2' in strategy 'ddp@clip1@clip2': 'ddp' takes @clip<max_norm> once"):
+        M.parse_strategy("ddp@clip1@clip2")
+    with pytest.raises(ValueError, match=r"@clip<max_norm> with max_norm > 0, @margin<percent>"):
+        M.parse_strategy("pipedap-dear@clip1@clip2")
+    with pytest.raises(ValueError, match=r"unknown strategy 'dp@clip1'; valid: .*@clip<max_norm>"):
+        M.parse_strategy("dp@clip1")
+
+
+def test_clip_suffix_passes_clip_by_norm_to_the_trainer(monkeypatch):
+    import lightning_pipedap.bench.matrix.worker as W
+
+    seen = {}
+
+    def fake_fit(spec, strategy, ds, steps, devices_kw, trainer_kw=None):
+        seen[strategy if isinstance(strategy, str) else type(strategy).__name__] = trainer_kw
+        timer = W.StepTimer(10.0)
+        timer.starts, timer.joules = [float(i) for i in range(steps + 1)], [0.0] * (steps + 1)
+        return timer
+
+    monkeypatch.setattr(W, "_fit", fake_fit)
+    spec = dict(steps=2, warmup=1, watts=10.0, timeline=False)
+    W._run_variant(spec, "ddp@clip1", None, 2)
+    assert seen == {"ddp": {"gradient_clip_val": 1.0, "gradient_clip_algorithm": "norm"}}
+    W._run_variant(spec, "ddp", None, 2)
+    assert seen["ddp"] == {}
+
+
+def test_pipedap_variants_run_without_a_start_up_budget():
+    # extra_warmup_steps budgets the whole measured plan selection; the strategy's default start-up budget (10% of
+    # this short fit's steps) would install the planner's schedule without any trial
+    import lightning_pipedap.bench.matrix.worker as W
+
+    for name in ("pipedap-optimal", "pipedap-optimal@clip1", "pipedap-dear"):
+        assert W._make_strategy(dict(timeline=False), name, 2, None).config.startup_budget is None
+
+
+def test_machine_description_counts_cores_whatever_omp_num_threads_says(monkeypatch):
+    # GNU nproc honours OMP_NUM_THREADS, which every documented command sets to 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert f", {len(os.sched_getaffinity(0))} cores (nproc)," in M.machine_description()

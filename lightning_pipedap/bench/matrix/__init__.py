@@ -41,6 +41,9 @@ through Lightning (``Trainer.fit``) with the same lean LightningModule (loss onl
   run when named (the counterpart of ``ddp+fp16hook`` without DDP's extra fp16 copy and fp16 sums).
 * ``pipedap-<schedule>@part<MiB>``: ``partition_mb`` (tensor partitioning); ``pipedap-<schedule>@margin<percent>``:
   ``torch_ddp_margin`` (how much faster than DDP's reducer a trial candidate must be to displace it).
+* ``ddp@clip<max_norm>`` and ``pipedap-<schedule>[...]@clip<max_norm>`` (uncompressed pipedap only):
+  ``Trainer(gradient_clip_val=max_norm, gradient_clip_algorithm="norm")``. pipedap computes the norm exactly as
+  ``clip_grad_norm_`` does under DDP, so a clipped step's first update waits for every bucket's all-gather.
 
 Per variant: median *iteration time* (start-to-start of training batches, ``on_train_batch_start``, after
 ``--warmup`` steps, over ``--steps`` steps), energy per iteration (an *estimate*: ``--watts`` x CPU-seconds
@@ -86,7 +89,7 @@ from lightning_pipedap.bench.matrix.results import (DDP_REDUCER, CellResult, Com
                                                     dependency_bound_s, hidden_share, installed_note, lower_bound_s,
                                                     median_step_s,
                                                     ratio_to_bound, speedup, summarize_compression)
-from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, COMPRESS_SEP, COMPRESSOR_KWARGS, DDP_HOOKS,
+from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, CLIP_SUFFIX, COMPRESS_SEP, COMPRESSOR_KWARGS, DDP_HOOKS,
                                                  DEFAULT_COMPRESSORS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS, MODELS,
                                                  NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS, POWERSGD_ONE_BUCKET_MB,
                                                  POWERSGD_RANK, POWERSGD_START, PRESETS, QUICK_DDP_WARMUP,
@@ -98,7 +101,7 @@ from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTime
                                                    comm_only, plan_record, quiet_worker)
 
 __all__ = [
-    "BASE_STRATEGIES", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS", "DEFAULT_COMPRESSORS",
+    "BASE_STRATEGIES", "CLIP_SUFFIX", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS", "DEFAULT_COMPRESSORS",
     "DEFAULT_PIPEDAP",
     "HIDDEN_NOTE", "INLINE_SUFFIX", "LINKS", "MD_BEGIN", "MD_END", "MODELS", "NICE_SUFFIX", "PIPEDAP_PREFIX",
     "PLAN_TRIALS", "POWERSGD_ONE_BUCKET_MB", "POWERSGD_RANK", "POWERSGD_START", "PRESETS", "QUICK_DDP_WARMUP",

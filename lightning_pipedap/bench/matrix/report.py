@@ -179,7 +179,10 @@ def machine_description() -> str:
     except OSError:
         pass
     try:
-        nproc = subprocess.run(["nproc"], capture_output=True, text=True, timeout=10).stdout.strip()
+        # (GNU nproc honours OMP_NUM_THREADS / OMP_THREAD_LIMIT: without dropping them a run with OMP_NUM_THREADS=1
+        # would say "1 cores")
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_THREAD_LIMIT")}
+        nproc = subprocess.run(["nproc"], capture_output=True, text=True, timeout=10, env=env).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         nproc = str(os.cpu_count())
     import lightning

@@ -46,6 +46,12 @@ PART_SUFFIX = "@part"
 #: ``pipedap-...@margin<percent>``: ``PipeDAPStrategy(torch_ddp_margin=percent / 100)`` (how much faster than DDP's
 #: reducer a candidate must measure to displace it)
 MARGIN_SUFFIX = "@margin"
+#: ``ddp@clip<max_norm>`` / ``pipedap-...@clip<max_norm>``: ``Trainer(gradient_clip_val=max_norm,
+#: gradient_clip_algorithm="norm")`` (clip-by-norm, which pipedap computes exactly as ``clip_grad_norm_`` does:
+#: every bucket's all-gather before the first bucket's update of the step)
+CLIP_SUFFIX = "@clip"
+#: the strategies a ``@clip<max_norm>`` suffix is accepted on besides the uncompressed pipedap variants
+CLIP_BASES = ("ddp",)
 #: the strategy's fixed schedules (no planning, so no partitioning)
 FIXED_SCHEDULES = ("allreduce", "dear")
 #: ``pipedap-...@fp16`` / ``@bf16``: ``PipeDAPStrategy(wire_dtype=...)`` (16-bit wire format of the ring)
@@ -108,6 +114,8 @@ class StrategySpec:
         wire: pipedap's ``wire_dtype`` (``@fp16`` / ``@bf16`` suffix; ``"fp32"`` without).
         partition_mb: pipedap's ``partition_mb`` (``@part<MiB>`` suffix), None = off.
         torch_ddp_margin: pipedap's ``torch_ddp_margin`` (``@margin<percent>`` suffix), None = the default.
+        clip: the Trainer's ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` (``@clip<max_norm>``
+            suffix), None = no clipping.
     """
 
     name: str
@@ -119,6 +127,12 @@ class StrategySpec:
     wire: str = "fp32"
     partition_mb: Optional[float] = None
     torch_ddp_margin: Optional[float] = None
+    clip: Optional[float] = None
+
+    @property
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Extra ``Trainer`` arguments of the variant: clip-by-norm for ``@clip<max_norm>``, else none."""
+        return {} if self.clip is None else dict(gradient_clip_val=self.clip, gradient_clip_algorithm="norm")
 
     @property
     def compression(self) -> str:
@@ -141,7 +155,9 @@ def strategy_forms() -> str:
             f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
             f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19) and an uncompressed one in {' or '.join(WIRE_SUFFIXES)} "
             f"(wire_dtype) or {PART_SUFFIX}<MiB> (partition_mb: split layers larger than that), and a planned "
-            f"uncompressed fp32 one in {MARGIN_SUFFIX}<percent> (torch_ddp_margin, 0..99)")
+            f"uncompressed fp32 one in {MARGIN_SUFFIX}<percent> (torch_ddp_margin, 0..99); {', '.join(CLIP_BASES)} and any "
+            f"uncompressed pipedap name may end in {CLIP_SUFFIX}<max_norm> (Trainer gradient_clip_val=max_norm, "
+            "algorithm norm), e.g. ddp@clip1")
 
 
 def parse_strategy(name: str) -> StrategySpec:
@@ -150,7 +166,9 @@ def parse_strategy(name: str) -> StrategySpec:
     ``pipedap-<schedule>+<compressor>:inline``, each pipedap form optionally followed by ``@nice<N>``, an
     uncompressed one also by ``@fp16`` or ``@bf16`` (``wire_dtype``) or ``@part<MiB>`` (``partition_mb``), e.g.
     ``pipedap-optimal@fp16@nice5``, ``pipedap-optimal@part1``; a planned, uncompressed fp32 one by
-    ``@margin<percent>`` (``torch_ddp_margin``), e.g. ``pipedap-optimal@margin5``.
+    ``@margin<percent>`` (``torch_ddp_margin``), e.g. ``pipedap-optimal@margin5``. ``ddp`` and every uncompressed
+    pipedap form may end in ``@clip<max_norm>`` (``Trainer(gradient_clip_val=max_norm,
+    gradient_clip_algorithm="norm")``), e.g. ``ddp@clip1``, ``pipedap-dear@clip1``, ``pipedap-optimal@fp16@clip0.5``.
 
     Raises:
         ValueError: an unknown name, schedule, compressor or suffix; the message names the bad part
@@ -160,11 +178,17 @@ def parse_strategy(name: str) -> StrategySpec:
         return StrategySpec(name, name)
     if name in DDP_HOOKS:
         return StrategySpec(name, "ddp_hook")
+    base, at, tail = name.partition("@")
+    if at and (base in BASE_STRATEGIES or base in DDP_HOOKS):
+        return _parse_clipped_base(name, base, tail)
     if not name.startswith(PIPEDAP_PREFIX):
         raise ValueError(f"unknown strategy {name!r}; valid: {strategy_forms()} (or 'all')")
     rest, *suffixes = name[len(PIPEDAP_PREFIX):].split("@")
-    nice, wire, part, margin = 0, "fp32", None, None
+    nice, wire, part, margin, clip = 0, "fp32", None, None, None
     for text in suffixes:
+        if ("@" + text).startswith(CLIP_SUFFIX) and clip is None:
+            clip = _clip_value(name, text[len(CLIP_SUFFIX) - 1:])
+            continue
         if ("@" + text).startswith(MARGIN_SUFFIX) and margin is None:
             digits = text[len(MARGIN_SUFFIX) - 1:]
             if not (digits.isdigit() and 0 <= int(digits) <= 99 and str(int(digits)) == digits):
@@ -181,8 +205,8 @@ def parse_strategy(name: str) -> StrategySpec:
         digits = text[len(NICE_SUFFIX) - 1:] if text.startswith(NICE_SUFFIX[1:]) and not nice else ""
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
             raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19, "
-                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, {MARGIN_SUFFIX}<percent> "
-                             "with percent in 0..99 (each at most once)")
+                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, {CLIP_SUFFIX}<max_norm> with "
+                             f"max_norm > 0, {MARGIN_SUFFIX}<percent> with percent in 0..99 (each at most once)")
         nice = int(digits)
     spec = _parse_pipedap(name, rest)
     if wire != "fp32" and spec.compressor is not None:
@@ -195,7 +219,38 @@ def parse_strategy(name: str) -> StrategySpec:
     if margin is not None and (spec.compressor is not None or spec.schedule in FIXED_SCHEDULES or wire != "fp32"):
         raise ValueError(f"strategy {name!r}: {MARGIN_SUFFIX}<percent> needs an uncompressed fp32 pipedap variant with a "
                          f"planned schedule (only there is DDP's reducer a trial candidate)")
-    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part, margin)
+    if clip is not None and spec.compressor is not None:
+        raise ValueError(f"strategy {name!r}: {CLIP_SUFFIX}<max_norm> needs {' or '.join(CLIP_BASES)} or an uncompressed "
+                         "pipedap variant (the clip measurement covers the uncompressed engine only)")
+    return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part, margin,
+                        clip)
+
+
+def _parse_clipped_base(name: str, base: str, tail: str) -> StrategySpec:
+    """``<base>@<tail>`` for a non-pipedap ``base``: only ``@clip<max_norm>`` on :data:`CLIP_BASES`.
+
+    Raises:
+        ValueError: another suffix, a second one, or ``@clip`` on a baseline other than :data:`CLIP_BASES`.
+    """
+    if base not in CLIP_BASES or not ("@" + tail).startswith(CLIP_SUFFIX):
+        raise ValueError(f"strategy {name!r}: {base!r} takes no suffix but {CLIP_SUFFIX}<max_norm>, and only "
+                         f"{', '.join(CLIP_BASES)} takes that (e.g. {CLIP_BASES[0]}{CLIP_SUFFIX}1); the other suffixes "
+                         "are pipedap's")
+    text = tail[len(CLIP_SUFFIX) - 1:]
+    if "@" in text:
+        raise ValueError(f"bad suffix {'@' + text.split('@', 1)[1]!r} in strategy {name!r}: {base!r} takes "
+                         f"{CLIP_SUFFIX}<max_norm> once and nothing else")
+    return StrategySpec(name, base, clip=_clip_value(name, text))
+
+
+def _clip_value(name: str, text: str) -> float:
+    """The max norm of a ``@clip<max_norm>`` suffix: plain decimal digits (``1``, ``0.5``), > 0."""
+    value = float(text) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", text) else 0.0
+    if not value > 0:
+        raise ValueError(f"bad suffix {CLIP_SUFFIX + text!r} in strategy {name!r}; valid: {CLIP_SUFFIX}<max_norm> with "
+                         f"a decimal number > 0 (Trainer gradient_clip_val, algorithm norm), e.g. {CLIP_SUFFIX}1 or "
+                         f"{CLIP_SUFFIX}0.5")
+    return value
 
 
 def _part_mb(name: str, text: str) -> float:
@@ -268,11 +323,13 @@ def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[st
 
 
 def valid_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
-    """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline`` and the 16-bit wire forms
-    ``pipedap-optimal@fp16`` / ``@bf16`` (for ``--list``; any other ``pipedap-<schedule>+<compressor>[:inline]``
-    or ``pipedap-<schedule>@fp16`` is accepted too, see :func:`parse_strategy`)."""
+    """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline``, the 16-bit wire forms
+    ``pipedap-optimal@fp16`` / ``@bf16`` and the clip-by-norm forms ``ddp@clip1``, ``pipedap-dear@clip1``,
+    ``pipedap-optimal@clip1`` (for ``--list``; any other ``pipedap-<schedule>+<compressor>[:inline]``,
+    ``pipedap-<schedule>@fp16`` or ``...@clip<max_norm>`` is accepted too, see :func:`parse_strategy`)."""
     return (all_strategies(compressors) + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
-            + tuple(DEFAULT_PIPEDAP + w for w in WIRE_SUFFIXES))
+            + tuple(DEFAULT_PIPEDAP + w for w in WIRE_SUFFIXES)
+            + tuple(f"{n}{CLIP_SUFFIX}1" for n in (*CLIP_BASES, PIPEDAP_PREFIX + "dear", DEFAULT_PIPEDAP)))
 
 
 def parse_strategies(text: str, compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> list[str]:

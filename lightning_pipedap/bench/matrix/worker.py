@@ -199,8 +199,10 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     return lines
 
 
-def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: dict) -> StepTimer:
-    """``Trainer.fit`` of the spec's model for ``steps`` steps on ``strategy``; returns its timer."""
+def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: dict,
+         trainer_kw: Optional[dict] = None) -> StepTimer:
+    """``Trainer.fit`` of the spec's model for ``steps`` steps on ``strategy`` (``trainer_kw``: extra ``Trainer``
+    arguments, e.g. a variant's clipping); returns its timer."""
     pl.seed_everything(0, verbose=False)
     module = make_module(spec["model"], spec["size"], options=spec.get("model_options"))
     timer = _make_timer(spec["watts"])
@@ -211,7 +213,8 @@ def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: d
         callbacks.append(EMAWeightAveraging(decay=0.999))
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **devices_kw)
+                         num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks, **devices_kw,
+                         **(trainer_kw or {}))
     trainer.fit(module, DataLoader(ds, batch_size=spec["batch"], shuffle=False))
     return timer
 
@@ -244,8 +247,12 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, wire_dtype=sp.wire,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
                                trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
-                               trial_window_s=0, plan_cache=False,  # (every repeat measures its own selection)
-                               **comp)  # (window = trial_steps: the warm-up count is exact)
+                               trial_window_s=0, plan_cache=False,  # (every repeat measures its own selection;
+                               # window = trial_steps: the warm-up count is exact)
+                               # no start-up budget: the selection runs in the warm-up that extra_warmup_steps adds for
+                               # it, as in a long fit (the default budget, 10% of this short fit's steps, would leave
+                               # no room for trials and install the planner's schedule unmeasured)
+                               startup_budget=None, **comp)
     strategy.timeline_enabled = bool(spec["timeline"])
     return strategy
 
@@ -262,7 +269,7 @@ def _run_variant(spec: dict, name: str, ds: TensorDataset, world: int, bucket_mb
     if spec.get("quick") and sp.family == "ddp":
         warmup = QUICK_DDP_WARMUP
     strategy = _make_strategy(spec, name, world, bucket_mb)
-    timer = _fit(spec, strategy, ds, warmup + steps, dict(devices=1, num_nodes=world))
+    timer = _fit(spec, strategy, ds, warmup + steps, dict(devices=1, num_nodes=world), sp.trainer_kwargs)
     med, n = median_step_s(timer.starts, warmup)
     energy = (timer.joules[-1] - timer.joules[warmup]) / n
     out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression,
