@@ -406,7 +406,7 @@ def _run_deferred(rank, world):
     opt = _make_opt("sgd", params)
     counts = {k: 0 for k in UPDATE_PLACES}
     names = {id(p): n for n, p in model.named_parameters()}
-    deferred = DeferredUpdates(engine, comm, torch.device("cpu"), lambda p: names[id(p)], lambda k, m: None, [],
+    deferred = DeferredUpdates(engine, lambda p: names[id(p)], lambda k, m: None, [],
                                lambda: False, counts)
     deferred.set_owners([model[0], model[0], model[2], model[2]], model)
     index = {id(p): i for i, p in enumerate(params)}

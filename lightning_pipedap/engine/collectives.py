@@ -33,7 +33,6 @@ __all__ = [
     "ring_reduce_scatter_",
     "ring_all_gather_",
     "broadcast_coalesced_",
-    "all_reduce_scalar",
     "broadcast_object",
     "native_reduce_scatter_",
     "native_all_gather_",
@@ -372,13 +371,6 @@ def broadcast_coalesced_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         for t in ts:
             t.copy_(flat[offset : offset + t.numel()].view_as(t))
             offset += t.numel()
-
-
-def all_reduce_scalar(value: float, device: torch.device, op: str = "sum") -> float:
-    """All-reduce one float on the default group (``op``: ``"sum"`` or ``"max"``); returns the result."""
-    t = torch.tensor([value], dtype=torch.float64 if device.type == "cpu" else torch.float32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def broadcast_object(obj: object, src: int = 0) -> object:

@@ -103,8 +103,6 @@ class DeferredUpdates:
 
     Args:
         engine: the installed engine (its buckets, waits, used flags).
-        comm: the engine's group.
-        device: the model's device.
         name_of: ``parameter -> name`` for messages.
         say: log once per key on rank 0 (``say(key, message)``).
         records: the strategy's timeline list (wait/update records are appended when ``timeline()``).
@@ -113,11 +111,11 @@ class DeferredUpdates:
         nonfinite: the fit's non-finite check (None: no check).
     """
 
-    def __init__(self, engine: CommEngine, comm: Any, device: torch.device, name_of: Callable[[Tensor], str],
+    def __init__(self, engine: CommEngine, name_of: Callable[[Tensor], str],
                  say: Callable[[str, str], None], records: list[OpRecord], timeline: Callable[[], bool],
                  counts: dict[str, int], nonfinite: Optional[NonFiniteCheck] = None) -> None:
         self.nonfinite = nonfinite
-        self.engine, self.comm, self.device = engine, comm, device
+        self.engine = engine
         self.name_of, self.say, self.records, self.timeline, self.counts = name_of, say, records, timeline, counts
         self.pending: Optional[Pending] = None
         self.updater: Optional[BucketOptimizer] = None

@@ -436,7 +436,7 @@ class Runtime:
         self.engine.peers = self.heartbeat.describe if self.heartbeat is not None else None
         if self.carry is not None and self.resume.plan is None:  # (a checkpoint's plan is installed next)
             self.carry.restore(self.engine)
-        self.deferred = DeferredUpdates(self.engine, self.comm, self.device, self.name_of, self.say, self.records,
+        self.deferred = DeferredUpdates(self.engine, self.name_of, self.say, self.records,
                                         self.timeline, self.counts, self.nonfinite)
         # (the used-flags are watched only while the torch_ddp candidate may still be installed without
         # find_unused_parameters: before the final schedule runs, and until a partial use is seen)
