@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, port: int) -> None:
             dist.all_reduce(g)
             g /= world
         opt = torch.optim.SGD(params, lr=0.1)
-        upd = BucketOptimizer(opt, engine.buckets)
+        upd = BucketOptimizer(opt, engine.buckets, lambda b: False)  # (no split parameter)
         hp = snapshot_hparams(opt)
         before = [p.detach().clone() for p in params]
         with torch.no_grad():

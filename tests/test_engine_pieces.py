@@ -112,7 +112,8 @@ def test_split_parameter_stepped_once_equals_full_step(opt_name, clip, order):
     opt_ref, opt = make(list(ref.parameters())), make(list(ours.parameters()))
     params = list(ours.parameters())
     buckets = _split_buckets(params)
-    upd = BucketOptimizer(opt, buckets)
+    landed: set[int] = set()  # (the buckets applied in this step: what the engine's bucket states say)
+    upd = BucketOptimizer(opt, buckets, landed.__contains__)
     gen = torch.Generator().manual_seed(1)
     for step in range(3):  # momentum / Adam moments carry over; the split parameter's tracking restarts
         grads = [torch.randn(p.shape, generator=gen) * (step + 1) for p in params]
@@ -130,8 +131,10 @@ def test_split_parameter_stepped_once_equals_full_step(opt_name, clip, order):
         hp = snapshot_hparams(opt)
         split_before = params[2].detach().clone()
         first, second = (buckets[0], buckets[1]) if order == "forward" else (buckets[1], buckets[0])
+        landed.clear()
         with torch.no_grad():
             upd.step(first, hp, request, coef)
+            landed.add(first.index)
             # only the last of its buckets steps the split parameter; the first one's whole params moved
             assert torch.equal(params[2], split_before)
             upd.step(second, hp, request, coef)
@@ -159,7 +162,8 @@ def test_split_parameter_unused_everywhere_keeps_ddp_rule(keep):
     opt_ref, opt = make(list(ref.parameters())), make(list(ours.parameters()))
     params, ref_params = list(ours.parameters()), list(ref.parameters())
     buckets = _split_buckets(params)
-    upd = BucketOptimizer(opt, buckets)
+    landed: set[int] = set()
+    upd = BucketOptimizer(opt, buckets, landed.__contains__)
     gen = torch.Generator().manual_seed(2)
     after_step0 = None
     for step in range(2):  # step 0: all used (momentum buffers exist); step 1: parameter 2 unused everywhere
@@ -179,9 +183,11 @@ def test_split_parameter_unused_everywhere_keeps_ddp_rule(keep):
             buckets[0].flags[2] = 0  # both pieces of parameter 2: no rank produced a gradient
             buckets[1].flags[0] = 0
         hp = snapshot_hparams(opt)
+        landed.clear()
         with torch.no_grad():
             for bk in buckets:
                 upd.step(bk, hp, ClipRequest(0.3, "value"), None)
+                landed.add(bk.index)
         opt_ref.step()
         if step == 0:
             after_step0 = params[2].detach().clone()
@@ -267,7 +273,8 @@ def _run(rank, world, sched_name, opt_name, clip):
     schedule = _schedules()[sched_name]
     engine = CommEngine(comm, params, schedule, wait_timeout_s=30, bucket_view=True)
     opt = _make_opt(opt_name, params)
-    upd = BucketOptimizer(opt, engine.buckets)
+    landed: set[int] = set()
+    upd = BucketOptimizer(opt, engine.buckets, landed.__contains__)
     index = {id(p): i for i, p in enumerate(params)}
 
     def hook(p):
@@ -306,9 +313,11 @@ def _run(rank, world, sched_name, opt_name, clip):
                 request, coef = ClipRequest(1.0, "norm"), clip_norm_coefficient(grads, 1.0)
                 rnd["norm"] = float(torch.nn.utils.get_total_norm(grads))
             hp = snapshot_hparams(opt)
+            landed.clear()
             with torch.no_grad():
                 for b in order:
                     upd.step(engine.buckets[b], hp, request, coef, used[b])
+                    landed.add(b)
                     write_back_grads(engine.buckets[b], used[b])
             rnd["params"] = [p.detach().clone().tolist() for p in params]
             rnd["written"] = [None if p.grad is None else p.grad.tolist() for p in params]
@@ -423,7 +432,7 @@ def _run_deferred(rank, world):
         # a read of parameter 2 (split over buckets 2, 3): both land; parameter 0 has a piece in bucket 2 but
         # its buckets 0 and 1 are still pending, so it is not stepped yet
         deferred.guarded_read(2)
-        out["after_read2"] = {"remaining": sorted(deferred.pending.remaining), "guard": counts["guard"],
+        out["after_read2"] = {"remaining": deferred.remaining(), "guard": counts["guard"],
                               "p0_unchanged": torch.equal(params[0], before[0]),
                               "p2_changed": not torch.equal(params[2], before[2])}
         # a .grad read of parameter 0: its pending buckets land with their gradients written, and bucket 2

@@ -16,6 +16,10 @@ from lightning_pipedap.engine.update import (
 from lightning_pipedap.schedule import Op, OpKind, Schedule, builtin_schedule, dear_ops, fuse_by_size
 
 
+def NO_SPLIT(b: int) -> bool:  # noqa: N802  (BucketOptimizer's ``landed``: asked only for a split parameter's buckets)
+    raise AssertionError(f"landed({b}) asked, but no parameter is split")
+
+
 def test_fuse_by_size_greedy_and_oversized():
     # caps at 10 bytes: [4,4] fit, 8 starts a new bucket, 100 is alone
     assert fuse_by_size([4, 4, 8, 100, 1], 10) == ((0, 1), (2,), (3,), (4,))
@@ -81,7 +85,7 @@ def test_bucket_steps_equal_one_full_step(make_opt):
             p.grad = g.clone() * (step + 1)
         opt_ref.step()
         hp = snapshot_hparams(opt)
-        upd = BucketOptimizer(opt, buckets)
+        upd = BucketOptimizer(opt, buckets, NO_SPLIT)
         for b in buckets:
             for slot, p in enumerate(b.params):
                 b.grad_view(slot).copy_(grads[b.param_indices[slot]] * (step + 1))
@@ -105,7 +109,7 @@ def test_bucket_step_uses_snapshot_hparams_and_skips_unused():
     opt.param_groups[0]["lr"] = 99.0  # a scheduler stepping after the snapshot must not leak in
     before = [p.detach().clone() for p in params]
     with torch.no_grad():
-        BucketOptimizer(opt, [bucket]).step(bucket, hp, None, None)
+        BucketOptimizer(opt, [bucket], NO_SPLIT).step(bucket, hp, None, None)
     assert torch.allclose(params[0], before[0] - 0.5)
     assert torch.equal(params[1], before[1])  # no gradient anywhere: untouched
     assert all(p.grad is None for p in params)  # .grad restored afterwards
@@ -121,7 +125,7 @@ def test_bucket_step_steps_unused_param_with_kept_zero_grad_as_ddp():
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1)
         params, ref_params = list(m.parameters()), list(ref.parameters())
         bucket = FlatBucket.allocate(0, (0, 1, 2, 3), params, 2)
-        upd = BucketOptimizer(opt, [bucket])
+        upd = BucketOptimizer(opt, [bucket], NO_SPLIT)
         after_step0 = None
         for step in range(2):  # step 0: every parameter used (momentum buffers exist); step 1: param 1 unused
             for slot, (p, r) in enumerate(zip(params, ref_params)):
@@ -172,7 +176,7 @@ def test_clip_norm_coefficient_is_bit_identical_to_clip_grad_norm():
     b.flags.fill_(1)
     coef = clip_norm_coefficient([b.grad_view(0).clone(), b.grad_view(1).clone()], 1.0)
     with torch.no_grad():
-        BucketOptimizer(opt, [b]).step(b, snapshot_hparams(opt), ClipRequest(1.0, "norm"), coef)
+        BucketOptimizer(opt, [b], NO_SPLIT).step(b, snapshot_hparams(opt), ClipRequest(1.0, "norm"), coef)
     got = torch.cat([-q.detach().reshape(-1) for g in opt.param_groups for q in g["params"]])
     assert torch.equal(got, torch.cat([r.grad for r in ref]))
 

@@ -1,16 +1,17 @@
-"""The communication engine: one worker thread per rank executes the schedule's op list.
+"""The communication engine: the trainer's side of gradient synchronisation, and its worker thread.
 
-Data flow inside one iteration::
+Data flow inside one iteration (a bucket's states: :mod:`.bucket_sync`)::
 
-    backward (autograd thread)                 worker thread (dedicated process group)
-    ───────────────────────────                ──────────────────────────────────────
+    backward (autograd thread)                   worker thread (:class:`~.worker.OpWorker`, own process group)
+    ───────────────────────────                  ───────────────────────────────────────────────────────────────
+    begin_iteration(): every bucket COLLECTING
     grad_ready(param) ─ copy into bucket ──┐
-      bucket complete → ready[b].set() ────┼─▶ for op in schedule.ops (same order on every rank):
-    finish_backward(): unused params → 0 ──┘      RS(b)/AR(b): wait ready[b], reduce; reduced[b].set()
-                                                  AG(b): all-gather;                  done[b].set()
+      bucket complete → mark_ready: READY ─┼──▶ for op in schedule.ops (same order on every rank):
+    finish_backward(): unused params → 0 ──┘      RS(b)/AR(b): wait READY; REDUCING → REDUCED (RS) / GATHERED (AR)
+                                                  AG(b): GATHERING → GATHERED
     next forward (main thread)
-    wait_done(b) ◀──────────────────────────────── done[b]
-    apply bucket b's update
+    wait_done(b) ◀──────────────────────────────── GATHERED
+    apply bucket b's update: LANDED (strategy.deferred), or write .grad: WRITTEN
 
 Every wait has a timeout and names the operation; an exception in the worker is re-raised in the
 main thread at the next wait. With ``bucket_view`` (``gradient_as_bucket_view``) ``.grad`` is the
@@ -25,21 +26,19 @@ split) nothing of this costs anything per step.
 
 from __future__ import annotations
 
-import contextlib
-import queue
-import threading
-import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
 from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.transport import DenseTransport, Transport
+from lightning_pipedap.engine.worker import EngineError, OpWorker
 from lightning_pipedap.measure.timeline import OpTiming
-from lightning_pipedap.schedule import Op, OpKind, Schedule
+from lightning_pipedap.schedule import Schedule
 
-__all__ = ["CommEngine", "EngineError", "OpTiming", "view_refusal"]
+__all__ = ["BucketState", "CommEngine", "EngineError", "OpTiming", "view_refusal"]
 
 
 def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False,
@@ -89,10 +88,6 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
             return (f"{called(bucket.param_indices[slot])} (shape {tuple(p.shape)}) is not a contiguous dense "
                     "tensor (its .grad layout differs from the flat buffer's)")
     return None
-
-
-class EngineError(RuntimeError):
-    """Raised in the training process when the communication worker failed or a wait timed out."""
 
 
 class CommEngine:
@@ -197,40 +192,18 @@ class CommEngine:
         self._slot_of = {i: pl[0][:2] for i, pl in self.places.items()}  # (bucket, slot) of the (first) place
         self._got = [False] * len(params)
         self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
-        self._remaining = [0] * len(self.buckets)
-        nb = len(self.buckets)
-        self._ready = [threading.Event() for _ in range(nb)]
-        self._reduced = [threading.Event() for _ in range(nb)]
-        self._done = [threading.Event() for _ in range(nb)]
-        self._all_reduced = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._error: BaseException | None = None
-        self._jobs: "queue.Queue[object]" = queue.Queue()
-        self._closed = False
+        # CUDA: events hand gradients to the comm stream and results back, without host syncs.
+        cuda = bool(self.buckets) and self.buckets[0].buffer.is_cuda  # (no bucket: sparse gradients only)
+        #: per bucket, its life-cycle object (state, hand-off events: :class:`BucketSync`)
+        self.syncs = [BucketSync(b, cuda) for b in self.buckets]
         self.collecting = False
         self.iteration = 0
-        self.timeline_enabled = False
         #: ``() -> str``: what the run-time is doing (phase, step), for error messages
         self.context: Optional[Callable[[], str]] = None
         #: ``(wait_s) -> str``: which peers do not answer (``Heartbeat.describe``), for error messages
         self.peers: Optional[Callable[[float], str]] = None
-        self._timings: list[OpTiming] = []
-        #: seconds the worker spent inside ops during the last finished round (communication busy time)
-        self.last_round_busy_s: float | None = None
-        self._last_reduce_pos = max(
-            (i for i, op in enumerate(schedule.ops) if op.kind is not OpKind.ALL_GATHER), default=-1
-        )
-        # CUDA: events hand gradients to the comm stream and results back, without host syncs.
-        self._cuda = bool(self.buckets) and self.buckets[0].buffer.is_cuda  # (no bucket: sparse gradients only)
-        if self._cuda:
-            dev = self.buckets[0].buffer.device
-            self._stream = torch.cuda.Stream(device=dev)
-            self._ready_ev = [torch.cuda.Event() for _ in range(nb)]
-            self._reduced_ev = [torch.cuda.Event() for _ in range(nb)]
-            self._done_ev = [torch.cuda.Event() for _ in range(nb)]
-        self._thread = threading.Thread(target=self._run, name="pipedap-comm", daemon=True)
-        self._thread.start()
+        self._worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s,
+                                self.buckets[0].buffer.device if cuda else None)
 
     # ------------------------------------------------------------------ trainer side
     @property
@@ -258,22 +231,16 @@ class CommEngine:
             EngineError: if the previous round has not finished within the timeout, or the worker failed.
         """
         self._check()
-        if not self._idle.wait(self.wait_timeout_s):
+        if not self._worker.wait_idle(self.wait_timeout_s):
             raise EngineError(f"pipedap: previous round of {self.schedule.name} ops did not finish within "
                               f"{self.wait_timeout_s} s{self._where()}")
         self._check()
-        for b in self.buckets:
-            b.flags.zero_()  # gradient slots are overwritten by grad_ready or zeroed by finish_backward
-            self._remaining[b.index] = len(b.params)
+        for sync in self.syncs:
+            sync.start_collect()  # gradient slots are overwritten by grad_ready or zeroed by finish_backward
         self._got = [False] * len(self._got)
-        for evs in (self._ready, self._reduced, self._done):
-            for e in evs:
-                e.clear()
-        self._all_reduced.clear()
-        self._idle.clear()
         self.iteration += 1
         self.collecting = True
-        self._jobs.put(self.iteration if label is None else label)
+        self._worker.start(self.iteration if label is None else label)
 
     def grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
         """Copy one parameter's finished local gradient into its bucket (called from the autograd thread).
@@ -315,9 +282,7 @@ class CommEngine:
             extra = self._carry.pop(param_index, None)
             if extra is not None:  # once: see carry_to_next_gradient
                 view.add_(extra.view(view.shape).to(view.dtype))
-        bucket.flags[slot] = 1
-        self._remaining[b] -= 1
-        if self._remaining[b] == 0:
+        if self.syncs[b].fill(slot):
             self._mark_ready(b)
 
     def _split_grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
@@ -333,9 +298,7 @@ class CommEngine:
             if extra is not None:  # once: see carry_to_next_gradient
                 view.add_(extra[start:stop].to(view.dtype))
             self.copies += 1
-            bucket.flags[slot] = 1
-            self._remaining[b] -= 1
-            if self._remaining[b] == 0:
+            if self.syncs[b].fill(slot):
                 self._mark_ready(b)
 
     def carry_to_next_gradient(self, values: dict[int, torch.Tensor]) -> None:
@@ -396,7 +359,7 @@ class CommEngine:
         views = self._view_buckets
         if not views:
             return
-        if not self._idle.is_set():
+        if not self._worker.idle:
             self.wait_idle()
         self._check()
         for bucket in views:
@@ -439,7 +402,7 @@ class CommEngine:
                 if grad is not None:
                     self.grad_ready(i, grad)
         for b in range(self.num_buckets):
-            if not self._ready[b].is_set():
+            if not self.syncs[b].is_ready:
                 bucket = self.buckets[b]
                 for slot, i in enumerate(bucket.param_indices):
                     if not self._got[i]:
@@ -455,9 +418,12 @@ class CommEngine:
         Raises:
             EngineError: on timeout (naming the op) or if the worker failed.
         """
-        self._wait(self._done[b], f"all-gather/all-reduce of bucket {b}")
-        if self._cuda:
-            torch.cuda.current_stream().wait_event(self._done_ev[b])
+        sync = self.syncs[b]
+        if not sync.wait_gathered(self.wait_timeout_s):
+            self._check()
+            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for all-gather/all-reduce "
+                              f"of bucket {b}{self._where()}")
+        self._check()
         return self.buckets[b]
 
     def used_flags(self, b: int) -> list[bool]:
@@ -487,40 +453,46 @@ class CommEngine:
                         bucket.params[slot].grad = None
         return used
 
-    def wait_all_reduced(self) -> None:
-        """Block until every bucket's RS or AR has finished (each rank then holds its reduced shards)."""
-        self._wait(self._all_reduced, "the last reduce-scatter/all-reduce of the round")
-        if self._cuda:
-            for ev in self._reduced_ev:
-                torch.cuda.current_stream().wait_event(ev)
-
     def wait_idle(self) -> None:
         """Block until the worker finished the current round."""
-        self._wait(self._idle, f"the end of the op list ({self.schedule.describe()[:200]})")
+        if not self._worker.wait_idle(self.wait_timeout_s):
+            self._check()
+            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the end of the op list "
+                              f"({self.schedule.describe()[:200]}){self._where()}")
+        self._check()
 
     def take_timings(self) -> list[OpTiming]:
-        """Return and clear the op timings recorded while ``timeline_enabled`` was true."""
-        out, self._timings = self._timings, []
-        return out
+        """Return and clear the op timings recorded while :attr:`timeline_enabled` was true."""
+        return self._worker.take_timings()
+
+    @property
+    def timeline_enabled(self) -> bool:
+        """Whether the worker records an :class:`OpTiming` per op (read at each op's start)."""
+        return self._worker.timeline_enabled
+
+    @timeline_enabled.setter
+    def timeline_enabled(self, on: bool) -> None:
+        self._worker.timeline_enabled = bool(on)
+
+    @property
+    def last_round_busy_s(self) -> Optional[float]:
+        """Seconds the worker spent inside ops during the last finished round (communication busy time)."""
+        return self._worker.last_round_busy_s
 
     def close(self, abort: bool = False) -> None:
         """Stop the worker. With ``abort`` (after an exception) do not wait for a running op."""
-        if self._closed:
+        if self._worker.closed:
             return
-        self._closed = True
-        self._jobs.put(None)
-        if not abort:
-            self._thread.join(timeout=self.wait_timeout_s)
-        else:
-            self._thread.join(timeout=1.0)
+        self._worker.close(abort)
         if self.transport is not None:
             self.transport.close()
 
     # ------------------------------------------------------------------ internals
     def _check(self) -> None:
-        if self._error is not None:
-            raise EngineError(f"pipedap: the communication worker failed: {self._error!r}{self._where()}") from self._error
-        if self._closed:
+        error = self._worker.error
+        if error is not None:
+            raise EngineError(f"pipedap: the communication worker failed: {error!r}{self._where()}") from error
+        if self._worker.closed:
             raise EngineError("pipedap: the communication engine is closed")
 
     def _where(self) -> str:
@@ -532,72 +504,6 @@ class CommEngine:
             parts.append(self.peers(3.0))
         return f" ({'; '.join(p for p in parts if p)})"
 
-    def _wait(self, event: threading.Event, what: str) -> None:
-        if not event.wait(self.wait_timeout_s):
-            self._check()
-            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for {what}{self._where()}")
-        self._check()
-
     def _mark_ready(self, b: int) -> None:
         self._transports[b].ready(self.buckets[b])
-        if self._cuda:
-            self._ready_ev[b].record()
-        self._ready[b].set()
-
-    def _run(self) -> None:
-        if self._cuda:
-            torch.cuda.set_device(self.buckets[0].buffer.device)
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            try:
-                self._run_round(job)
-            except BaseException as exc:  # surfaced to the trainer at its next wait
-                self._error = exc
-                for evs in (self._ready, self._reduced, self._done):
-                    for e in evs:
-                        e.set()
-                self._all_reduced.set()
-                self._idle.set()
-                return
-            self._idle.set()
-
-    def _run_round(self, label: Any = None) -> None:
-        ctx = torch.cuda.stream(self._stream) if self._cuda else contextlib.nullcontext()
-        busy = 0.0
-        with ctx:
-            for pos, op in enumerate(self.schedule.ops):
-                b = op.bucket
-                if op.kind is not OpKind.ALL_GATHER:
-                    if not self._ready[b].wait(self.wait_timeout_s):
-                        raise EngineError(f"timed out after {self.wait_timeout_s} s waiting for the gradients of bucket {b} ({op})")
-                    if self._closed:
-                        return
-                    if self._cuda:
-                        self._stream.wait_event(self._ready_ev[b])
-                record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
-                t0 = time.perf_counter()
-                done = self._transports[b].run(op.kind, self.buckets[b])
-                if done is not None:
-                    t1 = time.perf_counter()
-                    busy += t1 - t0
-                    if record:
-                        self._timings.append(OpTiming(op if done is op.kind else Op(done, b), t0, t1, label))
-                    self._signal(b, done)
-                if pos == self._last_reduce_pos:
-                    self._all_reduced.set()
-            if self._last_reduce_pos < 0:
-                self._all_reduced.set()
-        self.last_round_busy_s = busy
-
-    def _signal(self, b: int, done: OpKind) -> None:
-        """After op ``done`` on bucket ``b``: shards reduced (RS, AR) and/or bucket complete (AG, AR)."""
-        if done is not OpKind.ALL_GATHER:
-            if self._cuda:
-                self._reduced_ev[b].record(self._stream)
-            self._reduced[b].set()
-        if done is not OpKind.REDUCE_SCATTER:
-            if self._cuda:
-                self._done_ev[b].record(self._stream)
-            self._done[b].set()
+        self.syncs[b].mark_ready()

@@ -13,7 +13,7 @@ ran, so LR schedulers that step in between do not leak into update t.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -77,6 +77,9 @@ class BucketOptimizer:
     Args:
         optimizer: a per-parameter torch optimizer (see :data:`PER_PARAMETER_OPTIMIZERS`).
         buckets: the engine's buckets.
+        landed: ``landed(b)``: whether bucket ``b``'s update was applied in this optimizer step (the engine's
+            bucket states: :class:`~lightning_pipedap.engine.bucket_sync.BucketSync`); asked only for the other
+            buckets of a split parameter (below).
 
     The restricted step runs the optimizer class's ``step`` on a shallow view of ``optimizer``
     whose ``param_groups`` hold only the bucket's parameters (state, defaults and hooks shared).
@@ -84,16 +87,16 @@ class BucketOptimizer:
 
     A *split* parameter (its pieces in several buckets: tensor partitioning, ByteScheduler SOSP 2019) is
     stepped once per optimizer step, by the call that applies the *last* of its buckets to be applied
-    (whatever order the caller applies them in: forward triggers, the guard, leftovers): by then every
-    one of its buckets was passed to :meth:`step`, so its reduced pieces are complete. Each piece is
-    clipped in place in its bucket when that bucket is applied; the optimizer then gets the pieces
-    concatenated (``torch.cat`` of the 1-D piece views in element order, ``.view_as(p)``, a copy) as
-    ``p.grad`` for the step. :meth:`begin_step` starts a new optimizer step (forgets buckets applied in
-    a step that was dropped).
+    (whatever order the caller applies them in: forward triggers, the guard, leftovers): every other
+    bucket holding one of its pieces has then landed (``landed``), so its reduced pieces are complete.
+    Each piece is clipped in place in its bucket when that bucket is applied; the optimizer then gets the
+    pieces concatenated (``torch.cat`` of the 1-D piece views in element order, ``.view_as(p)``, a copy)
+    as ``p.grad`` for the step.
     """
 
-    def __init__(self, optimizer: Optimizer, buckets: Sequence[FlatBucket]) -> None:
+    def __init__(self, optimizer: Optimizer, buckets: Sequence[FlatBucket], landed: Callable[[int], bool]) -> None:
         self.optimizer = optimizer
+        self.landed = landed
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         # per bucket: list of (group index, [(slot, param)]) of its whole parameters
         self._members: list[list[tuple[int, list[tuple[int, torch.Tensor]]]]] = []
@@ -121,13 +124,6 @@ class BucketOptimizer:
             pl.sort(key=lambda place: place[0])
             self._split[i] = (pl[0][1].params[pl[0][2]], [(bk, slot) for _, bk, slot in pl],
                               frozenset(bk.index for _, bk, _ in pl))
-        # split param index -> its buckets not applied yet in this optimizer step
-        self._left: dict[int, set[int]] = {}
-        self.begin_step()
-
-    def begin_step(self) -> None:
-        """A new optimizer step: every bucket of every split parameter is still to be applied."""
-        self._left = {i: set(buckets) for i, (_, _, buckets) in self._split.items()}
 
     def step(self, bucket: FlatBucket, hparams: list[dict[str, Any]], clip: ClipRequest | None,
              coef: torch.Tensor | None, used: list[bool] | None = None) -> None:
@@ -180,12 +176,9 @@ class BucketOptimizer:
                 clipped(bucket.grad_view(slot))  # in place: ``.grad`` written back later shows clipped values
             last[i] = (slot, gi)
         for i, (slot, gi) in last.items():
-            left = self._left[i]
-            left.discard(bucket.index)
-            if left:
-                continue  # other buckets of the parameter are applied later; the last one steps it
             p, places, buckets = self._split[i]
-            self._left[i] = set(buckets)  # (the next optimizer step starts over)
+            if not all(self.landed(b) for b in buckets if b != bucket.index):
+                continue  # other buckets of the parameter are applied later; the last one steps it
             if used[slot]:
                 g = torch.cat([bk.grad_view(s) for bk, s in places]).view_as(p)
             elif p.grad is not None:

@@ -60,7 +60,6 @@ class Pending:
     Attributes:
         hparams: every param group's hyper-parameters at the step (``snapshot_hparams``).
         clip: the step's clip request, or None.
-        remaining: buckets not applied yet.
         coef: the clip-by-norm factor, once computed (:meth:`DeferredUpdates._clip_coefficient`; a 0-dim tensor,
             None when there is nothing to clip).
         clip_ready: whether ``coef`` was computed.
@@ -70,7 +69,6 @@ class Pending:
 
     hparams: list[dict[str, Any]]
     clip: Optional[ClipRequest]
-    remaining: set[int]
     coef: Optional[Tensor] = None
     step: int = -1
     decided: bool = False
@@ -131,7 +129,6 @@ class DeferredUpdates:
         self.saw_partial_use = False
         self.deferring = False  # inside a deferred optimizer step (its backward does not wait for the reduction)
         self._misses: dict[int, str] = {}  # bucket -> what was read early (this step)
-        self._unwritten: set[int] = set()  # applied buckets whose averaged gradients are not in .grad yet
         self.missed: list[int] = []  # engine parameter indices read before their trigger (all steps)
         self._applied_in_forward = False
         self._forward_params: set[int] = set()
@@ -161,9 +158,13 @@ class DeferredUpdates:
     def record(self, optimizer: Optimizer, clip: Optional[ClipRequest], step: int = -1) -> None:
         """This step's gradients are being reduced: their update is pending (hyper-parameters snapshotted)."""
         if self.updater is None:
-            self.updater = BucketOptimizer(optimizer, self.engine.buckets)
-        self.updater.begin_step()
-        self.pending = Pending(snapshot_hparams(optimizer), clip, set(range(self.engine.num_buckets)), step=step)
+            syncs = self.engine.syncs
+            self.updater = BucketOptimizer(optimizer, self.engine.buckets, lambda b: syncs[b].landed)
+        self.pending = Pending(snapshot_hparams(optimizer), clip, step=step)
+
+    def remaining(self) -> list[int]:
+        """The buckets of the pending step not applied yet (their state is before LANDED: :class:`BucketSync`)."""
+        return [s.index for s in self.engine.syncs if s.in_flight] if self.pending is not None else []
 
     # ------------------------------------------------------------------ where buckets land
     def run_step(self, optimizer: Optimizer, call: Callable[[DeferredStep], Any], step_of: Callable[[], int]) -> Any:
@@ -205,7 +206,7 @@ class DeferredUpdates:
     def guard_needed(self) -> bool:
         """Whether the next ``training_step`` must run guarded: an update is pending, or an applied bucket's
         averaged gradients are not in ``.grad`` yet (a read of ``.grad`` must see them, as under DDP)."""
-        return self.pending is not None or bool(self._unwritten)
+        return self.pending is not None or any(s.unwritten for s in self.engine.syncs)
 
     def guarded_read(self, i: int, grad_read: bool = False) -> None:
         """Guard: engine parameter ``i`` (or its ``.grad``, or its optimizer state) is about to be read by an
@@ -214,14 +215,14 @@ class DeferredUpdates:
         if self.applying:
             return
         buckets = self.buckets_of[i]
-        if grad_read and self._unwritten:
+        syncs = self.engine.syncs
+        if grad_read:
             for b in buckets:
-                if b in self._unwritten:
+                if syncs[b].unwritten:
                     self._write_grads(b)
-        pending = self.pending
-        if pending is None:
+        if self.pending is None:
             return
-        todo = [b for b in buckets if b in pending.remaining]
+        todo = [b for b in buckets if syncs[b].in_flight]
         if not todo:
             return
         p = self.engine.params[i]
@@ -253,7 +254,7 @@ class DeferredUpdates:
         ``zero_grad`` can zero ``.grad``, which is then the bucket itself)."""
         self._late, self._stale = set(), []
         if self.pending is not None:
-            self._late = {i for b in self.pending.remaining for i in self.engine.buckets[b].param_indices}
+            self._late = {i for b in self.remaining() for i in self.engine.buckets[b].param_indices}
             self.apply_all("leftover")
         self._landed = True
 
@@ -307,16 +308,17 @@ class DeferredUpdates:
         try:
             with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
                 for b in buckets:
-                    if b in pending.remaining:
+                    if self.engine.syncs[b].in_flight:
                         self._apply_one(pending, b, where, write_grads or where == "observe")
         finally:
             self.applying = False
-        if not pending.remaining:
+        if not self.remaining():
             self.pending = None
 
     def apply_all(self, where: str) -> None:
+        """Apply every bucket of the pending step not applied yet (``where``: see :data:`UPDATE_PLACES`)."""
         if self.pending is not None:
-            self.apply(sorted(self.pending.remaining), where)
+            self.apply(self.remaining(), where)
 
     def _apply_one(self, pending: Pending, b: int, where: str, write_grads: bool) -> None:
         engine = self.engine
@@ -330,15 +332,15 @@ class DeferredUpdates:
         if self.track_use and not self.saw_partial_use:
             self.saw_partial_use = bucket.some_rank_unused(engine.comm.world_size)
         self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
+        sync = engine.syncs[b]
+        sync.land()
         if write_grads:
             write_back_grads(bucket, used)
-        else:
-            self._unwritten.add(b)
+            sync.write()
         if self.timeline():
             it = pending.step if pending.step >= 0 else None
             self.records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute", it))
             self.records.append(OpRecord(f"update{b}", "update", b, t1, time.perf_counter(), "compute", it))
-        pending.remaining.discard(b)
         self.counts[where] += 1
         if where == "forward":
             self._applied_in_forward = True
@@ -374,7 +376,7 @@ class DeferredUpdates:
         gradients when read, as DDP shows them after a skipped ``optimizer.step``."""
         self._clip_coefficient(pending)
         with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
-            for b in sorted(pending.remaining):
+            for b in self.remaining():
                 bucket = self.engine.buckets[b]
                 for slot, used in enumerate(self.engine.used_flags(b)):
                     if used and pending.clip is not None:
@@ -383,24 +385,25 @@ class DeferredUpdates:
                             g.clamp_(-pending.clip.value, pending.clip.value)
                         elif pending.coef is not None:
                             g.mul_(pending.coef)
-                self._unwritten.add(b)
-        pending.remaining.clear()
+                self.engine.syncs[b].drop()
         self.pending = None
 
     def _write_grads(self, b: int) -> None:
         with torch.no_grad(), torch._C.DisableTorchFunction():
             write_back_grads(self.engine.buckets[b], self.engine.used_flags(b))
-        self._unwritten.discard(b)
+        self.engine.syncs[b].write()
 
     def write_unwritten(self) -> None:
         """Write every applied bucket's averaged gradients to ``.grad`` now (before the engine is replaced)."""
-        for b in sorted(self._unwritten):
-            self._write_grads(b)
+        for s in self.engine.syncs:
+            if s.unwritten:
+                self._write_grads(s.index)
 
     def forget_unwritten(self) -> None:
         """``.grad`` must not get the reduced gradients any more: a new backward starts (the buckets are
         overwritten), or Lightning set ``.grad`` to None (``on_validation_model_zero_grad``)."""
-        self._unwritten.clear()
+        for s in self.engine.syncs:
+            s.retire()
 
     def _clip_coefficient(self, pending: Pending) -> None:
         """Clip-by-norm exactly as ``clip_grad_norm_`` computes it under DDP (:func:`clip_norm_coefficient`): wait

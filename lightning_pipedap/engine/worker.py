@@ -1,0 +1,139 @@
+"""The communication worker: one thread per engine that walks the schedule's op list every round.
+
+For each op, in the schedule's order (the same on every rank), the worker waits until the bucket is
+READY (reduce-scatter, all-reduce) and moves it through its states by the bucket's own verbs
+(:class:`~.bucket_sync.BucketSync`): ``start_grad_sync`` / ``finish_grad_sync`` around a reduce-scatter
+or all-reduce, ``start_param_sync`` / ``finish_param_sync`` around an all-gather. The collective itself
+is the bucket's transport's (:mod:`.transport`). An exception fails every bucket (every waiter wakes up)
+and is re-raised in the training process at its next wait, as :class:`EngineError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from lightning_pipedap.engine.bucket_sync import BucketSync
+from lightning_pipedap.engine.transport import Transport
+from lightning_pipedap.measure.timeline import OpTiming
+from lightning_pipedap.schedule import Op, OpKind, Schedule
+
+__all__ = ["EngineError", "OpWorker"]
+
+
+class EngineError(RuntimeError):
+    """Raised in the training process when the communication worker failed or a wait timed out."""
+
+
+class OpWorker:
+    """Runs ``schedule.ops`` over ``syncs`` once per :meth:`start`, on a daemon thread.
+
+    Args:
+        schedule: the op list (validated by the engine).
+        syncs: one :class:`BucketSync` per bucket of the schedule.
+        transports: per bucket, how its ops are performed.
+        wait_timeout_s: how long (s) the worker waits for a bucket's gradients before failing.
+        device: the CUDA device of the buffers, or None: on CUDA the ops run on a stream of their own and the
+            hand-offs carry CUDA events.
+
+    Attributes:
+        timeline_enabled: record an :class:`OpTiming` per op (read at each op's start).
+        last_round_busy_s: seconds spent inside ops during the last finished round (communication busy time).
+        error: the exception that stopped the worker, or None.
+    """
+
+    def __init__(self, schedule: Schedule, syncs: Sequence[BucketSync], transports: Sequence[Transport],
+                 wait_timeout_s: float, device: Optional[torch.device] = None) -> None:
+        self.schedule, self.syncs, self.transports = schedule, list(syncs), list(transports)
+        self.wait_timeout_s = wait_timeout_s
+        self.timeline_enabled = False
+        self.last_round_busy_s: Optional[float] = None
+        self.error: Optional[BaseException] = None
+        self.closed = False
+        self._timings: list[OpTiming] = []
+        self._idle = threading.Event()
+        self._idle.set()
+        self._jobs: "queue.Queue[object]" = queue.Queue()
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device) if device is not None else None
+        self._thread = threading.Thread(target=self._run, name="pipedap-comm", daemon=True)
+        self._thread.start()
+
+    def start(self, label: Any) -> None:
+        """Run the op list once (``label``: the iteration the op timings are filed under)."""
+        self._idle.clear()
+        self._jobs.put(label)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Block until the current round is finished (False on timeout)."""
+        return self._idle.wait(timeout_s)
+
+    @property
+    def idle(self) -> bool:
+        """Whether no round is running."""
+        return self._idle.is_set()
+
+    def take_timings(self) -> list[OpTiming]:
+        """Return and clear the op timings recorded while :attr:`timeline_enabled` was true."""
+        out, self._timings = self._timings, []
+        return out
+
+    def close(self, abort: bool = False) -> None:
+        """Stop the thread: after the running round (at most ``wait_timeout_s``), or, with ``abort``, within 1 s."""
+        self.closed = True
+        self._jobs.put(None)
+        self._thread.join(timeout=1.0 if abort else self.wait_timeout_s)
+
+    def _run(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                self._run_round(job)
+            except BaseException as exc:  # surfaced to the trainer at its next wait
+                self.error = exc
+                for s in self.syncs:
+                    s.fail()
+                self._idle.set()
+                return
+            self._idle.set()
+
+    def _run_round(self, label: Any) -> None:
+        stream = self._stream
+        busy = 0.0
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for op in self.schedule.ops:
+                sync = self.syncs[op.bucket]
+                if op.kind is OpKind.ALL_GATHER:
+                    if sync.gathered:  # (a compressed bucket: its reduction did everything; it may have landed since)
+                        continue
+                    sync.start_param_sync()
+                else:
+                    if not sync.wait_ready(self.wait_timeout_s, stream):
+                        raise EngineError(f"timed out after {self.wait_timeout_s} s waiting for the gradients of "
+                                          f"bucket {op.bucket} ({op})")
+                    if self.closed:
+                        return
+                    sync.start_grad_sync()
+                record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
+                t0 = time.perf_counter()
+                done = self.transports[op.bucket].run(op.kind, sync.flat)
+                t1 = time.perf_counter()
+                busy += t1 - t0
+                if done is None:
+                    raise EngineError(f"bucket {op.bucket}: the transport did nothing for {op}")
+                if record:
+                    self._timings.append(OpTiming(op if done is op.kind else Op(done, op.bucket), t0, t1, label))
+                if done is OpKind.ALL_GATHER:
+                    sync.finish_param_sync(stream)
+                else:
+                    sync.finish_grad_sync(done, stream)
+        self.last_round_busy_s = busy
