@@ -111,7 +111,8 @@ class BucketSync:
         self._ready, self._reduced, self._gathered = threading.Event(), threading.Event(), threading.Event()
         self._cuda = cuda
         if cuda:
-            self._ready_ev, self._reduced_ev, self._gathered_ev = torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()
+            self._ready_ev, self._reduced_ev = torch.cuda.Event(), torch.cuda.Event()
+            self._gathered_ev = torch.cuda.Event()
 
     def __repr__(self) -> str:
         return f"BucketSync({self.index}, {self.state.name})"

@@ -156,3 +156,35 @@ class FlatBucket:
         """``[start, end)`` of gradient elements (flags and padding excluded) in ``rank``'s shard."""
         start = rank * self.shard_size
         return min(start, self.numel), min(start + self.shard_size, self.numel)
+
+
+def allocate_buckets(schedule, params: Sequence[torch.Tensor], world_size: int) -> list[FlatBucket]:
+    """One :class:`FlatBucket` per bucket of ``schedule`` (a :class:`~lightning_pipedap.schedule.Schedule`), on the
+    parameters' device: its units are whole parameters, or with ``schedule.pieces`` element ranges of them."""
+    if schedule.pieces is None:
+        return [FlatBucket.allocate(b, idxs, [params[i] for i in idxs], world_size)
+                for b, idxs in enumerate(schedule.buckets)]
+    pieces = schedule.pieces
+    return [FlatBucket.allocate(b, tuple(pieces[u][0] for u in units), [params[pieces[u][0]] for u in units],
+                                world_size, [pieces[u][1:] for u in units], units)
+            for b, units in enumerate(schedule.buckets)]
+
+
+def param_places(buckets: Sequence[FlatBucket]) -> tuple[dict[int, list[tuple[int, int, int, int]]],
+                                                         dict[int, tuple[int, ...]]]:
+    """Where each parameter lives in ``buckets``.
+
+    Returns:
+        ``(places, split)``: parameter index -> its ``(bucket, slot, start, stop)`` places in element order
+        (a whole parameter: one place); split parameter index -> the buckets holding its pieces (element
+        order; empty when no parameter is split).
+    """
+    places: dict[int, list[tuple[int, int, int, int]]] = {}
+    for b in buckets:
+        for s, i in enumerate(b.param_indices):
+            places.setdefault(i, []).append((b.index, s) + tuple(b.ranges[s]))
+    for pl in places.values():
+        pl.sort(key=lambda place: place[2])
+    split = {i: tuple(dict.fromkeys(b for b, _, _, _ in pl)) for i, pl in places.items()
+             if any(buckets[b].is_piece(s) for b, s, _, _ in pl)}
+    return places, split

@@ -128,7 +128,7 @@ def _pieces(numel: int, piece: int) -> list[slice]:
     return [slice(i, min(i + piece, numel)) for i in range(0, numel, piece)] or [slice(0, 0)]
 
 
-#: 16-bit wire formats of the ring, by name (``wire_dtype`` of :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`)
+#: 16-bit wire formats of the ring, by name (``wire_dtype``: :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`)
 WIRE_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 

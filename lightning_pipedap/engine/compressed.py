@@ -96,7 +96,8 @@ class CompressedTransport:
             packed = comp.pack(payload)
             sent = packed.numel() * packed.element_size()
             rows = C.all_gather_rows(packed, self.comm)
-            grad = comp.aggregate([comp.unpack(rows[r], bucket.numel) for r in range(self.comm.world_size)], average=False)
+            parts = [comp.unpack(rows[r], bucket.numel) for r in range(self.comm.world_size)]
+            grad = comp.aggregate(parts, average=False)
         bucket.buffer[: bucket.numel].copy_(grad)
         timings = pipe.timings(ticket)
         pipe.release(ticket)

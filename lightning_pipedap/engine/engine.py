@@ -15,8 +15,9 @@ Data flow inside one iteration (a bucket's states: :mod:`.bucket_sync`)::
 
 Every wait has a timeout and names the operation; an exception in the worker is re-raised in the
 main thread at the next wait. With ``bucket_view`` (``gradient_as_bucket_view``) ``.grad`` is the
-bucket's view itself: backward accumulates into it and ``grad_ready`` divides in place, no copy. On CUDA the worker issues collectives on its own stream and the
-hand-offs carry CUDA events, so the main thread never synchronises the host on the hot path.
+bucket's view itself: backward accumulates into it and ``grad_ready`` divides in place, no copy. On CUDA
+the worker issues collectives on its own stream and the hand-offs carry CUDA events, so the main thread
+never synchronises the host on the hot path.
 
 Tensor partitioning (``Schedule.pieces``; ByteScheduler, Peng et al., SOSP 2019): a bucket's slots are
 units, element ranges of parameters; ``grad_ready`` of a split parameter copies each piece into its own
@@ -32,62 +33,15 @@ import torch
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
-from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.engine.buckets import FlatBucket, allocate_buckets, param_places
+from lightning_pipedap.engine.carry import GradientCarry
 from lightning_pipedap.engine.transport import DenseTransport, Transport
+from lightning_pipedap.engine.views import BucketViews, view_refusal
 from lightning_pipedap.engine.worker import EngineError, OpWorker
 from lightning_pipedap.measure.timeline import OpTiming
 from lightning_pipedap.schedule import Schedule
 
 __all__ = ["BucketState", "CommEngine", "EngineError", "OpTiming", "view_refusal"]
-
-
-def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False,
-                 buckets_of: Optional[dict[int, Sequence[int]]] = None,
-                 names: Optional[Sequence[str]] = None) -> Optional[str]:
-    """Why ``bucket`` cannot hold its parameters' ``.grad`` as views of its buffer, or None when it can.
-
-    ``gradient_as_bucket_view`` makes each parameter's ``.grad`` a view into the bucket, so the bucket's
-    contents must be the gradient itself at every point user code can see it. That fails when
-
-    - the bucket is ``compressed``: the compressor reads the bucket and writes its own reconstruction;
-    - it travels in the 16-bit wire format (``wire16``): the owner rounds its reduced shard in place;
-    - it holds a piece of a split parameter (tensor partitioning): that parameter's ``.grad`` spans
-      several buckets, so it cannot be one view of one buffer;
-    - a parameter is not a contiguous dense tensor: a contiguous view would break the gradient
-      layout contract (``.grad`` strides equal to the parameter's).
-
-    Such a bucket keeps the copy path (same values in ``.grad``, one more copy).
-
-    Args:
-        bucket: the bucket (its parameters are read, not changed).
-        compressed: whether the schedule compresses this bucket.
-        wire16: whether the schedule sends this bucket in the 16-bit wire format.
-        buckets_of: split parameter index -> the buckets holding its pieces (for the message; optional).
-        names: the parameters' names by engine index (for the message; optional: ``"parameter <index>"``).
-
-    Returns:
-        None, or a short reason naming the cause (for the log).
-    """
-    def called(i: int) -> str:
-        return f"{names[i]} (parameter {i})" if names is not None and i < len(names) else f"parameter {i}"
-
-    if compressed:
-        return "it is compressed (the compressor rewrites the bucket)"
-    if wire16:
-        return "it travels in the 16-bit wire format (its reduced shard is rounded in the buffer)"
-    for slot, p in enumerate(bucket.params):
-        if bucket.is_piece(slot):
-            i = bucket.param_indices[slot]
-            start, stop = bucket.ranges[slot]
-            where = (f"split over buckets {', '.join(map(str, buckets_of[i]))}" if buckets_of and i in buckets_of
-                     else "split over several buckets")
-            return (f"it holds part of {called(i)} (elements [{start}, {stop}) of {p.numel()}, {where}), whose "
-                    ".grad cannot be a view of one bucket")
-    for slot, p in enumerate(bucket.params):
-        if p.layout != torch.strided or not p.is_contiguous():
-            return (f"{called(bucket.param_indices[slot])} (shape {tuple(p.shape)}) is not a contiguous dense "
-                    "tensor (its .grad layout differs from the flat buffer's)")
-    return None
 
 
 class CommEngine:
@@ -105,21 +59,13 @@ class CommEngine:
             waiting for an op).
         transport_factory: optional ``f(buckets) -> CompressedTransport``; with it the buckets
             flagged in ``schedule.compressed`` are compressed and their RS/AR op performs the whole
-            compressed reduction (their AG, if any, is then a no-op marker); the other buckets run
-            their RS/AG/AR as usual. Not called when no bucket is flagged. The compression happens
-            where the planner's model puts it (:mod:`lightning_pipedap.plan.compression`): with a
-            helper process (``pipeline.mode == "process"``) the bucket is submitted as soon as its
-            gradients are complete; inline it is compressed by this worker at the op's slot, on the
-            communication channel, so it never stalls the backward pass.
+            compressed reduction (:mod:`.compressed`); not called when no bucket is flagged.
         wire_dtype: ``"fp32"`` (default), ``"fp16"`` or ``"bf16"``: the wire format of the buckets
             flagged in ``schedule.wire16`` (their RS/AG cast each piece in the send path and sum in
             fp32; :class:`~lightning_pipedap.engine.transport.DenseTransport`); the other buckets
             travel in their own dtype.
-        bucket_view: ``gradient_as_bucket_view``: every parameter's ``.grad`` is its view of the
-            bucket (set by :meth:`attach_views` before a backward, or by :meth:`grad_ready` when
-            autograd made a new tensor), so backward accumulates into the bucket and
-            :meth:`grad_ready` only divides in place. Buckets refused by :func:`view_refusal`
-            keep the copy path; :attr:`view_refusals` says why.
+        bucket_view: ``gradient_as_bucket_view`` (:mod:`.views`): every ``.grad`` is its view of the bucket
+            where :func:`view_refusal` allows it; :attr:`view_refusals` says why not elsewhere.
         param_names: the parameters' names in ``params`` order, for messages (optional).
 
     Raises:
@@ -138,29 +84,10 @@ class CommEngine:
         self.schedule = schedule
         self.wait_timeout_s = float(wait_timeout_s)
         self._params = list(params)
-        if schedule.pieces is None:
-            self.buckets = [
-                FlatBucket.allocate(b, idxs, [params[i] for i in idxs], comm.world_size)
-                for b, idxs in enumerate(schedule.buckets)
-            ]
-        else:
-            pieces = schedule.pieces
-            self.buckets = [
-                FlatBucket.allocate(b, tuple(pieces[u][0] for u in units), [params[pieces[u][0]] for u in units],
-                                    comm.world_size, [pieces[u][1:] for u in units], units)
-                for b, units in enumerate(schedule.buckets)
-            ]
-        #: param index -> its ``(bucket, slot, start, stop)`` places, in element order (whole: one place)
-        self.places: dict[int, list[tuple[int, int, int, int]]] = {}
-        for b in self.buckets:
-            for s, i in enumerate(b.param_indices):
-                self.places.setdefault(i, []).append((b.index, s) + tuple(b.ranges[s]))
-        for pl in self.places.values():
-            pl.sort(key=lambda place: place[2])
+        self.buckets = allocate_buckets(schedule, params, comm.world_size)
+        #: param index -> its ``(bucket, slot, start, stop)`` places, in element order (whole: one place);
         #: split param index -> the buckets holding its pieces (element order; empty without splits)
-        self.split: dict[int, tuple[int, ...]] = {
-            i: tuple(dict.fromkeys(b for b, _, _, _ in pl)) for i, pl in self.places.items()
-            if any(self.buckets[b].is_piece(s) for b, s, _, _ in pl)}
+        self.places, self.split = param_places(self.buckets)
         # The compressed transport's pipeline is built over *all* buckets (simple bucket numbering, telemetry
         # by bucket index; slots of uncompressed buckets stay unused); only flagged buckets use it.
         wants = transport_factory is not None and schedule.num_compressed > 0
@@ -172,28 +99,21 @@ class CommEngine:
             self.transport if self.transport is not None and schedule.is_compressed(b)
             else half if schedule.is_wire16(b) else dense
             for b in range(len(self.buckets))]
+        self._views = BucketViews(self.buckets if bucket_view else [], lambda b: view_refusal(
+            b, compressed=self.transport is not None and schedule.is_compressed(b.index),
+            wire16=schedule.is_wire16(b.index), buckets_of=self.split, names=param_names))
         #: bucket index -> why it keeps the copy path under ``bucket_view`` (:func:`view_refusal`)
-        self.view_refusals: dict[int, str] = {}
-        if bucket_view:
-            for b in self.buckets:
-                reason = view_refusal(b, compressed=self.transport is not None and schedule.is_compressed(b.index),
-                                      wire16=schedule.is_wire16(b.index), buckets_of=self.split,
-                                      names=param_names)
-                if reason is None:
-                    b.as_view = True
-                else:
-                    self.view_refusals[b.index] = reason
-        self._view_buckets = [b for b in self.buckets if b.as_view]  # (attach_views runs before every backward)
+        self.view_refusals = self._views.refusals
         #: gradients copied into a bucket by :meth:`grad_ready` or :meth:`attach_views` (on the view path only
         #: a ``.grad`` that is not the view yet is copied, once)
         self.copies = 0
-        self._attached: set[int] = set()  # param indices whose None .grad attach_views pointed at the view
         self._local: set[int] = set()  # param indices with a gradient from a backward without communication
         self._slot_of = {i: pl[0][:2] for i, pl in self.places.items()}  # (bucket, slot) of the (first) place
         self._got = [False] * len(params)
-        self._carry: dict[int, torch.Tensor] = {}  # param index -> values added once to its next gradient
+        device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")  # (none: sparse grads only)
+        self._carry = GradientCarry({i: p.numel() for i, p in enumerate(self._params) if i in self._slot_of}, device)
         # CUDA: events hand gradients to the comm stream and results back, without host syncs.
-        cuda = bool(self.buckets) and self.buckets[0].buffer.is_cuda  # (no bucket: sparse gradients only)
+        cuda = device.type == "cuda"
         #: per bucket, its life-cycle object (state, hand-off events: :class:`BucketSync`)
         self.syncs = [BucketSync(b, cuda) for b in self.buckets]
         self.collecting = False
@@ -202,8 +122,7 @@ class CommEngine:
         self.context: Optional[Callable[[], str]] = None
         #: ``(wait_s) -> str``: which peers do not answer (``Heartbeat.describe``), for error messages
         self.peers: Optional[Callable[[float], str]] = None
-        self._worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s,
-                                self.buckets[0].buffer.device if cuda else None)
+        self._worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
 
     # ------------------------------------------------------------------ trainer side
     @property
@@ -279,7 +198,7 @@ class CommEngine:
             if bucket.as_view:  # autograd made a new tensor (.grad was None), or user code replaced .grad
                 bucket.params[slot].grad = view
         if self._carry:
-            extra = self._carry.pop(param_index, None)
+            extra = self._carry.pop(param_index)
             if extra is not None:  # once: see carry_to_next_gradient
                 view.add_(extra.view(view.shape).to(view.dtype))
         if self.syncs[b].fill(slot):
@@ -290,7 +209,7 @@ class CommEngine:
         divided by the world size, plus its part of a carried value) into its bucket; no bucket of a split
         parameter is a view bucket (:func:`view_refusal`), so this always copies."""
         flat = grad.detach().reshape(-1)
-        extra = self._carry.pop(param_index, None) if self._carry else None
+        extra = self._carry.pop(param_index)
         for b, slot, start, stop in self.places[param_index]:
             bucket = self.buckets[b]
             view = bucket.grad_view(slot)
@@ -302,16 +221,10 @@ class CommEngine:
                 self._mark_ready(b)
 
     def carry_to_next_gradient(self, values: dict[int, torch.Tensor]) -> None:
-        """Add ``values[i]`` once to parameter ``i``'s next gradient in its bucket, before communication.
-
-        For error-feedback residuals of parameters that are now sent dense (a re-plan, or warm-up
-        steps, stopped compressing them): the residual is what earlier compressions of this rank
-        left out, so it must reach the other ranks exactly once (error feedback: Seide et al. 2014;
-        Karimireddy et al. 2019). Units are those of the bucket: the local gradient divided by the
-        world size (what :meth:`grad_ready` writes and the compressors compensate), so no scaling is
-        applied here. A value is added in :meth:`grad_ready` of a round where the parameter has a
-        local gradient, then dropped; one still waiting when the engine is replaced is returned by
-        :meth:`take_carried`. Values for the same parameter accumulate. Call between rounds.
+        """Add ``values[i]`` once to parameter ``i``'s next gradient in its bucket, before communication
+        (:mod:`.carry`: error-feedback residuals of parameters now sent dense). Units are the bucket's (the
+        local gradient divided by the world size), so nothing is scaled; added in :meth:`grad_ready` of a round
+        where the parameter has a gradient; still waiting when the engine is replaced: :meth:`take_carried`.
 
         Args:
             values: engine parameter index -> tensor of that parameter's ``numel`` elements (any
@@ -320,17 +233,7 @@ class CommEngine:
         Raises:
             ValueError: for an index out of range or a tensor with the wrong number of elements.
         """
-        for i, v in values.items():
-            if not (isinstance(i, int) and i in self._slot_of):
-                raise ValueError(f"carry_to_next_gradient: parameter index {i!r} out of range; valid: "
-                                 f"0..{len(self._got) - 1}")
-            b, slot = self._slot_of[i]
-            n = self.buckets[b].params[slot].numel()
-            if v.numel() != n:
-                raise ValueError(f"carry_to_next_gradient: parameter {i} has {n} elements, the value has {v.numel()}")
-            flat = v.detach().reshape(-1).to(device=self.buckets[b].buffer.device, dtype=torch.float32, copy=True)
-            old = self._carry.get(i)
-            self._carry[i] = flat if old is None else old.add_(flat)
+        self._carry.add(values)
 
     def take_carried(self, clear: bool = True) -> dict[int, torch.Tensor]:
         """Values of :meth:`carry_to_next_gradient` not added yet (flat fp32, by parameter index).
@@ -338,44 +241,22 @@ class CommEngine:
         With ``clear`` (default) they are removed from the engine (the caller takes them over, e.g.
         to hand them to the next engine); ``clear=False`` returns copies and keeps them (checkpoints).
         """
-        if clear:
-            out, self._carry = self._carry, {}
-            return out
-        return {i: v.clone() for i, v in self._carry.items()}
+        return self._carry.take(clear)
 
     def attach_views(self) -> None:
-        """``bucket_view``: before a backward, point every ``.grad`` that is None at its zeroed view, and move
-        any other ``.grad`` that is not this engine's view (an earlier engine's view after a new schedule was
-        installed, or a tensor user code assigned) into its view (one copy, values unchanged).
-
-        Autograd then accumulates into the bucket (no new tensor, no copy). A parameter attached here
-        that then gets a gradient on no rank gets ``.grad = None`` back in :meth:`used_flags` (DDP
-        leaves it None, and the optimizer must not step it). Waits for a round still running, so
-        no operation of the worker writes the buffer while it is zeroed.
+        """``bucket_view``: before a backward, point every None ``.grad`` at its zeroed view and move any other
+        into its view (:meth:`BucketViews.attach`), after waiting for a round still running (no op of the
+        worker may write the buffer while it is zeroed).
 
         Raises:
             EngineError: if the previous round does not finish within the timeout, or the worker failed.
         """
-        views = self._view_buckets
-        if not views:
+        if not self._views.buckets:
             return
         if not self._worker.idle:
             self.wait_idle()
         self._check()
-        for bucket in views:
-            for slot, p in enumerate(bucket.params):
-                if p.grad is None:
-                    view = bucket.grad_view(slot)
-                    view.zero_()
-                    p.grad = view
-                    self._attached.add(bucket.param_indices[slot])
-                elif not bucket.is_view(slot, p.grad):
-                    # a view of an earlier engine's bucket (a new schedule was installed) or a tensor user code
-                    # put there: same values, now in this bucket (and the earlier bucket can be freed)
-                    view = bucket.grad_view(slot)
-                    view.copy_(p.grad)
-                    p.grad = view
-                    self.copies += 1
+        self.copies += self._views.attach()
 
     def local_gradient(self, param_index: int) -> None:
         """Parameter ``param_index`` got a gradient in a backward that does not communicate (an accumulation
@@ -430,13 +311,9 @@ class CommEngine:
         """Per slot of bucket ``b``: whether its parameter got a gradient on *any* rank in this round (every
         piece of a split parameter alike).
 
-        A parameter that got a local gradient is used without looking at the reduced flag, so the
-        host reads the reduced flags (a device sync on CUDA) only when some parameter of the bucket
-        got no local gradient. Call once the bucket is reduced.
-
-        ``bucket_view``: a parameter whose None ``.grad`` :meth:`attach_views` pointed at its view and
-        that no rank produced a gradient for gets ``.grad = None`` back here (as under DDP), before any
-        update reads it.
+        The host reads the reduced flags (a device sync on CUDA) only when some parameter of the bucket got
+        no local gradient. Call once the bucket is reduced. ``bucket_view``: an attached view no rank
+        produced a gradient for is taken back here (``.grad = None``, as under DDP), before any update reads it.
         """
         bucket = self.buckets[b]
         local = [self._got[i] for i in bucket.param_indices]
@@ -444,13 +321,8 @@ class CommEngine:
             used = local
         else:
             reduced = (bucket.flags > 0).tolist()
-            used = [l or r for l, r in zip(local, reduced)]
-        if self._attached:
-            for slot, i in enumerate(bucket.param_indices):
-                if i in self._attached:
-                    self._attached.discard(i)
-                    if not used[slot] and bucket.is_view(slot, bucket.params[slot].grad):
-                        bucket.params[slot].grad = None
+            used = [mine or any_rank for mine, any_rank in zip(local, reduced)]
+        self._views.detach_unused(bucket, used)
         return used
 
     def wait_idle(self) -> None:

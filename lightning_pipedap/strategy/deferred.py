@@ -42,8 +42,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_pipedap.engine.engine import CommEngine
-from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, clip_norm_coefficient, snapshot_hparams,
-                                             write_back_grads)
+from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, averaged_grads, clip_norm_coefficient,
+                                             snapshot_hparams, write_back_grads)
 from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.probe.consumers import transform_active
 from lightning_pipedap.strategy.numerics import NonFiniteCheck
@@ -89,11 +89,51 @@ class DeferredStep:
 
     def step(self, closure: Callable[[], Any], **kwargs: Any) -> Any:
         if kwargs:
-            raise TypeError(f"pipedap: extra optimizer.step arguments {sorted(kwargs)} are not supported in deferred mode")
+            raise TypeError(f"pipedap: extra optimizer.step arguments {sorted(kwargs)} are not supported in deferred "
+                            "mode")
         return closure()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.optimizer, name)
+
+
+class LandingPoints:
+    """Where each bucket of a deferred step lands: at the forward pre-hook of its first consumer (``triggers``),
+    or before ``training_step`` (``root``).
+
+    Attributes:
+        triggers: ``id(module)`` -> the buckets applied at its forward pre-hook.
+        root: the buckets applied before ``training_step``.
+    """
+
+    def __init__(self) -> None:
+        self.triggers: dict[int, list[int]] = {}
+        self.root: list[int] = []
+
+    def set_owners(self, engine: CommEngine, owners: Optional[list[Optional[torch.nn.Module]]],
+                   root_module: torch.nn.Module) -> None:
+        """Triggers from per-parameter owners (engine order, which is first-consumption order): a bucket lands
+        before the earliest consumer of any of its units' parameters (the owner of its first parameter; with
+        ``schedule.pieces``, of its lowest parameter index); one with a parameter owned by ``root_module`` or by
+        nobody lands before ``training_step``. Every bucket holding a piece of a split parameter so lands
+        before that parameter's first consumer, and the parameter is stepped when the last of them lands."""
+        self.triggers, self.root = {}, []
+        if owners is not None:
+            pieces = engine.schedule.pieces is not None
+            for b in engine.buckets:
+                idxs = b.param_indices  # (per unit: its parameter)
+                if any(owners[i] is None or owners[i] is root_module for i in idxs):
+                    self.root.append(b.index)
+                else:
+                    self.triggers.setdefault(id(owners[min(idxs) if pieces else idxs[0]]), []).append(b.index)
+
+    def move_to_root(self, b: int) -> None:
+        """Bucket ``b`` was read before its trigger: it lands before ``training_step`` from now on."""
+        for buckets in self.triggers.values():
+            if b in buckets:
+                buckets.remove(b)
+        if b not in self.root:
+            self.root.append(b)
 
 
 class DeferredUpdates:
@@ -117,8 +157,7 @@ class DeferredUpdates:
         self.name_of, self.say, self.records, self.timeline, self.counts = name_of, say, records, timeline, counts
         self.pending: Optional[Pending] = None
         self.updater: Optional[BucketOptimizer] = None
-        self.triggers: dict[int, list[int]] = {}  # id(module) -> buckets applied at its forward pre-hook
-        self.root: list[int] = []  # buckets applied before training_step
+        self.points = LandingPoints()
         #: engine parameter index -> the buckets holding it (one; several for a parameter split over buckets)
         self.buckets_of: list[tuple[int, ...]] = [engine.buckets_of(i) for i in range(len(engine.params))]
         self.applying = False
@@ -135,24 +174,10 @@ class DeferredUpdates:
         self._late: set[int] = set()
         self._stale: list[int] = []
         self._landed = False  # leftovers of this step applied already (land_leftovers after training_step)
-        self._index: Optional[dict[int, int]] = None  # id(parameter) -> engine parameter index (clip-by-norm)
 
-    # ------------------------------------------------------------------ layout
     def set_owners(self, owners: Optional[list[Optional[torch.nn.Module]]], root_module: torch.nn.Module) -> None:
-        """Triggers from per-parameter owners (engine order, which is first-consumption order): a bucket lands
-        before the earliest consumer of any of its units' parameters (the owner of its first parameter; with
-        ``schedule.pieces``, of its lowest parameter index); one with a parameter owned by ``root_module`` or by
-        nobody lands before ``training_step``. Every bucket holding a piece of a split parameter so lands
-        before that parameter's first consumer, and the parameter is stepped when the last of them lands."""
-        self.triggers, self.root = {}, []
-        if owners is not None:
-            pieces = self.engine.schedule.pieces is not None
-            for b in self.engine.buckets:
-                idxs = b.param_indices  # (per unit: its parameter)
-                if any(owners[i] is None or owners[i] is root_module for i in idxs):
-                    self.root.append(b.index)
-                else:
-                    self.triggers.setdefault(id(owners[min(idxs) if pieces else idxs[0]]), []).append(b.index)
+        """Where each bucket lands, from per-parameter owners (:meth:`LandingPoints.set_owners`)."""
+        self.points.set_owners(self.engine, owners, root_module)
 
     # ------------------------------------------------------------------ recording a step
     def record(self, optimizer: Optimizer, clip: Optional[ClipRequest], step: int = -1) -> None:
@@ -192,13 +217,13 @@ class DeferredUpdates:
         if self.pending is not None:
             self._clip_coefficient(self.pending)
             self._decide(self.pending)  # (nonfinite raise/skip: before any bucket of the step lands)
-            if self.root and self.pending is not None:
-                self.apply(list(self.root))
+            if self.points.root and self.pending is not None:
+                self.apply(list(self.points.root))
 
     def at_module(self, module: torch.nn.Module) -> None:
         """A module's forward pre-hook inside ``training_step``."""
         if self.pending is not None and not self.applying:
-            buckets = self.triggers.get(id(module))
+            buckets = self.points.triggers.get(id(module))
             if buckets and not transform_active():  # (no in-place update inside vmap/grad: owned by the root)
                 self.apply(buckets)
 
@@ -239,11 +264,7 @@ class DeferredUpdates:
         """After a guarded forward: buckets read before their trigger land before ``training_step`` from now on."""
         misses, self._misses = self._misses, {}
         for b, what in sorted(misses.items()):
-            for buckets in self.triggers.values():
-                if b in buckets:
-                    buckets.remove(b)
-            if b not in self.root:
-                self.root.append(b)
+            self.points.move_to_root(b)
             self.say(f"guard:{what}", f"pipedap: {what} was read before its update's trigger module ran (user code "
                      "in training_step, or a data-dependent path); the update was applied just before the read, and "
                      "it lands before training_step from now on")
@@ -417,30 +438,9 @@ class DeferredUpdates:
         with torch._C.DisableTorchFunction(), torch.no_grad():
             for b in range(engine.num_buckets):
                 engine.wait_done(b)
-            pending.coef = clip_norm_coefficient(self._averaged_grads(), pending.clip.value)
+            assert self.updater is not None
+            pending.coef = clip_norm_coefficient(averaged_grads(engine, self.updater.optimizer), pending.clip.value)
         pending.clip_ready = True
-
-    def _averaged_grads(self) -> list[Tensor]:
-        """The gradients ``clip_grad_norm_`` would see under DDP now, in the optimizer's parameter order: a parameter
-        some rank produced a gradient for gives its averaged gradient (its bucket view; a split parameter's pieces
-        concatenated, shaped like it), one no rank did gives its ``.grad`` as DDP leaves it (skipped when None)."""
-        engine = self.engine
-        if self._index is None:
-            self._index = {id(p): i for i, p in enumerate(engine.params)}
-        used = {b: engine.used_flags(b) for b in range(engine.num_buckets)}
-        out = []
-        assert self.updater is not None
-        for group in self.updater.optimizer.param_groups:
-            for p in group["params"]:
-                i = self._index.get(id(p))
-                places = engine.places.get(i, []) if i is not None else []
-                if places and used[places[0][0]][places[0][1]]:
-                    views = [engine.buckets[b].grad_view(s) for b, s, _, _ in places]
-                    out.append(views[0] if len(views) == 1 and views[0].shape == p.shape
-                               else torch.cat([v.reshape(-1) for v in views]).view_as(p))
-                elif p.grad is not None:
-                    out.append(p.grad)
-        return out
 
 
 def intercept_clipping(plugin: Any) -> Callable[..., Any]:
