@@ -420,8 +420,8 @@ def _run_deferred(rank, world):
     deferred.set_owners([model[0], model[0], model[2], model[2]], model)
     index = {id(p): i for i, p in enumerate(params)}
     hooks = [p.register_post_accumulate_grad_hook(lambda p: engine.grad_ready(index[id(p)], p.grad)) for p in params]
-    out: dict = {"buckets_of": deferred.buckets_of, "root": deferred.root,
-                 "triggers": sorted(deferred.triggers.values())}
+    out: dict = {"buckets_of": deferred.buckets_of, "root": deferred.points.root,
+                 "triggers": sorted(deferred.points.triggers.values())}
     try:
         before = [p.detach().clone() for p in params]
         engine.begin_iteration()
