@@ -36,6 +36,7 @@ from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
 from lightning_pipedap.engine.buckets import FlatBucket, allocate_buckets, param_places
 from lightning_pipedap.engine.carry import GradientCarry
 from lightning_pipedap.engine.transport import DenseTransport, Transport
+from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.engine.views import BucketViews, view_refusal
 from lightning_pipedap.engine.worker import EngineError, OpWorker
 from lightning_pipedap.measure.timeline import OpTiming
@@ -324,6 +325,18 @@ class CommEngine:
             used = [mine or any_rank for mine, any_rank in zip(local, reduced)]
         self._views.detach_unused(bucket, used)
         return used
+
+    def write_back(self, b: int) -> FlatBucket:
+        """Sync mode: wait for bucket ``b`` and write its averaged gradients to ``.grad`` (GATHERED -> WRITTEN;
+        :func:`~lightning_pipedap.engine.update.write_back_grads`). Returns the bucket.
+
+        Raises:
+            EngineError: on timeout (naming the op) or if the worker failed.
+        """
+        bucket = self.wait_done(b)
+        write_back_grads(bucket, self.used_flags(b))
+        self.syncs[b].write()
+        return bucket
 
     def wait_idle(self) -> None:
         """Block until the worker finished the current round."""
