@@ -99,7 +99,8 @@ def render_options(cls: type = PipeDAPConfig) -> str:
         "Pass any option by name: `PipeDAPStrategy(schedule=\"dear\", torch_ddp_margin=0.05)` (the common ones are "
         "named in the signature, the others go through `**options`), or all of them as one "
         "`PipeDAPStrategy(config=PipeDAPConfig(...))`, built from options by name or from the groups below "
-        "(`PipeDAPConfig(trials=TrialOptions(plan_trials=2))`); keyword options are applied over `config`. "
+        "(`PipeDAPConfig(trials=TrialOptions(plan_trials=2))`; both in `lightning_pipedap.strategy.config`); keyword "
+        "options are applied over `config` (a keyword left at its default keeps the config's value). "
         "With LightningCLI, the options outside the signature go through the config: "
         "`--trainer.strategy.config.trials.torch_ddp_margin=0.05`.",
         "",
