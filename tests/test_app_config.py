@@ -202,7 +202,8 @@ def test_strategy_node_takes_plan_cache_as_a_bool_or_a_directory(tmp_path):
 
 
 def test_schema_has_every_strategy_option_with_the_same_default():
-    """The Hydra schema is generated from ``PipeDAPConfig``'s fields: every option a YAML value can hold, its default."""
+    """The Hydra schema is generated from ``PipeDAPConfig``'s fields: every option a YAML value can hold, with its
+    default."""
     import dataclasses
 
     from lightning_pipedap.app.schema import PipeDAPStrategyConf

@@ -89,7 +89,8 @@ def test_explicit_parameters_are_the_config_fields(cls):
     hints = typing.get_type_hints(cls.__init__)
     defaults = PipeDAPConfig.defaults()
     assert list(params)[1] == "config" and params["config"].default is None
-    assert {"schedule", "bucket_cap_mb", "defer_update", "wire_dtype", "plan_trials", "plan_cache"} <= set(_explicit(cls))
+    common = {"schedule", "bucket_cap_mb", "defer_update", "wire_dtype", "plan_trials", "plan_cache"}
+    assert common <= set(_explicit(cls))
     for name in _explicit(cls):
         group = PipeDAPConfig.groups()[OPTION_GROUP[name]]
         assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, name

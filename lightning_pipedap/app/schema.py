@@ -66,7 +66,8 @@ class DDPStrategyConf:
 #: YAML-side types OmegaConf checks; the members of an option's type that a YAML value cannot be (classes)
 _YAML_SCALARS = (int, float, bool, str)
 #: options typed ``Any`` in the schema whatever their type, so that a bad value gets ``PipeDAPConfig``'s message
-#: naming the choices (OmegaConf's ``Optional[bool]`` would read ``3`` as True; its float fails ``abc`` in its own words)
+#: naming the choices (OmegaConf's ``Optional[bool]`` would read ``3`` as True; its float fails ``abc`` in its own
+#: words)
 CHECKED_BY_CONFIG_ONLY = ("startup_budget", "find_unused_parameters")
 
 
@@ -106,9 +107,11 @@ def _pipedap_fields() -> list[tuple[str, Any, Any]]:
             kind = Any
         if kind is None:
             continue
-        default = field(default_factory=f.default_factory) if f.default is dataclasses.MISSING else field(default=f.default)
+        default = (field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
+                   else field(default=f.default))
         out.append((f.name, kind, default))
-    out += [("start_method", str, field(default="popen")), ("process_group_backend", Optional[str], field(default=None))]
+    out += [("start_method", str, field(default="popen")),
+            ("process_group_backend", Optional[str], field(default=None))]
     return out
 
 

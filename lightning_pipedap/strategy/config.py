@@ -234,8 +234,8 @@ class PlanningOptions:
             if isinstance(self.partition_mb, bool) or not isinstance(self.partition_mb, numbers.Real) \
                     or not MIN_PARTITION_MB <= float(self.partition_mb) < float("inf"):
                 raise ValueError(f"partition_mb must be None (off) or a finite number of MiB >= 1/1024 = "
-                                 f"{MIN_PARTITION_MB!r} (1 KiB; split layers larger than that before planning, e.g. 4), got "
-                                 f"{self.partition_mb!r}")
+                                 f"{MIN_PARTITION_MB!r} (1 KiB; split layers larger than that before planning, e.g. "
+                                 f"4), got {self.partition_mb!r}")
             object.__setattr__(self, "partition_mb", float(self.partition_mb))
         if self.cost_model is not None and not isinstance(self.cost_model, (str, CostModel)):
             raise ValueError(f"cost_model must be a path to a cost-model JSON file, a CostModel or None, "
@@ -397,7 +397,8 @@ class CompressionOptions:
             from lightning_pipedap.compress import get_compressor, valid_compressor_names  # noqa: PLC0415
 
             if self.compression not in valid_compressor_names():
-                raise ValueError(f"unknown compression {self.compression!r}; valid: {', '.join(valid_compressor_names())}")
+                raise ValueError(f"unknown compression {self.compression!r}; valid: "
+                                 f"{', '.join(valid_compressor_names())}")
             get_compressor(self.compression, **self.compression_kwargs)  # validates the keyword arguments
             if self.compression_mode not in ("process", "inline"):
                 raise ValueError(f"compression_mode must be 'process' or 'inline', got {self.compression_mode!r}")

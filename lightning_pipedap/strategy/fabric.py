@@ -104,10 +104,10 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
 
     Raises:
         ValueError: an option out of range (see ``PipeDAPConfig``), ``defer_update`` not in
-            ``("auto", False)``, ``compression`` not None, a ``config`` that sets a Trainer-only option; at set-up: a second model, a
-            model without trainable parameters, models that differ between ranks, SyncBatchNorm on CPU, a
-            self-communicating optimizer, a sparse embedding with a 16-bit ``wire_dtype``. Sparse embeddings
-            (``nn.Embedding(sparse=True)``) are supported: their gradients are all-reduced as DDP does
+            ``("auto", False)``, ``compression`` not None, a ``config`` that sets a Trainer-only option; at set-up:
+            a second model, a model without trainable parameters, models that differ between ranks, SyncBatchNorm
+            on CPU, a self-communicating optimizer, a sparse embedding with a 16-bit ``wire_dtype``. Sparse
+            embeddings (``nn.Embedding(sparse=True)``) are supported: their gradients are all-reduced as DDP does
             (:mod:`~lightning_pipedap.engine.sparse`).
         TypeError: an unknown keyword argument (DDP-only ones and the Trainer-only options included), naming the
             valid ones; a ``config`` that is not a ``PipeDAPConfig``; ``no_backward_sync`` on a module this strategy
