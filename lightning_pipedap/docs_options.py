@@ -1,70 +1,58 @@
-"""docs/OPTIONS.md, rendered from the ``Attributes:`` section of :class:`PipeDAPConfig`'s docstring.
+"""docs/OPTIONS.md, rendered from the option declarations of :class:`PipeDAPConfig`'s groups.
 
-The docstring is the source of truth: one entry per field, in field order; each default comes from
-``dataclasses.fields(PipeDAPConfig)``. Regenerate the page after editing the docstring::
+Each option is one field of a group (:class:`~lightning_pipedap.strategy.config.ScheduleOptions`, ...) with its
+docstring right under it; the defaults come from ``dataclasses.fields``. Regenerate the page after editing a
+declaration::
 
     python -m lightning_pipedap.docs_options > docs/OPTIONS.md
 
-``tests/test_readme.py`` fails when the page differs from :func:`render_options` or a field has no entry.
+``tests/test_readme.py`` fails when the page differs from :func:`render_options` or a field has no docstring.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import re
 import sys
+import textwrap
 
 from lightning_pipedap.strategy.config import PipeDAPConfig
 
-#: ``:role:`~a.b.c``` (Sphinx cross-references) in the docstring
+#: ``:role:`~a.b.c``` (Sphinx cross-references) in the docstrings
 _ROLE = re.compile(r":(?:func|class|attr|mod|meth|data|exc|obj):`(~?)([^`]+)`")
-#: an entry of the Attributes section: ``name: text`` at the section's first indent
-_ENTRY = re.compile(r"^(\w+): ?(.*)$")
 
 
-def attribute_docs(cls: type = PipeDAPConfig) -> dict[str, str]:
-    """``{field name: its text}`` from the ``Attributes:`` section of ``cls``'s docstring, in docstring order,
-    each entry's lines joined into one paragraph (reStructuredText markup kept)."""
-    lines = inspect.cleandoc(cls.__doc__ or "").splitlines()
-    try:
-        start = lines.index("Attributes:") + 1
-    except ValueError:
-        return {}
-    out: dict[str, list[str]] = {}
-    indent = None
-    name = None
-    for line in lines[start:]:
-        if line.strip() and not line.startswith(" "):  # the next section (Raises:, ...)
-            break
-        if not line.strip():
-            continue
-        depth = len(line) - len(line.lstrip())
-        if indent is None:
-            indent = depth
-        m = _ENTRY.match(line.strip()) if depth == indent else None
-        if m:
-            name = m.group(1)
-            out[name] = [m.group(2)]
-        elif name is not None:
-            out[name].append(line.strip())
-    return {n: " ".join(p for p in parts if p) for n, parts in out.items()}
+def field_docs(cls: type) -> dict[str, str]:
+    """``{attribute: its docstring}`` of the class ``cls``: the string literal right under each annotated
+    attribute (``x: int = 1`` then ``\"\"\"...\"\"\"``), in source order, its lines joined into one paragraph
+    (reStructuredText markup kept)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body  # type: ignore[attr-defined]
+    out = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            out[stmt.target.id] = " ".join(inspect.cleandoc(nxt.value.value).split())
+    return out
 
 
 def missing_entries(cls: type = PipeDAPConfig) -> list[str]:
-    """Fields of ``cls`` without an entry in its ``Attributes:`` section."""
-    docs = attribute_docs(cls)
-    return [f.name for f in dataclasses.fields(cls) if f.name not in docs]
+    """Options of ``cls`` (a :class:`PipeDAPConfig`) declared without a docstring under them."""
+    return [f.name for g, f in cls.option_fields() if f.name not in field_docs(cls.groups()[g])]
 
 
 def stale_entries(cls: type = PipeDAPConfig) -> list[str]:
-    """Entries of the ``Attributes:`` section that name no field of ``cls``."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return [n for n in attribute_docs(cls) if n not in names]
+    """Attribute docstrings in ``cls``'s groups under a name that is no option (a class variable, ...)."""
+    out = []
+    for group in cls.groups().values():
+        names = {f.name for f in dataclasses.fields(group)}
+        out += [n for n in field_docs(group) if n not in names]
+    return out
 
 
 def _markdown(text: str) -> str:
-    """reST of a docstring entry -> Markdown: ``x`` -> `x`, :func:`~a.b.c` -> `c`, :class:`a.B` -> `a.B`."""
+    """reST of a docstring -> Markdown: ``x`` -> `x`, :func:`~a.b.c` -> `c`, :class:`a.B` -> `a.B`."""
     def role(m: re.Match) -> str:
         target = re.sub(r"\s+", "", m.group(2))
         if "<" in target and target.endswith(">"):  # :meth:`text <target>`
@@ -88,36 +76,48 @@ def _default(f: dataclasses.Field) -> str:
 
 
 def render_options(cls: type = PipeDAPConfig) -> str:
-    """The Markdown of docs/OPTIONS.md: an index (option, default) and one section per option, in field order.
+    """The Markdown of docs/OPTIONS.md: an index (option, group, default), then one section per group (its
+    docstring) with one section per option, in declaration order.
 
     Raises:
-        ValueError: a field without an entry in the ``Attributes:`` section, or an entry naming no field.
+        ValueError: an option without a docstring, or a docstring under a name that is no option.
     """
     missing, stale = missing_entries(cls), stale_entries(cls)
     if missing or stale:
-        raise ValueError(f"{cls.__name__}'s docstring (Attributes:) must have one entry per field: "
-                         f"missing {missing}, naming no field {stale}")
-    docs = attribute_docs(cls)
-    fields = dataclasses.fields(cls)
+        raise ValueError(f"every option of {cls.__name__}'s groups needs a docstring under its field: "
+                         f"missing {missing}, under no option {stale}")
+    groups = cls.groups()
     out = [
         "# Options",
         "",
         "This page lists every option of `PipeDAPStrategy(...)` (and of the `strategy` group of `pipedap-train`), "
-        "with its default, in the order of `PipeDAPConfig`.",
+        "with its default, group by group in the order of `PipeDAPConfig`.",
         "",
-        "<!-- generated by `python -m lightning_pipedap.docs_options > docs/OPTIONS.md` from the Attributes section of "
-        "PipeDAPConfig's docstring (lightning_pipedap/strategy/config.py); edit the docstring, not this page -->",
+        "<!-- generated by `python -m lightning_pipedap.docs_options > docs/OPTIONS.md` from the declarations in "
+        "lightning_pipedap/strategy/config.py (the docstring under each field); edit those, not this page -->",
+        "",
+        "Pass any option by name: `PipeDAPStrategy(schedule=\"dear\", torch_ddp_margin=0.05)` (the common ones are "
+        "named in the signature, the others go through `**options`), or all of them as one "
+        "`PipeDAPStrategy(config=PipeDAPConfig(...))`, built from options by name or from the groups below "
+        "(`PipeDAPConfig(trials=TrialOptions(plan_trials=2))`; both in `lightning_pipedap.strategy.config`); keyword "
+        "options are applied over `config` (a keyword left at its default keeps the config's value). "
+        "With LightningCLI, the options outside the signature go through the config: "
+        "`--trainer.strategy.config.trials.torch_ddp_margin=0.05`.",
         "",
         "Lightning's own arguments (`accelerator`, `timeout`, `process_group_backend`, ...) go to `DDPStrategy` as "
         "usual. Every value is checked once at construction; a wrong one raises `ValueError` naming the option and "
         "the valid values. Under Fabric some options do not apply (docs/LAUNCHING.md).",
         "",
-        "| option | default |",
-        "|---|---|",
+        "| option | group | default |",
+        "|---|---|---|",
     ]
-    out += [f"| [`{f.name}`](#{f.name}) | {_default(f)} |" for f in fields]
-    for f in fields:
-        out += ["", f"### `{f.name}`", "", f"Default {_default(f)}. {_markdown(docs[f.name])}"]
+    out += [f"| [`{f.name}`](#{f.name}) | `{g}` | {_default(f)} |" for g, f in cls.option_fields()]
+    for g, group in groups.items():
+        docs = field_docs(group)
+        doc = " ".join(inspect.cleandoc(group.__doc__ or "").split())
+        out += ["", f"## `{g}`: `{group.__name__}`", "", _markdown(doc)]
+        for f in dataclasses.fields(group):
+            out += ["", f"### `{f.name}`", "", f"Default {_default(f)}. {_markdown(docs[f.name])}"]
     return "\n".join(out) + "\n"
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -201,20 +202,43 @@ def test_strategy_node_takes_plan_cache_as_a_bool_or_a_directory(tmp_path):
 
 
 def test_schema_has_every_strategy_option_with_the_same_default():
-    """The Hydra schema validates through ``PipeDAPConfig``; its fields must not drift from the options."""
+    """The Hydra schema is generated from ``PipeDAPConfig``'s fields: every option a YAML value can hold, with its
+    default."""
     import dataclasses
 
     from lightning_pipedap.app.schema import PipeDAPStrategyConf
     from lightning_pipedap.strategy.config import PipeDAPConfig
 
     schema = {f.name: f for f in dataclasses.fields(PipeDAPStrategyConf)}
-    for f in dataclasses.fields(PipeDAPConfig):
-        if f.name == "deferrable_optimizers":  # classes: not a config value
+    options = set(PipeDAPConfig.option_names()) - {"deferrable_optimizers"}  # (classes: not a config value)
+    assert set(schema) - {"_target_", "start_method", "process_group_backend"} == options
+    for name, mine in PipeDAPConfig.defaults().items():
+        if name in schema:
+            f = schema[name]
+            assert (f.default_factory() if f.default is dataclasses.MISSING else f.default) == mine, name
+
+
+def test_strategy_yaml_lists_every_schema_key_with_the_option_default():
+    """``conf/strategy/pipedap.yaml`` is hand-written (its comments); it must set every key of the schema, each
+    literal value equal to the option's default (``${...}`` interpolations aside), so that adding, removing or
+    re-defaulting an option fails here until the YAML follows."""
+    import dataclasses
+
+    import yaml
+
+    from lightning_pipedap.app.schema import PipeDAPStrategyConf
+
+    text = (Path(CONFIG_PATH) / "strategy" / "pipedap.yaml").read_text()
+    values = {k: v for k, v in yaml.safe_load(text).items() if k != "defaults"}
+    schema = {f.name: f for f in dataclasses.fields(PipeDAPStrategyConf)}
+    assert set(values) == set(schema), (f"pipedap.yaml lacks {sorted(set(schema) - set(values))}, "
+                                        f"names no option {sorted(set(values) - set(schema))}")
+    for name, value in values.items():
+        if isinstance(value, str) and value.startswith("${"):
             continue
-        assert f.name in schema, f"schema lacks strategy option {f.name}"
-        mine = f.default_factory() if f.default is dataclasses.MISSING else f.default
-        theirs = schema[f.name].default_factory() if schema[f.name].default is dataclasses.MISSING else schema[f.name].default
-        assert mine == theirs, (f.name, mine, theirs)
+        f = schema[name]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        assert value == default and type(value) is type(default), (name, value, default)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "auto"])

@@ -8,7 +8,6 @@ training job or the test suite.
 from __future__ import annotations
 
 import ast
-import dataclasses
 import os
 import re
 import shutil
@@ -85,7 +84,7 @@ def test_readme_is_a_first_screen():
 @pytest.mark.parametrize("name,cell", _short_table())
 def test_short_table_option_exists_with_its_default(name, cell):
     assert name in PipeDAPConfig.option_names(), f"README's table lists {name!r}, not an option of PipeDAPConfig"
-    default = {f.name: f.default for f in dataclasses.fields(PipeDAPConfig)}[name]
+    default = PipeDAPConfig.defaults()[name]
     stated = ast.literal_eval(cell.strip())
     assert stated == default and type(stated) in (type(default), int), (
         f"README's table states {name}={cell.strip()}, the default is {default!r}")
@@ -108,9 +107,9 @@ def test_docs_pages_say_what_they_cover():
 
 
 def test_every_config_field_has_a_docstring_entry():
-    assert missing_entries() == [], ("PipeDAPConfig fields without an entry in its docstring's Attributes section "
-                                     f"(docs/OPTIONS.md is generated from it): {missing_entries()}")
-    assert stale_entries() == [], f"Attributes entries that name no PipeDAPConfig field: {stale_entries()}"
+    assert missing_entries() == [], ("options declared without a docstring under their field in PipeDAPConfig's groups "
+                                     f"(docs/OPTIONS.md is generated from them): {missing_entries()}")
+    assert stale_entries() == [], f"attribute docstrings in PipeDAPConfig's groups under no option: {stale_entries()}"
 
 
 def test_options_page_is_what_the_generator_renders():

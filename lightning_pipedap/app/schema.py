@@ -9,7 +9,9 @@ before anything is instantiated or any process is started.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import typing
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -61,57 +63,81 @@ class DDPStrategyConf:
         _choice("strategy.start_method", self.start_method, START_METHODS)
 
 
-@dataclass
-class PipeDAPStrategyConf:
-    """``strategy=pipedap``: :class:`lightning_pipedap.PipeDAPStrategy` (see its docstring for units)."""
+#: YAML-side types OmegaConf checks; the members of an option's type that a YAML value cannot be (classes)
+_YAML_SCALARS = (int, float, bool, str)
+#: options typed ``Any`` in the schema whatever their type, so that a bad value gets ``PipeDAPConfig``'s message
+#: naming the choices (OmegaConf's ``Optional[bool]`` would read ``3`` as True; its float fails ``abc`` in its own
+#: words)
+CHECKED_BY_CONFIG_ONLY = ("startup_budget", "find_unused_parameters")
 
-    _target_: str = "lightning_pipedap.PipeDAPStrategy"
-    schedule: str = "optimal"
-    bucket_cap_mb: float = 25.0
-    defer_update: Any = "auto"  # "auto" | true | false (see PipeDAPStrategy)
-    warmup_steps: int = 1
-    wait_timeout_s: float = 300.0
-    ring_chunk_mb: float = 2.0
-    profile_steps: int = 3
-    cost_model: Optional[str] = None
-    cost_model_cache: bool = True
-    plan_cache: Any = True  # true (default directory) | false (off) | a directory path (see PipeDAPStrategy)
-    replan_margin: float = 0.15
-    replan_every: int = 50
-    max_replans: int = 1
-    calibrate_cost_model: bool = True
-    model_contention: bool = True
-    plan_trials: Optional[int] = None  # null: 4 for optimal (measured selection), 1 for a named planner
-    trial_steps: int = 3
-    trial_rounds: int = 2
-    trial_window_s: float = 0.25
-    startup_budget: Any = 0.1  # fraction of the fit's steps for trace, profiling and trials; null: none (checked by PipeDAPConfig)
-    torch_ddp_candidate: bool = True
-    find_unused_parameters: Any = None  # null: set for DDP's reducer (torch_ddp); false: you vouch (checked by PipeDAPConfig)
-    torch_ddp_margin: float = 0.10
-    train_thread_nice: int = 0
-    compression: Optional[str] = None
-    compression_kwargs: dict[str, Any] = field(default_factory=dict)
-    compression_mode: str = "process"
-    compression_threads: int = 1
-    wire_dtype: str = "fp32"  # "fp32" | "fp16" | "bf16" (see PipeDAPStrategy)
-    gradient_as_bucket_view: bool = False  # .grad as views into the buckets (see PipeDAPStrategy)
-    nonfinite: str = "warn"  # "warn" | "raise" | "skip" | "ignore" (see PipeDAPStrategy)
-    check_params_every_n_steps: Optional[int] = None
-    partition_mb: Optional[float] = None  # null = off; MiB: also plan with larger layers split (see PipeDAPStrategy)
-    start_method: str = "popen"
-    process_group_backend: Optional[str] = None
 
-    def __post_init__(self) -> None:
-        """Every option is checked by :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (written once)."""
-        from lightning_pipedap.strategy.config import PipeDAPConfig  # noqa: PLC0415 (planners register on import)
+def yaml_type(annotation: Any) -> Any:
+    """The type an option of :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` gets in the Hydra schema:
+    a scalar (or ``Optional`` scalar) stays; a ``Literal`` of strings is ``str``; a ``dict`` is ``dict[str, Any]``;
+    a ``Union`` keeps its members a YAML value can be (``Union[str, CostModel]`` -> ``str``) and is ``Any`` when
+    several remain (``Union[bool, str]``: the range check is :class:`PipeDAPConfig`'s). None: not expressible in
+    YAML (``tuple[type, ...]``), left out of the schema."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation in _YAML_SCALARS:
+        return annotation
+    if origin is typing.Literal:
+        return str if all(isinstance(a, str) for a in args) else Any
+    if origin is dict:
+        return dict[str, Any]
+    if origin is typing.Union:
+        optional = type(None) in args
+        kinds = {yaml_type(a) for a in args if a is not type(None)} - {None}
+        if not kinds:
+            return None
+        kind = kinds.pop() if len(kinds) == 1 else Any
+        return Optional[kind] if optional and kind is not Any else kind
+    return None
 
-        options = {name: getattr(self, name) for name in PipeDAPConfig.option_names() if hasattr(self, name)}
-        try:
-            PipeDAPConfig(**options)
-        except ValueError as exc:
-            raise ConfigError(f"strategy: {exc}") from None
-        _choice("strategy.start_method", self.start_method, START_METHODS)
+
+def _pipedap_fields() -> list[tuple[str, Any, Any]]:
+    """``(name, type, field)`` of ``strategy=pipedap``'s schema: ``_target_``, every option of ``PipeDAPConfig`` a YAML
+    value can hold (its default, :func:`yaml_type` of its type), then Lightning's ``start_method`` and
+    ``process_group_backend``."""
+    from lightning_pipedap.strategy.config import PipeDAPConfig  # noqa: PLC0415 (planners register on import)
+
+    out: list[tuple[str, Any, Any]] = [("_target_", str, field(default="lightning_pipedap.PipeDAPStrategy"))]
+    for group, f in PipeDAPConfig.option_fields():
+        kind = yaml_type(typing.get_type_hints(PipeDAPConfig.groups()[group])[f.name])
+        if kind is not None and f.name in CHECKED_BY_CONFIG_ONLY:
+            kind = Any
+        if kind is None:
+            continue
+        default = (field(default_factory=f.default_factory) if f.default is dataclasses.MISSING
+                   else field(default=f.default))
+        out.append((f.name, kind, default))
+    out += [("start_method", str, field(default="popen")),
+            ("process_group_backend", Optional[str], field(default=None))]
+    return out
+
+
+def _check_pipedap_options(self: Any) -> None:
+    """Every option is checked by :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (written once).
+
+    Raises:
+        ConfigError: the option's message, prefixed ``strategy:``; an unknown ``start_method``.
+    """
+    from lightning_pipedap.strategy.config import PipeDAPConfig  # noqa: PLC0415
+
+    options = {name: getattr(self, name) for name in PipeDAPConfig.option_names() if hasattr(self, name)}
+    try:
+        PipeDAPConfig(**options)
+    except ValueError as exc:
+        raise ConfigError(f"strategy: {exc}") from None
+    _choice("strategy.start_method", self.start_method, START_METHODS)
+
+
+#: ``strategy=pipedap``: :class:`lightning_pipedap.PipeDAPStrategy`, every key derived from ``PipeDAPConfig``'s fields
+#: (see docs/OPTIONS.md for units and choices); ``conf/strategy/pipedap.yaml`` sets the defaults' interpolations
+PipeDAPStrategyConf = dataclasses.make_dataclass(
+    "PipeDAPStrategyConf", _pipedap_fields(), namespace={"__post_init__": _check_pipedap_options, "__doc__": (
+        "``strategy=pipedap``: :class:`lightning_pipedap.PipeDAPStrategy`; one key per option of "
+        ":class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (generated from its fields; docs/OPTIONS.md).")})
+PipeDAPStrategyConf.__module__ = __name__
 
 
 @dataclass

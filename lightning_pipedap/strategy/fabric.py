@@ -40,8 +40,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
-from lightning_pipedap.plan import CostModel
-from lightning_pipedap.strategy.config import PipeDAPConfig
+from lightning_pipedap.strategy.config import (DeferUpdate, PipeDAPConfig, PlanningOptions, SafetyOptions,
+                                               ScheduleOptions, TrialOptions, WireDtype, build_config)
 from lightning_pipedap.strategy.failure import exit_on_lost_peer
 from lightning_pipedap.strategy.refusals import group_timeout, refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.results import RunResults
@@ -82,14 +82,21 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
     model and precisions other than ``"32-true"`` are not tested.
 
     Args:
-        schedule, bucket_cap_mb, warmup_steps, wait_timeout_s, ring_chunk_mb, profile_steps, cost_model,
-            cost_model_cache, plan_cache, replan_margin, calibrate_cost_model, train_thread_nice, replan_every,
-            max_replans, plan_trials, trial_steps, trial_rounds, trial_window_s, model_contention, wire_dtype,
-            gradient_as_bucket_view, partition_mb: as for
+        config: the options, grouped (:class:`~lightning_pipedap.strategy.config.PipeDAPConfig`); None = the
+            defaults. The keyword options are applied over it (a keyword left at its default keeps ``config``'s
+            value). It may not set the Trainer-only options below.
+        schedule, bucket_cap_mb, wire_dtype, gradient_as_bucket_view, plan_trials, plan_cache, wait_timeout_s: as for
             :class:`~lightning_pipedap.PipeDAPStrategy` (documented in
-            :class:`~lightning_pipedap.strategy.config.PipeDAPConfig`).
+            :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` and docs/OPTIONS.md).
         defer_update: ``"auto"`` or ``False`` (both: sync mode).
-        compression: ``None`` (compression is not available under Fabric).
+        **options: the other options of ``PipeDAPConfig`` by name (``warmup_steps``, ``ring_chunk_mb``,
+            ``profile_steps``, ``cost_model``, ``cost_model_cache``, ``replan_margin``, ``calibrate_cost_model``,
+            ``train_thread_nice``, ``replan_every``, ``max_replans``, ``trial_steps``, ``trial_rounds``,
+            ``trial_window_s``, ``model_contention``, ``partition_mb``), except the Trainer-only ones (refused,
+            each with its reason): ``deferrable_optimizers``, ``compression_kwargs``, ``compression_mode``,
+            ``compression_threads``, ``startup_budget``, ``torch_ddp_candidate``, ``torch_ddp_margin``,
+            ``find_unused_parameters``, ``nonfinite``, ``check_params_every_n_steps``; ``compression`` must be
+            ``None`` (compression is not available under Fabric).
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
             process_group_backend, timeout, start_method: as for Fabric's ``DDPStrategy``; ``timeout`` of
             the default group: a ``datetime.timedelta`` or a number of seconds (converted), default
@@ -97,13 +104,14 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
 
     Raises:
         ValueError: an option out of range (see ``PipeDAPConfig``), ``defer_update`` not in
-            ``("auto", False)``, ``compression`` not None; at set-up: a second model, a
-            model without trainable parameters, models that differ between ranks, SyncBatchNorm on CPU, a
-            self-communicating optimizer, a sparse embedding with a 16-bit ``wire_dtype``. Sparse embeddings
-            (``nn.Embedding(sparse=True)``) are supported: their gradients are all-reduced as DDP does
+            ``("auto", False)``, ``compression`` not None, a ``config`` that sets a Trainer-only option; at set-up:
+            a second model, a model without trainable parameters, models that differ between ranks, SyncBatchNorm
+            on CPU, a self-communicating optimizer, a sparse embedding with a 16-bit ``wire_dtype``. Sparse
+            embeddings (``nn.Embedding(sparse=True)``) are supported: their gradients are all-reduced as DDP does
             (:mod:`~lightning_pipedap.engine.sparse`).
-        TypeError: an unknown keyword argument (DDP-only ones such as ``find_unused_parameters``
-            included), naming the valid ones; ``no_backward_sync`` on a module this strategy did not set up.
+        TypeError: an unknown keyword argument (DDP-only ones and the Trainer-only options included), naming the
+            valid ones; a ``config`` that is not a ``PipeDAPConfig``; ``no_backward_sync`` on a module this strategy
+            did not set up.
     """
 
     RUN_NOUN = "run"
@@ -112,30 +120,16 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
 
     def __init__(
         self,
-        schedule: str = "optimal",
-        bucket_cap_mb: float = 25.0,
-        defer_update: Union[bool, Literal["auto"]] = "auto",
-        warmup_steps: int = 1,
-        wait_timeout_s: float = 300.0,
-        ring_chunk_mb: float = 2.0,
-        profile_steps: int = 3,
-        cost_model: Optional[Union[str, CostModel]] = None,
-        cost_model_cache: bool = True,
-        plan_cache: Union[bool, str] = True,
-        replan_margin: float = 0.15,
-        calibrate_cost_model: bool = True,
-        train_thread_nice: int = 0,
-        replan_every: int = 50,
-        max_replans: int = 1,
-        compression: Optional[str] = None,
-        wire_dtype: str = "fp32",
-        gradient_as_bucket_view: bool = False,
-        plan_trials: Optional[int] = None,
-        trial_steps: int = 3,
-        trial_rounds: int = 2,
-        trial_window_s: float = 0.25,
-        model_contention: bool = True,
-        partition_mb: Optional[float] = None,
+        config: Optional[PipeDAPConfig] = None,
+        *,
+        schedule: str = ScheduleOptions.schedule,
+        bucket_cap_mb: float = ScheduleOptions.bucket_cap_mb,
+        defer_update: DeferUpdate = ScheduleOptions.defer_update,
+        wire_dtype: WireDtype = ScheduleOptions.wire_dtype,
+        gradient_as_bucket_view: bool = ScheduleOptions.gradient_as_bucket_view,
+        plan_trials: Optional[int] = TrialOptions.plan_trials,
+        plan_cache: Union[bool, str] = PlanningOptions.plan_cache,
+        wait_timeout_s: float = SafetyOptions.wait_timeout_s,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -144,19 +138,19 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
-        if kwargs:
-            refuse_kwargs(type(self).__name__, PipeDAPFabricStrategy.__init__, sorted(kwargs), _TRAINER_ONLY)
-        if defer_update not in FABRIC_DEFER_UPDATE or type(defer_update) is int:
-            raise ValueError(f"PipeDAPFabricStrategy: defer_update={defer_update!r} is not supported under Fabric "
-                             f"(user code can read parameters anywhere between steps); valid: "
-                             f"{', '.join(map(repr, FABRIC_DEFER_UPDATE))} (both: sync mode)")
-        if compression is not None:
-            raise ValueError(f"PipeDAPFabricStrategy: compression={compression!r} is not supported under Fabric; "
-                             "valid: None (use the Trainer strategy PipeDAPStrategy for compression)")
-        options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
-        self._init_run_state(PipeDAPConfig(**options))
+        unknown = sorted(k for k in options if k not in PipeDAPConfig.option_names() or k in _TRAINER_ONLY)
+        if unknown:
+            refuse_kwargs(type(self).__name__, PipeDAPFabricStrategy.__init__, unknown, _TRAINER_ONLY,
+                          more_valid=[n for n in PipeDAPConfig.option_names() if n not in _TRAINER_ONLY])
+        _refuse_for_fabric(defer_update, options.get("compression"))
+        common = dict(schedule=schedule, bucket_cap_mb=bucket_cap_mb, defer_update=defer_update, wire_dtype=wire_dtype,
+                      gradient_as_bucket_view=gradient_as_bucket_view, plan_trials=plan_trials, plan_cache=plan_cache,
+                      wait_timeout_s=wait_timeout_s)
+        self._init_run_state(build_config(config, common, options, type(self).__name__))
+        if config is not None:
+            _refuse_trainer_only_in(self.config)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend,
@@ -362,6 +356,34 @@ _TRAINER_ONLY["startup_budget"] = ("an option of the Trainer strategy PipeDAPStr
 _TRAINER_ONLY.update({k: "an option of the Trainer strategy PipeDAPStrategy, whose own reduction paths it needs; "
                          "Fabric's sync mode checks nothing beyond Fabric's 'ddp'"
                       for k in ("nonfinite", "check_params_every_n_steps")})
+
+
+
+def _refuse_for_fabric(defer_update: Any, compression: Any) -> None:
+    """Raises:
+        ValueError: ``defer_update`` not in :data:`FABRIC_DEFER_UPDATE` or a ``compression`` method (both named)."""
+    if defer_update not in FABRIC_DEFER_UPDATE or type(defer_update) is int:
+        raise ValueError(f"PipeDAPFabricStrategy: defer_update={defer_update!r} is not supported under Fabric "
+                         f"(user code can read parameters anywhere between steps); valid: "
+                         f"{', '.join(map(repr, FABRIC_DEFER_UPDATE))} (both: sync mode)")
+    if compression is not None:
+        raise ValueError(f"PipeDAPFabricStrategy: compression={compression!r} is not supported under Fabric; "
+                         "valid: None (use the Trainer strategy PipeDAPStrategy for compression)")
+
+
+def _refuse_trainer_only_in(config: PipeDAPConfig) -> None:
+    """A ``config=`` given to the Fabric strategy: the same refusals as its keywords.
+
+    Raises:
+        ValueError: ``defer_update=True``, a compression method, or a Trainer-only option changed from its default
+            (named, with the reason).
+    """
+    _refuse_for_fabric(config.defer_update, config.compression)
+    defaults = PipeDAPConfig.defaults()
+    for name in sorted(set(_TRAINER_ONLY) & set(PipeDAPConfig.option_names())):
+        if getattr(config, name) != defaults[name]:
+            raise ValueError(f"PipeDAPFabricStrategy: config sets {name}={getattr(config, name)!r}: "
+                             f"{_TRAINER_ONLY[name]}; leave it at its default {defaults[name]!r}")
 
 
 PipeDAPFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -43,9 +43,9 @@ import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.engine.threads import lower_current_thread_priority
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
-from lightning_pipedap.plan import CostModel
 from lightning_pipedap.probe.consumers import eager_modules
-from lightning_pipedap.strategy.config import DeferUpdate, PipeDAPConfig
+from lightning_pipedap.strategy.config import (CompressionOptions, DeferUpdate, PipeDAPConfig, PlanningOptions,
+                                               SafetyOptions, ScheduleOptions, TrialOptions, WireDtype, build_config)
 from lightning_pipedap.strategy.deferred import intercept_clipping
 from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
@@ -65,24 +65,19 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     TETC 2025). Updates equal DDP's (tested to 1e-6 in fp32).
 
     Args:
-        schedule, bucket_cap_mb, defer_update, warmup_steps, wait_timeout_s, ring_chunk_mb,
-            deferrable_optimizers, profile_steps, cost_model, cost_model_cache, plan_cache, replan_margin,
-            calibrate_cost_model, train_thread_nice, replan_every, max_replans, compression,
-            compression_kwargs, compression_mode, compression_threads, wire_dtype, gradient_as_bucket_view,
-            plan_trials, trial_steps,
-            trial_rounds, trial_window_s, torch_ddp_candidate, torch_ddp_margin, model_contention, nonfinite,
-            check_params_every_n_steps, partition_mb: the options, validated into :attr:`config`, a
-            :class:`~lightning_pipedap.strategy.config.PipeDAPConfig` (each one documented there, and
-            readable as an attribute: ``strategy.bucket_cap_mb``). ``nonfinite`` (``"warn"``, ``"raise"``,
-            ``"skip"``, ``"ignore"``; default ``"warn"``) says what a step whose averaged gradients hold NaN
-            or inf does, decided alike on every rank from the reduced data; ``check_params_every_n_steps``
-            (None or an integer >= 1) compares a hash of every parameter across ranks every N steps;
-            ``gradient_as_bucket_view`` (default False) makes every ``.grad`` a view into its bucket (no second
-            copy of the gradients, as DDP's option of that name); ``partition_mb`` (None = off, or MiB > 0)
-            also plans with layers larger than that split into pieces and keeps that plan when it is
-            predicted > 1% faster (planned schedules without compression); ``plan_cache`` (default True: the
-            default directory; False: off; or a directory) remembers the plan a measured selection chose and
-            installs it in a later run of the same key right after the trace step, verified in trial windows.
+        config: every option, grouped (:class:`~lightning_pipedap.strategy.config.PipeDAPConfig`, each option
+            documented there and in docs/OPTIONS.md); None = the defaults. The keyword options below and in
+            ``**options`` are applied over it (a keyword left at its default keeps ``config``'s value).
+        schedule, bucket_cap_mb, defer_update, wire_dtype, gradient_as_bucket_view, plan_trials, startup_budget,
+            plan_cache, find_unused_parameters, compression, wait_timeout_s: the options most users touch (types
+            and defaults are those of their ``PipeDAPConfig`` fields), e.g. ``schedule`` (``"optimal"`` measures
+            candidates and keeps the fastest; a named planner or ``"dear"``/``"allreduce"`` is what runs),
+            ``bucket_cap_mb`` (fusion cap, MiB), ``defer_update`` (``"auto"``, True, False), ``wire_dtype``
+            (``"fp32"``, ``"fp16"``, ``"bf16"``), ``compression`` (None or a compressor name), ``wait_timeout_s``
+            (seconds).
+        **options: any other option of ``PipeDAPConfig`` by name (``torch_ddp_margin=0.05``, ``nonfinite="raise"``,
+            ``compression_kwargs={"rank": 4}``, ...); every option is readable as an attribute of the strategy
+            (``strategy.bucket_cap_mb``) and of :attr:`config`.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``; ``timeout``
             bounds the default group's collectives (Lightning's barriers and broadcasts): a
@@ -105,48 +100,28 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         RuntimeError: during training, when a forward read a parameter while its update was
             pending (a data-dependent path the trace and the guard steps did not see); the message
             names the parameter.
-        TypeError: DDP-only keyword arguments (``ddp_comm_hook``, ``find_unused_parameters``, ...); a
-            ``timeout`` that is neither a ``timedelta`` nor a number of seconds.
+        TypeError: an unknown keyword argument or a DDP-only one (``ddp_comm_hook``, ``static_graph``, ...),
+            naming the valid ones; a ``config`` that is not a ``PipeDAPConfig``; a ``timeout`` that is neither a
+            ``timedelta`` nor a number of seconds.
     """
 
     strategy_name = "pipedap"
 
     def __init__(
         self,
-        schedule: str = "optimal",
-        bucket_cap_mb: float = 25.0,
-        defer_update: DeferUpdate = "auto",
-        warmup_steps: int = 1,
-        wait_timeout_s: float = 300.0,
-        ring_chunk_mb: float = 2.0,
-        deferrable_optimizers: tuple[type, ...] = (),
-        profile_steps: int = 3,
-        cost_model: Optional[Union[str, CostModel]] = None,
-        cost_model_cache: bool = True,
-        plan_cache: Union[bool, str] = True,
-        replan_margin: float = 0.15,
-        calibrate_cost_model: bool = True,
-        train_thread_nice: int = 0,
-        replan_every: int = 50,
-        max_replans: int = 1,
-        compression: Optional[str] = None,
-        compression_kwargs: Optional[dict[str, Any]] = None,
-        compression_mode: str = "process",
-        compression_threads: int = 1,
-        wire_dtype: str = "fp32",
-        gradient_as_bucket_view: bool = False,
-        plan_trials: Optional[int] = None,
-        trial_steps: int = 3,
-        trial_rounds: int = 2,
-        trial_window_s: float = 0.25,
-        startup_budget: Optional[float] = 0.1,
-        torch_ddp_candidate: bool = True,
-        find_unused_parameters: Optional[bool] = None,
-        torch_ddp_margin: float = 0.10,
-        model_contention: bool = True,
-        nonfinite: str = "warn",
-        check_params_every_n_steps: Optional[int] = None,
-        partition_mb: Optional[float] = None,
+        config: Optional[PipeDAPConfig] = None,
+        *,
+        schedule: str = ScheduleOptions.schedule,
+        bucket_cap_mb: float = ScheduleOptions.bucket_cap_mb,
+        defer_update: DeferUpdate = ScheduleOptions.defer_update,
+        wire_dtype: WireDtype = ScheduleOptions.wire_dtype,
+        gradient_as_bucket_view: bool = ScheduleOptions.gradient_as_bucket_view,
+        plan_trials: Optional[int] = TrialOptions.plan_trials,
+        startup_budget: Optional[float] = TrialOptions.startup_budget,
+        plan_cache: Union[bool, str] = PlanningOptions.plan_cache,
+        find_unused_parameters: Optional[bool] = TrialOptions.find_unused_parameters,
+        compression: Optional[str] = CompressionOptions.compression,
+        wait_timeout_s: float = SafetyOptions.wait_timeout_s,
         accelerator: Optional[Any] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -155,12 +130,18 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **kwargs: Any,
+        **options: Any,
     ) -> None:
-        if kwargs:
-            refuse_kwargs(type(self).__name__, PipeDAPStrategy.__init__, sorted(kwargs))
-        options = {k: v for k, v in locals().items() if k in PipeDAPConfig.option_names()}
-        self._init_run_state(PipeDAPConfig(**{**options, "compression_kwargs": compression_kwargs or {}}))
+        unknown = sorted(set(options) - set(PipeDAPConfig.option_names()))
+        if unknown:
+            refuse_kwargs(type(self).__name__, PipeDAPStrategy.__init__, unknown,
+                          more_valid=PipeDAPConfig.option_names())
+        common = dict(schedule=schedule, bucket_cap_mb=bucket_cap_mb, defer_update=defer_update, wire_dtype=wire_dtype,
+                      gradient_as_bucket_view=gradient_as_bucket_view, plan_trials=plan_trials,
+                      startup_budget=startup_budget, plan_cache=plan_cache,
+                      find_unused_parameters=find_unused_parameters, compression=compression,
+                      wait_timeout_s=wait_timeout_s)
+        self._init_run_state(build_config(config, common, options, type(self).__name__))
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,

@@ -10,7 +10,7 @@ import difflib
 import inspect
 import math
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 #: DDP keyword arguments that do not apply, and why
 REJECTED_DDP_KWARGS = {
@@ -26,7 +26,7 @@ SELF_COMMUNICATING_OPTIMIZERS = ("ZeroRedundancyOptimizer", "PostLocalSGDOptimiz
 
 
 def refuse_kwargs(owner: str, init: Callable[..., Any], bad: list[str],
-                  reasons: Optional[Mapping[str, str]] = None) -> None:
+                  reasons: Optional[Mapping[str, str]] = None, more_valid: Sequence[str] = ()) -> None:
     """Refuse keyword arguments ``bad`` of ``owner`` (a class name) whose ``__init__`` is ``init``.
 
     Args:
@@ -34,11 +34,15 @@ def refuse_kwargs(owner: str, init: Callable[..., Any], bad: list[str],
         init: its ``__init__`` (the valid names are its parameters).
         bad: the unsupported names.
         reasons: extra ``name -> why`` beyond :data:`REJECTED_DDP_KWARGS`.
+        more_valid: more valid names, which ``init`` takes through its ``**`` parameter (those of its signature
+            are skipped).
 
     Raises:
         TypeError: always, naming each argument, why (or the closest valid name), and the valid arguments.
     """
-    valid = [n for n in inspect.signature(init).parameters if n not in ("self", "kwargs")]
+    valid = [n for n, p in inspect.signature(init).parameters.items()
+             if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    valid += [n for n in more_valid if n not in valid]
     known = {**REJECTED_DDP_KWARGS, **(reasons or {})}
 
     def why(k: str) -> str:
