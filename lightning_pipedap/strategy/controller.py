@@ -349,6 +349,10 @@ class Controller:
             self._leave(Phase.RUN)
             return
         self.plan_cache, self.how = "stale (re-selected)", "trace"
+        self._profile_again()
+
+    def _profile_again(self) -> None:
+        """VERIFY (stale) or RUN (drift) -> PROFILE: a new selection starts."""
         self.effects.flush()
         self.account(self.effects.start_profiling())
         self._leave(Phase.PROFILE)
@@ -504,6 +508,4 @@ class Controller:
                           f"{self.replan_margin:.0%}): re-planning")
         self.replans_done += 1
         self.ledger.selection_steps = 0
-        self.effects.flush()
-        self.account(self.effects.start_profiling())
-        self._leave(Phase.PROFILE)
+        self._profile_again()
