@@ -156,6 +156,9 @@ class Controller:
             than this fraction (:data:`RACE_DROP`); None: every candidate runs every round.
 
     Attributes (read by the strategy and the measurement callbacks):
+        selection, drift, ledger: the parts (:class:`Selection`, :class:`DriftWatch`, :class:`StartupLedger`); the
+            options and results they keep are read and written here under the controller's names too.
+        verify: the :class:`Verify` of a cached plan in progress (VERIFY only).
         phase: the current :class:`Phase`.
         sync_steps: sync steps since TRACE began.
         trial: the :class:`Trial` in progress (TRIAL only).
