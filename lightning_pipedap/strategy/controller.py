@@ -162,29 +162,13 @@ class Controller:
         phase: the current :class:`Phase`.
         sync_steps: sync steps since TRACE began.
         trial: the :class:`Trial` in progress (TRIAL only).
-        trial_results: one dict per measured candidate of the last *finished* selection (name, describe,
-            predicted_s, measured_s (median of all its windows, s), deciding_s (the median the choice was made
-            on, s: of the confirmation windows for the two candidates a confirmation compared, else of all
-            windows), decided_in (``"first pass"`` or ``"confirmation"``), chosen, windows_s, steps_s, plus
-            ``predictions[name]``); kept across a re-plan
-            until the next selection finishes (see :meth:`plan_selection` for one left unfinished).
-        selections: ``trial_results`` of every finished selection of this fit, oldest first.
-        selection_notes: why the last finished selection chose as it did, in words (:func:`choose_candidate`'s
-            notes: a confirmation's numbers, DDP's reducer kept within its margin, ties within noise, candidates
-            below the physical floor); kept with ``trial_results``.
+        trial_results, selections, selection_notes: the last *finished* selection's measurements (one dict per
+            candidate), every finished selection's, and why the last one chose as it did (see :class:`Selection`).
         predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
         replans_done: re-plans triggered by drift.
         predictions: rank 0's predictions per candidate name (filled by the planner side).
-        startup: time to steady state, filled when RUN is first reached: ``{"trace_s", "trace_steps",
-            "profile_s", "profile_steps", "trial_s", "trial_steps", "total_s", "total_steps"}`` plus one
-            ``"<part>_s"`` per part reported to :meth:`account` (``alpha_beta_s``, ``contention_s``,
-            ``helper_start_s``), in s from the controller's creation at set-up. The phases exclude the
-            parts, so ``total_s`` is the sum of the phases and parts; a phase holds everything else that
-            ran while it was current (Lightning's own work between steps; in profile, planning with the
-            compressor's cost measurement; in trials, the engine switches). After a plan cache hit,
-            ``"verify_s"`` and ``"verify_steps"`` (the verification window) too, and the profile and trial
-            entries are 0 unless the verification failed; ``"plan_cache"``: :attr:`plan_cache`.
-            Empty before.
+        startup: time to steady state, filled when RUN is first reached (see :attr:`StartupLedger.startup`);
+            empty before.
         plan_cache: ``"off"``, ``"miss"``, ``"hit"`` (a remembered plan was installed after the trace:
             being verified, or verified) or ``"stale (re-selected)"`` (it measured slower than recorded by
             more than ``replan_margin``: selected again), as of the last trace.
@@ -394,14 +378,8 @@ class Controller:
         """Too many profiling steps without a forward and a backward pass observed in the same step (a training
         loop whose steps cannot be profiled): install the fixed schedule, final, and say why, rather than run
         the profiling schedule for the rest of the fit."""
-        tries = self._profile_tries
-        what = f"re-plan {self.replans_done}" if self.replans_done else "the plan"
-        self.unprofiled_note = (
-            f"pipedap: {tries} steps of the profiling schedule for {what} and only {done} of the {self.profile_steps} "
-            "profiled steps needed: a profiled step is a training step whose forward and a backward pass with "
-            "gradient sync are both observed (none here: no backward inside the step, or only under "
-            f"no_sync/accumulation); installing the fixed schedule {FALLBACK_SCHEDULE!r} instead of a plan "
-            "(no candidate planned or measured)")
+        self.unprofiled_note = selection_report.unprofiled(self._profile_tries, done, self.profile_steps,
+                                                           self.replans_done)
         self.effects.info(self.unprofiled_note)
         self.effects.install_fixed(FALLBACK_SCHEDULE)
         self.how = "unprofiled"
@@ -490,25 +468,17 @@ class Controller:
         slow = self.drift.step(ref, self.replans_done < self.max_replans)
         if slow is None:
             return
-        measured, drift, ratio = slow
-        assert ref is not None
         used = self.startup.get("total_steps") if self.startup else None
         left = None if self.total_steps is None else self.total_steps - self.ledger.steps_done
         if left is not None and used and left < 4 * used:
             self.drift.strikes = 0
-            self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms, {drift:.0%} slower than the "
+            self.effects.info(f"pipedap: measured iteration {slow[0] * 1e3:.1f} ms, {slow[1]:.0%} slower than the "
                               f"reference, but {left} steps are left, fewer than 4x "
                               f"the {steps_text(used)} a selection took: not re-planning")
             self.max_replans = self.replans_done  # (the rest of the fit only gets shorter)
             return
-        if ratio > 1.05 and self.effects.rescale_cost_model(ratio):
-            # communication is slower during training than in the idle micro-benchmark (compute, gloo
-            # threads and the ring's additions share the cores): calibrate α-β before re-planning
-            self.effects.info(f"pipedap: communication busy {ratio:.2f}x the α-β prediction; scaling α and β")
-        what = "in its trial" if self.trial_reference_s else "predicted"
-        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms (lower quartile) vs "
-                          f"{ref * 1e3:.1f} ms {what} ({drift:.0%} slower, more than the margin "
-                          f"{self.replan_margin:.0%}): re-planning")
+        assert ref is not None
+        self.drift.announce_replan(slow, ref, "in its trial" if self.trial_reference_s else "predicted")
         self.replans_done += 1
         self.ledger.selection_steps = 0
         self._profile_again()

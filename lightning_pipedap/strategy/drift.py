@@ -98,3 +98,16 @@ class DriftWatch:
         if self.strikes < DRIFT_CONFIRMATIONS:
             return None
         return measured, drift, ratio
+
+    def announce_replan(self, slow: tuple[float, float, float], ref: float, what: str) -> None:
+        """A re-plan follows the sustained slowdown ``slow`` (:meth:`step`'s result) against ``ref`` (s, ``what``:
+        ``"in its trial"`` or ``"predicted"``): calibrate α-β first when communication is busier than predicted,
+        and say so."""
+        measured, drift, ratio = slow
+        if ratio > 1.05 and self.effects.rescale_cost_model(ratio):
+            # communication is slower during training than in the idle micro-benchmark (compute, gloo
+            # threads and the ring's additions share the cores): calibrate α-β before re-planning
+            self.effects.info(f"pipedap: communication busy {ratio:.2f}x the α-β prediction; scaling α and β")
+        self.effects.info(f"pipedap: measured iteration {measured * 1e3:.1f} ms (lower quartile) vs "
+                          f"{ref * 1e3:.1f} ms {what} ({drift:.0%} slower, more than the margin "
+                          f"{self.replan_margin:.0%}): re-planning")

@@ -153,7 +153,16 @@ class Selection:
 
     Attributes:
         window_steps: measured steps per trial (or verification) window, set when TRIAL (VERIFY) starts.
-        trial_results, selections, selection_notes: the controller's attributes of these names.
+        trial_results: one dict per measured candidate of the last *finished* selection (name, describe,
+            predicted_s, measured_s (median of all its windows, s), deciding_s (the median the choice was made
+            on, s: of the confirmation windows for the two candidates a confirmation compared, else of all
+            windows), decided_in (``"first pass"`` or ``"confirmation"``), chosen, windows_s, steps_s, plus
+            ``predictions[name]``); kept across a re-plan until the next selection finishes (see
+            :meth:`Controller.plan_selection` for one left unfinished).
+        selections: ``trial_results`` of every finished selection of this fit, oldest first.
+        selection_notes: why the last finished selection chose as it did, in words (:func:`choose_candidate`'s
+            notes: a confirmation's numbers, DDP's reducer kept within its margin, ties within noise, candidates
+            below the physical floor); kept with ``trial_results``.
     """
 
     def __init__(self, effects: Any, chooser: Callable[..., tuple[int, list[float], list[str]]], *, trial_steps: int,

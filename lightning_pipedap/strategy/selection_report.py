@@ -91,3 +91,14 @@ def plan_selection(ctl: Any) -> dict[str, Any]:
                "cached": "the plan came from the plan cache"}.get(ctl.how, "no plan yet")
         out.update(status="not run", text=f"not run ({why}{after})")
     return out
+
+
+def unprofiled(tries: int, done: int, profile_steps: int, replans_done: int) -> str:
+    """Why the fixed schedule :data:`FALLBACK_SCHEDULE` replaces a plan: ``tries`` steps of the profiling schedule
+    gave only ``done`` of the ``profile_steps`` profiled steps (for the plan, or re-plan ``replans_done``)."""
+    what = f"re-plan {replans_done}" if replans_done else "the plan"
+    return (f"pipedap: {tries} steps of the profiling schedule for {what} and only {done} of the {profile_steps} "
+            "profiled steps needed: a profiled step is a training step whose forward and a backward pass with "
+            "gradient sync are both observed (none here: no backward inside the step, or only under "
+            f"no_sync/accumulation); installing the fixed schedule {FALLBACK_SCHEDULE!r} instead of a plan "
+            "(no candidate planned or measured)")

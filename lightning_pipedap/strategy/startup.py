@@ -46,8 +46,16 @@ class StartupLedger:
             or re-plan, profiling, trial windows) may take; None: no budget.
 
     Attributes:
-        startup: :attr:`Controller.startup <lightning_pipedap.strategy.controller.Controller>`, filled when RUN is
-            first reached; empty before.
+        startup: time to steady state, filled when RUN is first reached: ``{"trace_s", "trace_steps",
+            "profile_s", "profile_steps", "trial_s", "trial_steps", "total_s", "total_steps"}`` plus one
+            ``"<part>_s"`` per part reported to :meth:`account` (``alpha_beta_s``, ``contention_s``,
+            ``helper_start_s``), in s from the controller's creation at set-up. The phases exclude the
+            parts, so ``total_s`` is the sum of the phases and parts; a phase holds everything else that
+            ran while it was current (Lightning's own work between steps; in profile, planning with the
+            compressor's cost measurement; in trials, the engine switches). After a plan cache hit,
+            ``"verify_s"`` and ``"verify_steps"`` (the verification window) too, and the profile and trial
+            entries are 0 unless the verification failed; ``"plan_cache"``: the controller's ``plan_cache``.
+            Empty before.
         total_steps: the fit's optimizer steps, when known (:meth:`set_total_steps`); the budget applies only then.
         selection_steps: steps since this selection (start-up or re-plan) began.
         steps_done: optimizer steps reported so far (sync and final schedules).
