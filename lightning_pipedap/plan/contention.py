@@ -323,184 +323,254 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
     schedule.validate(profile.num_layers)
     ev = Evaluator(profile, cost_model, schedule.buckets, channels, compressed=schedule.compressed,
                    compression=compression, world_size=world_size, wire16=schedule.wire16)
-    s_m, s_c, delta = contention.comm_slowdown, contention.compute_slowdown, contention.op_overhead_s
-    rate_m_loaded = 1.0 / (1.0 + s_m)
-    B, L = ev.B, profile.num_layers
-    layers = profile.layers
+    sim = _ContendedSim(ev, schedule, _compute_items(ev, profile), contention, compression)
+    period = sim.run()
+    return _contended_result(sim, period, profile, cost_model, schedule, contention, compression=compression,
+                             channels=channels, world_size=world_size)
 
-    # compute items: ("backward", work, bucket, layers) ... then ("wait", b) / ("update", u, b) / ("forward", d, b, lay)
+
+def _compute_items(ev: Evaluator, profile: ModelProfile) -> list[tuple]:
+    """The compute stream of one period, in order: ``("backward", work, bucket, layers)`` for layers ``L-1 .. 0``,
+    then per forward step ``("wait", b)``, ``("update", u, b, ())`` (when ``u > 0``), ``("forward", d, b, lay)``
+    (work in uncontended seconds)."""
+    layers, L = profile.layers, profile.num_layers
     bucket_of = {i: b for b, bk in enumerate(ev.buckets) for i in bk}
-    first_of = {min(bk): b for b, bk in enumerate(ev.buckets)}  # bucket whose gradients are complete after layer
     items: list[tuple] = [("backward", layers[i].t_b, bucket_of[i], (i,)) for i in range(L - 1, -1, -1)]
     for b, u, d, lay in ev.steps:
         items.append(("wait", b))
         if u > 0:
             items.append(("update", u, b, ()))
         items.append(("forward", d, b, lay))
+    return items
 
-    # helper lane: the Evaluator's order, durations not slowed
-    helper_order = [b for b, _, _ in ev.helper]
-    helper_cost = {b: compression.helper_s(ev.nbytes[b]) for b in helper_order} if compression is not None else {}
-    helper_pos, helper_free = 0, 0.0
-    helper_iv: list[tuple[int, float, float]] = []
 
-    queues: list[list[tuple[int, object]]] = [[] for _ in range(2)]
-    for idx, op in enumerate(schedule.ops):
-        queues[ev.chan[op_code(op)]].append((idx, op))
-    qpos = [0, 0]
-    cjobs: list[_Job | None] = [None, None]
-    grad_ready: list[float | None] = [None] * B
-    ready: list[float | None] = [None] * B
-    rs_end: list[float | None] = [None] * B
-    done: list[float | None] = [None] * B
-    timings: list[tuple[int, object, int, float, float] | None] = [None] * len(schedule.ops)
-    intervals: list[Interval] = []  # anchor frame (backward start = 0)
+class _ContendedSim:
+    """The discrete-event processor-sharing simulation of :func:`simulate_contended`: one compute job and up to one
+    op per channel progress at shared rates; times in the anchor frame (backward start = 0), seconds.
 
-    t = 0.0
-    ci = 0
-    cjob: _Job | None = None
-    wait_since: float | None = None
-    backward_end = 0.0
+    Args:
+        ev: the schedule's :class:`Evaluator` (op costs, channels, buckets, helper-lane order).
+        schedule: its ops, in list order per channel.
+        items: the compute stream (:func:`_compute_items`).
+        contention: ``σ_m``, ``σ_c``, ``δ``.
+        compression: helper-lane compression cost (None: no helper lane).
+    """
 
-    def compute_step() -> bool:
+    def __init__(self, ev: Evaluator, schedule: Schedule, items: list[tuple], contention: Contention,
+                 compression: CompressionCost | None) -> None:
+        self.ev, self.schedule, self.items = ev, schedule, items
+        self.s_c, self.delta = contention.compute_slowdown, contention.op_overhead_s
+        self.rate_m_loaded = 1.0 / (1.0 + contention.comm_slowdown)
+        B = ev.B
+        #: the bucket whose gradients are complete after the backward of a layer
+        self.first_of = {min(bk): b for b, bk in enumerate(ev.buckets)}
+        # helper lane: the Evaluator's order, durations not slowed
+        self.helper_order = [b for b, _, _ in ev.helper]
+        self.helper_cost = ({b: compression.helper_s(ev.nbytes[b]) for b in self.helper_order}
+                            if compression is not None else {})
+        self.helper_pos, self.helper_free = 0, 0.0
+        self.helper_iv: list[tuple[int, float, float]] = []
+        self.queues: list[list[tuple[int, object]]] = [[] for _ in range(2)]
+        for idx, op in enumerate(schedule.ops):
+            self.queues[ev.chan[op_code(op)]].append((idx, op))
+        self.qpos = [0, 0]
+        self.cjobs: list[_Job | None] = [None, None]
+        self.grad_ready: list[float | None] = [None] * B
+        self.ready: list[float | None] = [None] * B
+        self.rs_end: list[float | None] = [None] * B
+        self.done: list[float | None] = [None] * B
+        self.timings: list[tuple[int, object, int, float, float] | None] = [None] * len(schedule.ops)
+        self.intervals: list[Interval] = []  # anchor frame (backward start = 0)
+        self.t = 0.0
+        self.ci = 0
+        self.cjob: _Job | None = None
+        self.wait_since: float | None = None
+        self.backward_end = 0.0
+
+    # ---------------------------------------------------------------- compute stream
+    def compute_step(self) -> bool:
         """Do one instantaneous compute transition at ``t``; False when nothing can happen."""
-        nonlocal ci, cjob, wait_since
-        if cjob is not None or ci >= len(items):
+        if self.cjob is not None or self.ci >= len(self.items):
             return False
-        it = items[ci]
+        it = self.items[self.ci]
+        t = self.t
         if it[0] == "wait":
             b = it[1]
-            if done[b] is None:
-                if wait_since is None:
-                    wait_since = t
+            done = self.done[b]
+            if done is None:
+                if self.wait_since is None:
+                    self.wait_since = t
                 return False
-            start = t if wait_since is None else wait_since
-            if done[b] > start:
-                intervals.append(Interval("wait", start, done[b], b))
-            wait_since = None
-            ci += 1
+            start = t if self.wait_since is None else self.wait_since
+            if done > start:
+                self.intervals.append(Interval("wait", start, done, b))
+            self.wait_since = None
+            self.ci += 1
             return True
-        cjob = _Job(t, it[1], it)
+        self.cjob = _Job(t, it[1], it)
         if it[1] == 0:  # zero work: ends now
-            finish_compute()
+            self.finish_compute()
         return True
 
-    def finish_compute() -> None:
-        nonlocal ci, cjob, helper_pos, helper_free, backward_end
-        job = cjob
+    def finish_compute(self) -> None:
+        """The compute job ends at ``t``: record it; a backward may complete a bucket's gradients."""
+        job = self.cjob
         assert job is not None
         kind, _, b, lay = job.item
-        intervals.append(Interval(kind, job.start, t, b, lay))
-        cjob = None
-        ci += 1
+        t = self.t
+        self.intervals.append(Interval(kind, job.start, t, b, lay))
+        self.cjob = None
+        self.ci += 1
         if kind == "backward":
-            backward_end = t
-            fb = first_of.get(lay[0])
+            self.backward_end = t
+            fb = self.first_of.get(lay[0])
             if fb is not None:
-                grad_ready[fb] = t
-                if fb not in helper_cost:  # else ready when its helper-lane compression ends
-                    ready[fb] = t
-                while helper_pos < len(helper_order) and grad_ready[helper_order[helper_pos]] is not None:
-                    hb = helper_order[helper_pos]
-                    gr = grad_ready[hb]
-                    s = helper_free if helper_free > gr else gr
-                    helper_free = s + helper_cost[hb]
-                    helper_iv.append((hb, s, helper_free))
-                    ready[hb] = helper_free
-                    helper_pos += 1
+                self.grad_ready[fb] = t
+                if fb not in self.helper_cost:  # else ready when its helper-lane compression ends
+                    self.ready[fb] = t
+                self._run_helper()
 
-    def channel_step(ch: int) -> bool:
+    def _run_helper(self) -> None:
+        """Compress, in the helper lane's order, every bucket whose gradients are complete (durations not
+        slowed); such a bucket is ready when its compression ends."""
+        order, grad_ready = self.helper_order, self.grad_ready
+        while self.helper_pos < len(order) and grad_ready[order[self.helper_pos]] is not None:
+            hb = order[self.helper_pos]
+            gr = grad_ready[hb]
+            s = self.helper_free if self.helper_free > gr else gr
+            self.helper_free = s + self.helper_cost[hb]
+            self.helper_iv.append((hb, s, self.helper_free))
+            self.ready[hb] = self.helper_free
+            self.helper_pos += 1
+
+    # ---------------------------------------------------------------- channels
+    def _dependency(self, op: Any) -> float | None:
+        """When ``op``'s input is ready: its RS's end for an AG, else its bucket's readiness (None: not yet)."""
+        k = self.ev.kind[op_code(op)]
+        return self.rs_end[op.bucket] if k == K_AG else self.ready[op.bucket]
+
+    def channel_step(self, ch: int) -> bool:
         """Start (or skip) the head op of channel ``ch`` at ``t`` if it can; True if something happened."""
-        if cjobs[ch] is not None or qpos[ch] >= len(queues[ch]):
+        if self.cjobs[ch] is not None or self.qpos[ch] >= len(self.queues[ch]):
             return False
-        idx, op = queues[ch][qpos[ch]]
+        t = self.t
+        idx, op = self.queues[ch][self.qpos[ch]]
         c = op_code(op)
-        k, b = ev.kind[c], op.bucket
+        k, b = self.ev.kind[c], op.bucket
         if k == K_SKIP:
-            timings[idx] = (idx, op, ch, t, t)
-            qpos[ch] += 1
+            self.timings[idx] = (idx, op, ch, t, t)
+            self.qpos[ch] += 1
             return True
-        dep = rs_end[b] if k == K_AG else ready[b]
+        dep = self.rs_end[b] if k == K_AG else self.ready[b]
         if dep is None or dep > t:
             return False
-        work = ev.cost[c]
-        if cjob is not None and delta > 0:
-            work += delta
+        work = self.ev.cost[c]
+        if self.cjob is not None and self.delta > 0:
+            work += self.delta
         job = _Job(t, work, (idx, op, ch, k))
-        cjobs[ch] = job
-        qpos[ch] += 1
+        self.cjobs[ch] = job
+        self.qpos[ch] += 1
         if work == 0:
-            finish_op(ch)
+            self.finish_op(ch)
         return True
 
-    def finish_op(ch: int) -> None:
-        job = cjobs[ch]
+    def finish_op(self, ch: int) -> None:
+        """The op of channel ``ch`` ends at ``t``: record it (an RS's end releases its AG; else the bucket is done)."""
+        job = self.cjobs[ch]
         assert job is not None
         idx, op, _, k = job.item
-        timings[idx] = (idx, op, ch, job.start, t)
+        self.timings[idx] = (idx, op, ch, job.start, self.t)
         if k == K_RS:
-            rs_end[op.bucket] = t
+            self.rs_end[op.bucket] = self.t
         else:
-            done[op.bucket] = t
-        cjobs[ch] = None
+            self.done[op.bucket] = self.t
+        self.cjobs[ch] = None
 
-    period = None
-    guard = 0
-    max_events = 8 * (len(items) + len(schedule.ops)) + 64
-    while True:
-        # instantaneous transitions at t: compute first (so an op starting now sees whether compute runs)
+    # ---------------------------------------------------------------- events
+    def _settle(self) -> None:
+        """Every instantaneous transition at ``t``: compute first (so an op starting now sees whether compute
+        runs), then the channels."""
         progressed = True
         while progressed:
-            progressed = compute_step()
+            progressed = self.compute_step()
             if not progressed:
-                progressed = channel_step(0) or channel_step(1)
-        if ci >= len(items) and cjob is None:
-            period = t if period is None else period
-            if all(j is None for j in cjobs) and all(qpos[c] >= len(queues[c]) for c in range(2)):
-                break
-        # rates for the next interval
-        n_comm = sum(1 for j in cjobs if j is not None)
+                progressed = self.channel_step(0) or self.channel_step(1)
+
+    def _set_rates(self) -> None:
+        """Processor sharing for the next interval: compute slowed by ``σ_c`` per running op, ops by ``σ_m`` while
+        compute runs."""
+        n_comm = sum(1 for j in self.cjobs if j is not None)
+        t, cjob = self.t, self.cjob
         if cjob is not None:
-            cjob.set_rate(1.0 if n_comm == 0 else 1.0 / (1.0 + s_c * n_comm), t)
-        rm = rate_m_loaded if cjob is not None else 1.0
-        for j in cjobs:
+            cjob.set_rate(1.0 if n_comm == 0 else 1.0 / (1.0 + self.s_c * n_comm), t)
+        rm = self.rate_m_loaded if cjob is not None else 1.0
+        for j in self.cjobs:
             if j is not None:
                 j.set_rate(rm, t)
-        # next event
+
+    def _events(self) -> list[float]:
+        """Candidate times of the next event: a job's end, or a channel head's dependency becoming ready."""
         cand = []
-        if cjob is not None:
-            cand.append(cjob.end())
-        for j in cjobs:
+        if self.cjob is not None:
+            cand.append(self.cjob.end())
+        for j in self.cjobs:
             if j is not None:
                 cand.append(j.end())
         for ch in range(2):
-            if cjobs[ch] is None and qpos[ch] < len(queues[ch]):
-                _, op = queues[ch][qpos[ch]]
-                k = ev.kind[op_code(op)]
-                dep = rs_end[op.bucket] if k == K_AG else ready[op.bucket]
-                if dep is not None and dep > t:
+            if self.cjobs[ch] is None and self.qpos[ch] < len(self.queues[ch]):
+                _, op = self.queues[ch][self.qpos[ch]]
+                dep = self._dependency(op)
+                if dep is not None and dep > self.t:
                     cand.append(dep)
-        guard += 1
-        if not cand or guard > max_events:
-            raise RuntimeError(f"contended simulation of {schedule.name!r} made no progress at t={t} s "
-                               f"(compute item {ci}/{len(items)}, channel heads {qpos}); this is a bug")
-        t = min(cand)
-        if cjob is not None and cjob.end() <= t:
-            finish_compute()
-        for ch in range(2):
-            j = cjobs[ch]
-            if j is not None and j.end() <= t:
-                finish_op(ch)
+        return cand
 
+    def run(self) -> float:
+        """Simulate until the compute stream and both channels are done. Returns the period (s): when the compute
+        stream finished its last item.
+
+        Raises:
+            RuntimeError: no event can happen (a bug).
+        """
+        period = None
+        guard = 0
+        max_events = 8 * (len(self.items) + len(self.schedule.ops)) + 64
+        while True:
+            self._settle()
+            if self.ci >= len(self.items) and self.cjob is None:
+                period = self.t if period is None else period
+                if all(j is None for j in self.cjobs) and all(self.qpos[c] >= len(self.queues[c]) for c in range(2)):
+                    return period
+            self._set_rates()
+            cand = self._events()
+            guard += 1
+            if not cand or guard > max_events:
+                raise RuntimeError(f"contended simulation of {self.schedule.name!r} made no progress at t={self.t} "
+                                   f"s (compute item {self.ci}/{len(self.items)}, channel heads {self.qpos}); this is "
+                                   "a bug")
+            self.t = t = min(cand)
+            if self.cjob is not None and self.cjob.end() <= t:
+                self.finish_compute()
+            for ch in range(2):
+                j = self.cjobs[ch]
+                if j is not None and j.end() <= t:
+                    self.finish_op(ch)
+
+
+def _contended_result(sim: _ContendedSim, period: float, profile: ModelProfile, cost_model: CostModel,
+                      schedule: Schedule, contention: Contention, *, compression: CompressionCost | None,
+                      channels: int, world_size: int | None) -> ContendedResult:
+    """The simulation's intervals and op timings moved from the anchor frame to :func:`simulate`'s iteration-origin
+    frame (forward start = 0), with the exposed communication and the compute stream's busy time."""
     P = period
+    backward_end = sim.backward_end
     shift = P - backward_end  # anchor frame -> iteration-origin frame (forward start = 0)
-    fwd = [iv for iv in intervals if iv.kind != "backward"]
-    bwd = [iv for iv in intervals if iv.kind == "backward"]
+    fwd = [iv for iv in sim.intervals if iv.kind != "backward"]
+    bwd = [iv for iv in sim.intervals if iv.kind == "backward"]
     compute = tuple(Interval(iv.kind, iv.start - backward_end, iv.end - backward_end, iv.bucket, iv.layers)
                     for iv in fwd) + tuple(Interval(iv.kind, iv.start + shift, iv.end + shift, iv.bucket, iv.layers)
                                            for iv in bwd)
-    ops = tuple(OpTiming(op, ch, s + shift, e + shift) for _, op, ch, s, e in timings)  # type: ignore[misc]
-    helper = tuple(Interval("compress", s + shift, e + shift, b) for b, s, e in helper_iv)
+    ops = tuple(OpTiming(op, ch, s + shift, e + shift) for _, op, ch, s, e in sim.timings)  # type: ignore[misc]
+    helper = tuple(Interval("compress", s + shift, e + shift, b) for b, s, e in sim.helper_iv)
     exposed = sum(iv.end - iv.start for iv in compute if iv.kind == "wait")
     busy = sum(iv.end - iv.start for iv in compute if iv.kind != "wait")
     return ContendedResult(

@@ -114,55 +114,14 @@ def measure_cost_model(
     wire = C.WIRE_DTYPES[wire_dtype] if wire_dtype != "fp32" else None
     key = _cache_key(comm, device) if use_cache else None
     path = CACHE_DIR / f"alpha_beta-{key}{'' if wire is None else '-' + wire_dtype}.json" if key else None
-    cached = None
-    if path is not None and comm.rank == 0 and path.exists():
-        try:
-            cached = CostModel.from_dict(json.loads(path.read_text()))
-            if wire is not None and cached.rs16 is None:
-                raise ValueError("no 16-bit constants in the cached model")
-            # (a file written before fitted_at was recorded: its modification time is when it was fitted)
-            cached.meta.update(source="cached", cache_path=str(path),
-                               fitted_at=cached.meta.get("fitted_at") or _utc(path.stat().st_mtime))
-            if job is not None and cached.meta.get("job") != job:
-                cached.meta["cached_by"] = cached.meta.get("job") or "an unrecorded job"
-        except (ValueError, KeyError, json.JSONDecodeError, OSError):
-            cached = None
+    cached = _read_cached(path, wire, job) if path is not None and comm.rank == 0 else None
     cached = C.broadcast_object(cached.to_dict() if cached is not None else None, src=0)
     if cached is not None:
         return CostModel.from_dict(cached)
 
-    ops = {
-        OpKind.REDUCE_SCATTER: C.reduce_scatter_,
-        OpKind.ALL_GATHER: C.all_gather_,
-        OpKind.ALL_REDUCE: C.all_reduce_,
-    }
-    if wire is not None:
-        ops["RS16"] = lambda b, c: C.reduce_scatter_wire_(b, c, wire)
-        ops["AG16"] = lambda b, c: C.all_gather_wire_(b, c, wire)
-    samples: dict[Any, list[tuple[float, float]]] = {k: [] for k in ops}
-    elem = torch.tensor([], dtype=dtype).element_size()
+    ops = _primitives(wire)
     t_start = time.perf_counter()
-    nbytes = min_bytes
-    while nbytes <= max_bytes:
-        numel = max(comm.world_size, nbytes // elem // comm.world_size * comm.world_size)
-        buf = torch.zeros(numel, dtype=dtype, device=device)
-        for kind, fn in ops.items():
-            times = []
-            for r in range(repeats + 1):
-                C.barrier()
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                fn(buf, comm)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if r:
-                    times.append(time.perf_counter() - t0)
-            samples[kind].append((float(numel * elem), statistics.median(times)))
-        spent = C.broadcast_object(time.perf_counter() - t_start, src=0)
-        if spent > budget_s:
-            break
-        nbytes *= 4
+    samples = _time_sizes(comm, device, dtype, ops, min_bytes, max_bytes, repeats, budget_s, t_start)
     samples = C.broadcast_object({getattr(k, "value", k): v for k, v in samples.items()}, src=0)
     fit_s, fitted_at = C.broadcast_object((time.perf_counter() - t_start, _utc(time.time())), src=0)
     wire16 = {"RS": samples.pop("RS16"), "AG": samples.pop("AG16")} if wire is not None else None
@@ -174,11 +133,88 @@ def measure_cost_model(
     good = all(ab is None or ab.r2 is None or ab.r2 >= 0.5
                for ab in (model.rs, model.ag, model.ar, model.rs16, model.ag16))
     if path is not None and comm.rank == 0 and good:  # never cache a poor fit
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (atomic: concurrent jobs read whole files)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text(json.dumps(model.to_dict(), indent=1))
-            os.replace(tmp, path)
-        except OSError as exc:  # (an unwritable cache: the fit is used, not remembered)
-            model.meta["not_cached"] = f"{path.parent} is not writable ({exc.strerror or exc})"
+        _remember(model, path)
     return model
+
+
+def _read_cached(path: Path, wire: Any, job: Optional[str]) -> Optional[CostModel]:
+    """The fit cached at ``path`` (rank 0), or None: no file, unreadable, or without the 16-bit constants a
+    ``wire`` format needs. Its ``meta`` says where it came from (``source``, ``cache_path``, ``fitted_at``,
+    ``cached_by`` when another ``job`` cached it)."""
+    if not path.exists():
+        return None
+    try:
+        cached = CostModel.from_dict(json.loads(path.read_text()))
+        if wire is not None and cached.rs16 is None:
+            raise ValueError("no 16-bit constants in the cached model")
+        # (a file written before fitted_at was recorded: its modification time is when it was fitted)
+        cached.meta.update(source="cached", cache_path=str(path),
+                           fitted_at=cached.meta.get("fitted_at") or _utc(path.stat().st_mtime))
+        if job is not None and cached.meta.get("job") != job:
+            cached.meta["cached_by"] = cached.meta.get("job") or "an unrecorded job"
+    except (ValueError, KeyError, json.JSONDecodeError, OSError):
+        cached = None
+    return cached
+
+
+def _primitives(wire: Any) -> dict[Any, Any]:
+    """The timed primitives, ``fn(buffer, comm)`` by name: RS, AG and AR by :class:`OpKind`, and with a 16-bit
+    ``wire`` format its RS and AG (``"RS16"``, ``"AG16"``)."""
+    ops: dict[Any, Any] = {
+        OpKind.REDUCE_SCATTER: C.reduce_scatter_,
+        OpKind.ALL_GATHER: C.all_gather_,
+        OpKind.ALL_REDUCE: C.all_reduce_,
+    }
+    if wire is not None:
+        ops["RS16"] = lambda b, c: C.reduce_scatter_wire_(b, c, wire)
+        ops["AG16"] = lambda b, c: C.all_gather_wire_(b, c, wire)
+    return ops
+
+
+def _time_sizes(comm: C.CommGroup, device: torch.device, dtype: torch.dtype, ops: dict[Any, Any],
+                min_bytes: int, max_bytes: int, repeats: int, budget_s: float,
+                t_start: float) -> dict[Any, list[tuple[float, float]]]:
+    """Per primitive of ``ops``, ``(bytes, median seconds of repeats)`` for sizes ``min_bytes·4^k ≤ max_bytes``,
+    stopping once ``budget_s`` seconds passed since ``t_start`` (rank 0's clock)."""
+    samples: dict[Any, list[tuple[float, float]]] = {k: [] for k in ops}
+    elem = torch.tensor([], dtype=dtype).element_size()
+    nbytes = min_bytes
+    while nbytes <= max_bytes:
+        numel = max(comm.world_size, nbytes // elem // comm.world_size * comm.world_size)
+        buf = torch.zeros(numel, dtype=dtype, device=device)
+        for kind, fn in ops.items():
+            samples[kind].append((float(numel * elem), _median_time(fn, buf, comm, device, repeats)))
+        spent = C.broadcast_object(time.perf_counter() - t_start, src=0)
+        if spent > budget_s:
+            break
+        nbytes *= 4
+    return samples
+
+
+def _median_time(fn: Any, buf: torch.Tensor, comm: C.CommGroup, device: torch.device,
+                 repeats: int) -> float:
+    """Median seconds of ``repeats`` runs of ``fn(buf, comm)`` after one untimed warm-up run, each after a barrier
+    (the device synchronized around it)."""
+    times = []
+    for r in range(repeats + 1):
+        C.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn(buf, comm)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if r:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _remember(model: CostModel, path: Path) -> None:
+    """Write ``model`` to the cache at ``path`` atomically; an unwritable cache sets ``meta["not_cached"]``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # (atomic: concurrent jobs read whole files)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(model.to_dict(), indent=1))
+        os.replace(tmp, path)
+    except OSError as exc:  # (an unwritable cache: the fit is used, not remembered)
+        model.meta["not_cached"] = f"{path.parent} is not writable ({exc.strerror or exc})"

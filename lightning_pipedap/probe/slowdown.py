@@ -25,6 +25,7 @@ import math
 import statistics
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -71,88 +72,20 @@ def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 
         TimeoutError: if the all-reduce of phase (c) does not finish within ``timeout_s``.
         RuntimeError: if that all-reduce raised (the original error is chained).
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
-        raise ValueError(f"nbytes must be an int >= 4 (one fp32 element), got {nbytes!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if isinstance(matmul_size, bool) or not isinstance(matmul_size, int) or matmul_size < 1:
-        raise ValueError(f"matmul_size must be an int >= 1, got {matmul_size!r}")
-    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
-    if isinstance(max_matmuls, bool) or not isinstance(max_matmuls, int) or max_matmuls < 1:
-        raise ValueError(f"max_matmuls must be an int >= 1, got {max_matmuls!r}")
+    _check_args(nbytes, repeats, matmul_size, timeout_s, max_matmuls)
     t_begin = time.perf_counter()
-    buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    a = torch.randn(matmul_size, matmul_size, generator=g).to(device)
-    b = torch.randn(matmul_size, matmul_size, generator=g).to(device)
-    out = torch.empty_like(a)
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def compute(k: int) -> None:
-        for _ in range(k):
-            torch.mm(a, b, out=out)
-
-    def timed(fn) -> float:
-        C.barrier()
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        return time.perf_counter() - t0
-
+    load = _Load(comm, device, nbytes, matmul_size)
     # warm-up, then (b) the all-reduce alone and one matmul's time -> the loop length k (rank 0 decides)
-    C.all_reduce_(buf, comm)
-    compute(2)
-    comm_alone = [timed(lambda: C.all_reduce_(buf, comm)) for _ in range(repeats)]
-    _sync(device)
-    t0 = time.perf_counter()
-    compute(4)
-    _sync(device)
-    per_mm = max((time.perf_counter() - t0) / 4, 1e-9)
-    k = int(C.broadcast_object(min(max_matmuls, max(1, round(statistics.median(comm_alone) / per_mm))), src=0))
-
+    comm_alone, k = load.comm_alone_and_loop(repeats, max_matmuls)
     # (a) compute alone
-    compute_alone = [timed(lambda: compute(k)) for _ in range(repeats)]
-
+    compute_alone = [load.timed(lambda: load.compute(k)) for _ in range(repeats)]
     # (c) both together, from a common start
     compute_loaded: list[float] = []
     comm_loaded: list[float] = []
     for _ in range(repeats):
-        go = threading.Event()
-        box: dict = {}
-
-        def worker() -> None:
-            if not go.wait(timeout_s):
-                box["error"] = TimeoutError(f"contention benchmark: start signal not given within {timeout_s} s")
-                return
-            try:
-                if side is not None:
-                    with torch.cuda.stream(side):
-                        C.all_reduce_(buf, comm)
-                    side.synchronize()
-                else:
-                    C.all_reduce_(buf, comm)
-                box["end"] = time.perf_counter()
-            except BaseException as e:  # reported to the calling thread below
-                box["error"] = e
-
-        th = threading.Thread(target=worker, name="pipedap-contention-comm", daemon=True)
-        th.start()
-        C.barrier()
-        _sync(device)
-        start = time.perf_counter()
-        go.set()
-        compute(k)
-        _sync(device)
-        compute_loaded.append(time.perf_counter() - start)
-        th.join(timeout_s)
-        if th.is_alive():
-            raise TimeoutError(f"contention benchmark: the all-reduce of {nbytes} bytes on the {comm.backend} group "
-                               f"did not finish within {timeout_s} s")
-        if "error" in box:
-            raise RuntimeError(f"contention benchmark: the all-reduce of {nbytes} bytes failed") from box["error"]
-        comm_loaded.append(box["end"] - start)
+        compute_s, comm_s = load.both_together(k, timeout_s)
+        compute_loaded.append(compute_s)
+        comm_loaded.append(comm_s)
 
     raw = {"compute_alone_s": compute_alone, "comm_alone_s": comm_alone,
            "compute_loaded_s": compute_loaded, "comm_loaded_s": comm_loaded}
@@ -165,3 +98,108 @@ def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 
               "backend": comm.backend, "world_size": comm.world_size, "source": "measure_contention",
               "elapsed_s": C.broadcast_object(time.perf_counter() - t_begin, src=0)},
     )
+
+
+def _check_args(nbytes: int, repeats: int, matmul_size: int, timeout_s: float, max_matmuls: int) -> None:
+    """Raise ValueError naming the first bad argument of :func:`measure_contention`."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 4:
+        raise ValueError(f"nbytes must be an int >= 4 (one fp32 element), got {nbytes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if isinstance(matmul_size, bool) or not isinstance(matmul_size, int) or matmul_size < 1:
+        raise ValueError(f"matmul_size must be an int >= 1, got {matmul_size!r}")
+    if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+    if isinstance(max_matmuls, bool) or not isinstance(max_matmuls, int) or max_matmuls < 1:
+        raise ValueError(f"max_matmuls must be an int >= 1, got {max_matmuls!r}")
+
+
+class _Load:
+    """The benchmark's buffers on ``device``: the all-reduced fp32 buffer of ``nbytes`` and the seeded
+    ``matmul_size`` square matrices of the compute load (and, on CUDA, the side stream of phase (c))."""
+
+    def __init__(self, comm: C.CommGroup, device: torch.device, nbytes: int, matmul_size: int) -> None:
+        self.comm, self.device, self.nbytes = comm, device, nbytes
+        self.buf = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        self.a = torch.randn(matmul_size, matmul_size, generator=g).to(device)
+        self.b = torch.randn(matmul_size, matmul_size, generator=g).to(device)
+        self.out = torch.empty_like(self.a)
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def compute(self, k: int) -> None:
+        """``k`` matrix multiplications on the calling thread."""
+        for _ in range(k):
+            torch.mm(self.a, self.b, out=self.out)
+
+    def all_reduce(self) -> None:
+        """One all-reduce of the buffer on ``comm``."""
+        C.all_reduce_(self.buf, self.comm)
+
+    def timed(self, fn: Callable[[], None]) -> float:
+        """Seconds ``fn`` takes, after a barrier, the device synchronized before and after."""
+        C.barrier()
+        _sync(self.device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(self.device)
+        return time.perf_counter() - t0
+
+    def comm_alone_and_loop(self, repeats: int, max_matmuls: int) -> tuple[list[float], int]:
+        """Warm-up, phase (b) ``repeats`` times, and one matmul's time: returns the all-reduce times alone (s)
+        and the loop length ``k`` (rank 0's: about one all-reduce alone, at most ``max_matmuls``)."""
+        self.all_reduce()
+        self.compute(2)
+        comm_alone = [self.timed(self.all_reduce) for _ in range(repeats)]
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.compute(4)
+        _sync(self.device)
+        per_mm = max((time.perf_counter() - t0) / 4, 1e-9)
+        k = int(C.broadcast_object(min(max_matmuls, max(1, round(statistics.median(comm_alone) / per_mm))), src=0))
+        return comm_alone, k
+
+    def both_together(self, k: int, timeout_s: float) -> tuple[float, float]:
+        """Phase (c) once: the all-reduce on a worker thread released right before ``k`` matmuls start; returns
+        the seconds from that common start to the end of the compute and of the all-reduce.
+
+        Raises:
+            TimeoutError: the all-reduce did not finish within ``timeout_s``.
+            RuntimeError: the all-reduce raised (chained).
+        """
+        go = threading.Event()
+        box: dict = {}
+        th = threading.Thread(target=self._worker, args=(go, box, timeout_s), name="pipedap-contention-comm",
+                              daemon=True)
+        th.start()
+        C.barrier()
+        _sync(self.device)
+        start = time.perf_counter()
+        go.set()
+        self.compute(k)
+        _sync(self.device)
+        compute_s = time.perf_counter() - start
+        th.join(timeout_s)
+        if th.is_alive():
+            raise TimeoutError(f"contention benchmark: the all-reduce of {self.nbytes} bytes on the "
+                               f"{self.comm.backend} group did not finish within {timeout_s} s")
+        if "error" in box:
+            raise RuntimeError(f"contention benchmark: the all-reduce of {self.nbytes} bytes failed") from box["error"]
+        return compute_s, box["end"] - start
+
+    def _worker(self, go: threading.Event, box: dict, timeout_s: float) -> None:
+        """Phase (c)'s thread: wait for ``go``, all-reduce (on the side stream on CUDA), put the end time (or the
+        error) in ``box``."""
+        if not go.wait(timeout_s):
+            box["error"] = TimeoutError(f"contention benchmark: start signal not given within {timeout_s} s")
+            return
+        try:
+            if self.side is not None:
+                with torch.cuda.stream(self.side):
+                    self.all_reduce()
+                self.side.synchronize()
+            else:
+                self.all_reduce()
+            box["end"] = time.perf_counter()
+        except BaseException as e:  # reported to the calling thread by both_together
+            box["error"] = e

@@ -512,6 +512,69 @@ def _wire_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, c
     return p, ev, codes
 
 
+#: the best plan so far: ``(predicted iteration (s), its Evaluator, its op codes)``
+_Incumbent = tuple[float, Evaluator, list[int]]
+
+
+def _check_budgets(**budgets: int) -> None:
+    """Raise ValueError naming the first budget that is not an int at or above its minimum (1 for
+    ``max_fusion_evals``, else 0)."""
+    for name, v in budgets.items():
+        lo = 1 if name == "max_fusion_evals" else 0
+        if not isinstance(v, int) or v < lo:
+            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
+
+
+def _search_fusions(search: _FusionSearch, profile: ModelProfile, cost_model: CostModel, known: list[Schedule],
+                    fusions: Any, fixed: bool, best: _Incumbent, max_fusion_evals: int,
+                    max_fusion_work: int) -> _Incumbent:
+    """Stages 2-3: structured op lists on every candidate fusion (``fusions``, the known planners' fusions and,
+    unless the fusion is ``fixed``, the backward-order DP's), then hill climbing from the best few; returns the
+    better of ``best`` and the best found (by more than ``TOL``)."""
+    seeds = list(fusions) + [starts_of(s.buckets) for s in known if len(s.buckets) and s.buckets[0][0] == 0]
+    if not fixed:
+        seeds.append(dp_backward_fusion(profile, cost_model.all_reduce))
+    st_best = search.best_fusion(seeds, not fixed, max_fusion_evals, max_fusion_work)
+    p, codes, ev = search.cache[st_best]
+    return (p, ev, codes) if p < best[0] * (1 - TOL) else best
+
+
+def _polish_best(search: _FusionSearch, best: _Incumbent, polish_fusions: int, max_polish_evals: int,
+                 max_polish_work: int) -> _Incumbent:
+    """Stage 4: polish the op list of the incumbent and of the next ``polish_fusions`` best fusions of stages
+    2-3 (at most ``max_polish_evals`` op lists each, ``max_polish_work`` ops in all); returns the best."""
+    best_p, best_ev, best_codes = best
+    ranked = sorted(search.cache.items(), key=lambda kv: (kv[1][0], kv[0]))
+    to_polish = [(best_ev, best_codes)] + [(ev, codes) for st, (_, codes, ev) in ranked[:polish_fusions]
+                                           if ev is not best_ev]
+    work_left = max_polish_work
+    for ev, codes in to_polish:
+        evals = min(max_polish_evals, work_left // max(1, len(codes)))
+        if evals <= 0:
+            break
+        p, codes, used = polish(ev, list(codes), evals)
+        work_left -= used * len(codes)
+        if p < best_p * (1 - TOL):
+            best_p, best_ev, best_codes = p, ev, codes
+    return best_p, best_ev, best_codes
+
+
+def _exact_stage(profile: ModelProfile, cost_model: CostModel, channels: int, fusions: Any, fixed: bool,
+                 best: _Incumbent, max_exact_nodes: int) -> _Incumbent:
+    """Stage 5 (small models): the exact search over fusions and op lists (over op lists of the ``fixed``
+    fusion only), bounded by ``best``; returns the better. Logs a warning when the node budget stopped it."""
+    L = profile.num_layers
+    if fixed:
+        p, ev, codes, complete = branch_and_bound(
+            [Evaluator(profile, cost_model, buckets_of(fusions[0], L), channels)], best[0], max_exact_nodes)
+    else:
+        p, ev, codes, complete = exact_search(profile, cost_model, channels, best[0], max_exact_nodes)
+    if not complete:
+        log.warning("optimal: exact search stopped after %d nodes; the plan is the best found, "
+                    "not proven optimal", max_exact_nodes)
+    return (p, ev, codes) if codes is not None and p < best[0] else best
+
+
 # ----------------------------------------------------------------------------------- planner
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
          channels: int = 1, cut_window: int = 6, max_fusion_evals: int = 400, max_fusion_work: int = 12_000,
@@ -556,61 +619,25 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
             negative budget.
     """
     check_common(profile, cost_model, world_size, channels, compression)
-    for name, v, lo in (("cut_window", cut_window, 0), ("max_fusion_evals", max_fusion_evals, 1),
-                        ("max_fusion_work", max_fusion_work, 0),
-                        ("max_polish_evals", max_polish_evals, 0), ("polish_fusions", polish_fusions, 0),
-                        ("max_polish_work", max_polish_work, 0), ("exact_max_layers", exact_max_layers, 0),
-                        ("max_exact_nodes", max_exact_nodes, 0), ("max_compress_evals", max_compress_evals, 0),
-                        ("exact_compress_max_layers", exact_compress_max_layers, 0)):
-        if not isinstance(v, int) or v < lo:
-            raise ValueError(f"{name} must be an int >= {lo}, got {v!r}")
-    L = profile.num_layers
+    _check_budgets(cut_window=cut_window, max_fusion_evals=max_fusion_evals, max_fusion_work=max_fusion_work,
+                   max_polish_evals=max_polish_evals, polish_fusions=polish_fusions, max_polish_work=max_polish_work,
+                   exact_max_layers=exact_max_layers, max_exact_nodes=max_exact_nodes,
+                   max_compress_evals=max_compress_evals, exact_compress_max_layers=exact_compress_max_layers)
     fixed = fusion != "auto"
     fusions = resolve_fusion(fusion, profile, cost_model)
 
     # stage 1: the known planners
     known = _known_plans(profile, cost_model, world_size, fusion, channels)
     best_sched = min(known, key=lambda s: s.predicted_iteration_s)
-    best_p = best_sched.predicted_iteration_s
-    best_ev = Evaluator(profile, cost_model, best_sched.buckets, channels)
-    best_codes = [op_code(o) for o in best_sched.ops]
-
-    # stage 2 on every candidate fusion, then stage 3 from the best few
+    best = (best_sched.predicted_iteration_s, Evaluator(profile, cost_model, best_sched.buckets, channels),
+            [op_code(o) for o in best_sched.ops])
+    # stages 2-3, 4 and 5
     search = _FusionSearch(profile, cost_model, channels, cut_window)
-    seeds = list(fusions) + [starts_of(s.buckets) for s in known if len(s.buckets) and s.buckets[0][0] == 0]
-    if not fixed:
-        seeds.append(dp_backward_fusion(profile, cost_model.all_reduce))
-    st_best = search.best_fusion(seeds, not fixed, max_fusion_evals, max_fusion_work)
-    p, codes, ev = search.cache[st_best]
-    if p < best_p * (1 - TOL):
-        best_p, best_ev, best_codes = p, ev, codes
-
-    # stage 4: polish the incumbent and the next best fusions of stages 2-3
-    ranked = sorted(search.cache.items(), key=lambda kv: (kv[1][0], kv[0]))
-    to_polish = [(best_ev, best_codes)] + [(ev, codes) for st, (_, codes, ev) in ranked[:polish_fusions]
-                                           if ev is not best_ev]
-    work_left = max_polish_work
-    for ev, codes in to_polish:
-        evals = min(max_polish_evals, work_left // max(1, len(codes)))
-        if evals <= 0:
-            break
-        p, codes, used = polish(ev, list(codes), evals)
-        work_left -= used * len(codes)
-        if p < best_p * (1 - TOL):
-            best_p, best_ev, best_codes = p, ev, codes
-
-    # stage 5
-    if L <= exact_max_layers:
-        if fixed:
-            p, ev, codes, complete = branch_and_bound(
-                [Evaluator(profile, cost_model, buckets_of(fusions[0], L), channels)], best_p, max_exact_nodes)
-        else:
-            p, ev, codes, complete = exact_search(profile, cost_model, channels, best_p, max_exact_nodes)
-        if codes is not None and p < best_p:
-            best_p, best_ev, best_codes = p, ev, codes
-        if not complete:
-            log.warning("optimal: exact search stopped after %d nodes; the plan is the best found, "
-                        "not proven optimal", max_exact_nodes)
+    best = _search_fusions(search, profile, cost_model, known, fusions, fixed, best, max_fusion_evals, max_fusion_work)
+    best = _polish_best(search, best, polish_fusions, max_polish_evals, max_polish_work)
+    if profile.num_layers <= exact_max_layers:
+        best = _exact_stage(profile, cost_model, channels, fusions, fixed, best, max_exact_nodes)
+    best_p, best_ev, best_codes = best
 
     # stage 6
     if compression is not None:
