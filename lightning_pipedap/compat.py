@@ -30,7 +30,7 @@ __all__ = [
     "compiled_module_type", "default_store", "disable_torch_function", "forget_observed_children", "layer_sync",
     "pop_torch_function_mode", "push_torch_function_mode", "queue_autograd_callback", "reducer_finalized", "resolve",
     "set_backward_sync_control", "sigterm_hooks", "signal_connector", "sparse_stored_values", "start_method",
-    "toggled_requires_grad", "transform_active",
+    "toggled_requires_grad", "transform_active", "unwrap_optimizer",
 ]
 
 #: the versions every entry was checked on
@@ -192,7 +192,8 @@ def disable_torch_function() -> Any:
 
 
 def _missing_disable_torch_function() -> Any:
-    raise CompatError("torch._C.DisableTorchFunction", "keeping the strategy's updates out of its own torch-function trace")
+    raise CompatError("torch._C.DisableTorchFunction",
+                      "keeping the strategy's updates out of its own torch-function trace")
 
 
 _disable_torch_function: Callable[[], Any] = getattr(torch._C, "DisableTorchFunction", _missing_disable_torch_function)
@@ -267,6 +268,20 @@ def attached_trainer(module: Any) -> Any:
         return module.trainer
     except RuntimeError:  # "... is not attached to a `Trainer`."
         return None
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer inside a Lightning ``LightningOptimizer`` or a Fabric-wrapped optimizer, else ``optimizer``.
+
+    Public API: ``LightningOptimizer.optimizer``, ``lightning.fabric.wrappers.is_wrapped`` and the Fabric wrapper's
+    ``optimizer``; replaces the private ``_optimizer`` read. Does not import Lightning. Checked on lightning 2.6.6.
+    """
+    pl = sys.modules.get("lightning.pytorch")
+    wrappers = sys.modules.get("lightning.fabric.wrappers")
+    if ((pl is not None and isinstance(optimizer, pl.core.optimizer.LightningOptimizer))
+            or (wrappers is not None and wrappers.is_wrapped(optimizer))):
+        return getattr(optimizer, "optimizer", optimizer)
+    return optimizer
 
 
 def toggled_requires_grad(module: Any) -> Optional[dict]:
