@@ -26,11 +26,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 __all__ = [
-    "CHECKED_ON", "PRIVATE_APIS", "CompatError", "SigtermHooks", "SpawnLauncherHook", "attached_trainer",
-    "compiled_module_type", "default_store", "disable_torch_function", "forget_observed_children", "layer_sync",
-    "pop_torch_function_mode", "push_torch_function_mode", "queue_autograd_callback", "reducer_finalized", "resolve",
-    "set_backward_sync_control", "sigterm_hooks", "signal_connector", "sparse_stored_values", "start_method",
-    "toggled_requires_grad", "transform_active", "unwrap_optimizer",
+    "CHECKED_ON", "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "REPLACED_BY_PUBLIC", "CompatError", "SigtermHooks",
+    "SpawnLauncherHook", "attached_trainer", "compiled_module_type", "default_store", "disable_torch_function",
+    "forget_observed_children", "layer_sync", "pop_torch_function_mode", "push_torch_function_mode",
+    "queue_autograd_callback", "reducer_finalized", "resolve", "set_backward_sync_control", "sigterm_hooks",
+    "signal_connector", "sparse_stored_values", "start_method", "toggled_requires_grad", "transform_active",
+    "unwrap_optimizer",
 ]
 
 #: the versions every entry was checked on
@@ -513,3 +514,23 @@ PRIVATE_APIS: tuple[str, ...] = (
     "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector._sigterm_notifier_fn",
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver",
 )
+
+#: private attributes the package reads or sets on live torch / Lightning objects, by ``class.attribute`` (checked on
+#: such objects by ``tests/test_compat.py``)
+PRIVATE_ATTRIBUTES: tuple[str, ...] = (
+    "lightning.pytorch.strategies.ParallelStrategy._layer_sync",
+    "lightning.pytorch.strategies.DDPStrategy._start_method",
+    "lightning.pytorch.strategies.DDPStrategy._launcher",
+    "lightning.fabric.strategies.Strategy._backward_sync_control",
+    "lightning.pytorch.Trainer._signal_connector",
+    "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver._child_processes",
+    "lightning.pytorch.LightningModule._param_requires_grad_state",
+)
+
+#: private names the package used before and now reaches through public APIs: private name -> the entry here
+REPLACED_BY_PUBLIC: dict[str, str] = {
+    "lightning.pytorch.LightningModule._trainer": "attached_trainer (LightningModule.trainer / .fabric)",
+    "lightning.pytorch.core.optimizer.LightningOptimizer._optimizer":
+        "unwrap_optimizer (LightningOptimizer.optimizer, lightning.fabric.wrappers.is_wrapped)",
+    "lightning.fabric.strategies.registry._StrategyRegistry": "StrategyRegistry (type(STRATEGY_REGISTRY))",
+}
