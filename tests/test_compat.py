@@ -390,7 +390,6 @@ def test_no_module_but_compat_uses_a_private_torch_or_lightning_name() -> None:
     """Imports of private torch/Lightning modules or names, ``torch._C...``-style attribute chains from any name
     bound to torch/Lightning, and the private names compat wraps read from another object
     (``trainer._signal_connector``, ``getattr(m, "_trainer")``, ``g._values()``...) appear in ``compat.py`` only."""
-    ``getattr(m, "_trainer")``, ``g._values()``...) appear in ``compat.py`` only."""
     wrapped = _wrapped_names()
     by_line: dict[str, str] = {}  # (one finding per line: the longest, ``torch._C._x`` rather than ``torch._C``)
     for p in _package_files():
