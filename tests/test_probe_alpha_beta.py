@@ -21,7 +21,7 @@ def _fit_then_cached(rank: int, world: int, cache_dir: str) -> dict:
     try:
         fresh = AB.measure_cost_model(comm, torch.device("cpu"), max_bytes=64 << 10, min_bytes=4 << 10,
                                       repeats=1, use_cache=False)
-        path = Path(cache_dir) / f"alpha_beta-{AB._cache_key(comm)}.json"
+        path = Path(cache_dir) / f"alpha_beta-{AB.cache_key(comm)}.json"
         if rank == 0:  # what an earlier good fit left, and one written before fitted_at was recorded
             model = CostModel.from_allreduce(1e-4, 2e-9, meta={"source": "measured", "fitted_at": "2026-11-30 08:00:00 UTC"})
             path.write_text(json.dumps(model.to_dict()))
@@ -64,7 +64,7 @@ def _fit_wire16(rank: int, world: int, cache_dir: str) -> dict:
     try:
         kw = dict(max_bytes=1 << 20, min_bytes=16 << 10, repeats=1)
         fresh = AB.measure_cost_model(comm, torch.device("cpu"), wire_dtype="fp16", use_cache=False, **kw)
-        path16 = Path(cache_dir) / f"alpha_beta-{AB._cache_key(comm)}-fp16.json"
+        path16 = Path(cache_dir) / f"alpha_beta-{AB.cache_key(comm)}-fp16.json"
         fp32_only = CostModel.from_allreduce(1e-4, 2e-9, meta={"source": "measured", "fitted_at": "x"})
         if rank == 0:  # a file without the 16-bit constants is not taken for them
             path16.write_text(json.dumps(fp32_only.to_dict()))

@@ -43,6 +43,7 @@ from lightning_pipedap.app.launch import (
 from lightning_pipedap.app.sweep import VERSION_PREFIX, latest_results_file
 from lightning_pipedap.app.schema import ConfigError, register_configs, validate
 import lightning_pipedap.strategy.messages as M
+from lightning_pipedap import compat
 from lightning_pipedap.strategy.controller import describe_startup, steps_text
 
 #: ``lightning_pipedap/conf/`` (package data), as an absolute path computed from this file: Hydra would
@@ -582,7 +583,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = _instantiate_group(cfg.get("callbacks"))
     loggers = _instantiate_group(cfg.get("logger"))
     strategy = build_strategy(cfg, multirun)
-    if getattr(strategy, "_start_method", None) == "spawn":
+    if compat.start_method(strategy) == "spawn":
         callbacks.append(CloseProcessGroup())
         if HydraConfig.initialized():
             hc = HydraConfig.get()

@@ -25,6 +25,8 @@ from typing import Any, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lightning_pipedap import compat
+
 __all__ = [
     "CommGroup",
     "is_initialized",
@@ -420,12 +422,11 @@ def ddp_reduction_finished(ddp: torch.nn.Module) -> bool:
     every bucket has been reduced. A parameter that gets no gradient in a backward (a branch that skips it)
     stalls its bucket and every later one: ``.grad`` keeps the local gradients, and the next forward raises
     "Expected to have finished reduction". This asks the reducer (one C++ call, no communication).
+
+    Raises:
+        compat.CompatError: this torch's reducer cannot be asked (:func:`~lightning_pipedap.compat.reducer_finalized`).
     """
-    try:
-        ddp.reducer._check_reducer_finalized()
-    except RuntimeError:
-        return False
-    return True
+    return compat.reducer_finalized(ddp.reducer)
 
 
 def ranks_not_stalled(key: str, rank: int, world_size: int, timeout_s: float) -> list[int]:
@@ -436,7 +437,7 @@ def ranks_not_stalled(key: str, rank: int, world_size: int, timeout_s: float) ->
     the bucket all-reduces that the stalled ranks never launched. The store (not a collective) lets the stalled
     ranks find that out without pairing a collective with DDP's pending ones.
     """
-    store = dist.distributed_c10d._get_default_store()
+    store = compat.default_store()
     store.set(f"{key}/{rank}", "1")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -451,7 +452,9 @@ def ranks_marked_stalled(key: str, world_size: int) -> list[int]:
     """The ranks that marked ``key`` in :func:`ranks_not_stalled` so far (no wait, no collective); empty when the
     store cannot be reached (the rank that hosts it has exited)."""
     try:
-        return _marked(dist.distributed_c10d._get_default_store(), key, world_size)
+        return _marked(compat.default_store(), key, world_size)
+    except compat.CompatError:
+        raise
     except (RuntimeError, ValueError, OSError):  # (DistStoreError / DistNetworkError derive from RuntimeError)
         return []
 
@@ -593,7 +596,7 @@ class Heartbeat:
                  on_stale=None, context=None, on_note=None, failed_grace_s: float = 3.0) -> None:
         if not is_initialized():
             raise RuntimeError("pipedap: heartbeat needs the default process group")
-        self.store = dist.distributed_c10d._get_default_store()
+        self.store = compat.default_store()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.timeout_s, self.interval_s, self.grace_s = float(timeout_s), float(interval_s), float(grace_s)
         self.on_stale, self.context = on_stale, context or (lambda: "")

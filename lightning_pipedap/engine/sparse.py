@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from lightning_pipedap import compat
 from lightning_pipedap.engine import collectives as C
 
 __all__ = ["SparseGradReducer", "empty_sparse_like", "sparse_gradient_params"]
@@ -137,7 +138,7 @@ class SparseGradReducer:
             g = p.grad
             if g is None:
                 continue
-            values = g._values() if g.layout == torch.sparse_coo else g
+            values = compat.sparse_stored_values(g) if g.layout == torch.sparse_coo else g
             if values.numel() and not bool(values.isfinite().all()):
                 return self.name_of(p), int(values.isnan().sum()), int(values.isinf().sum()), values.numel()
         return None

@@ -42,9 +42,9 @@ def device_kind(device: Optional[torch.device]) -> str:
     return device.type
 
 
-def _cache_key(comm: C.CommGroup, device: Optional[torch.device] = None) -> str:
+def cache_key(comm: C.CommGroup, device: Optional[torch.device] = None) -> str:
     """The α-β cache entry of this group (a collective: every rank's host name): backend, world size, host set
-    (one entry per process, so the layout too), ``MASTER_ADDR`` and, off the CPU, the device kind."""
+    (one entry per process, so the layout too), ``MASTER_ADDR`` and, off the CPU, the device kind; 16 hex digits."""
     hosts = C.all_gather_object(socket.gethostname())
     kind = device_kind(device)
     raw = json.dumps([comm.backend, comm.world_size, sorted(hosts), os.environ.get("MASTER_ADDR", "")]
@@ -112,7 +112,7 @@ def measure_cost_model(
     if wire_dtype != "fp32" and wire_dtype not in C.WIRE_DTYPES:
         raise ValueError(f"wire_dtype must be 'fp32' or one of {sorted(C.WIRE_DTYPES)}, got {wire_dtype!r}")
     wire = C.WIRE_DTYPES[wire_dtype] if wire_dtype != "fp32" else None
-    key = _cache_key(comm, device) if use_cache else None
+    key = cache_key(comm, device) if use_cache else None
     path = CACHE_DIR / f"alpha_beta-{key}{'' if wire is None else '-' + wire_dtype}.json" if key else None
     cached = _read_cached(path, wire, job) if path is not None and comm.rank == 0 else None
     cached = C.broadcast_object(cached.to_dict() if cached is not None else None, src=0)

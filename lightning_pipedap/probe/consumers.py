@@ -28,23 +28,21 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
+from lightning_pipedap import compat
+
 
 def transform_active() -> bool:
     """True while a ``torch.func`` transform (vmap, grad, jacrev, jvp, ...) is running."""
-    try:
-        return torch._C._functorch.peek_interpreter_stack() is not None
-    except AttributeError:  # pragma: no cover - very old torch
-        return False
+    return compat.transform_active()
 
 
 def compiled_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The outermost ``torch.compile``d submodules of ``model`` (``OptimizedModule``; their own hooks run eagerly)."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    compiled = compat.compiled_module_type()  # (torch.compile's wrapper class)
     out: list[torch.nn.Module] = []
 
     def visit(m: torch.nn.Module) -> None:
-        if isinstance(m, OptimizedModule):
+        if isinstance(m, compiled):
             out.append(m)
             return
         for child in m.children():
@@ -61,8 +59,7 @@ def eager_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     would make it recompile (and, past its recompile limit, fall back to eager code with other
     rounding), so the strategy leaves compiled regions alone.
     """
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    compiled = compat.compiled_module_type()  # (torch.compile's wrapper class)
     out: list[torch.nn.Module] = []
     seen: set[int] = set()
 
@@ -70,7 +67,7 @@ def eager_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
         if id(m) in seen:
             return
         seen.add(id(m))
-        if isinstance(m, OptimizedModule):
+        if isinstance(m, compiled):
             return
         out.append(m)
         for child in m.children():
@@ -103,13 +100,12 @@ class ModuleStack:
             popped: list[Any] = []
 
             def pre(module: torch.nn.Module, args: Any, popped: list = popped) -> None:
-                n = torch._C._len_torch_function_stack()
-                if n and torch._C._get_function_stack_at(n - 1) is mode:
-                    popped.append(torch._C._pop_torch_function_stack())
+                if compat.pop_torch_function_mode(mode):
+                    popped.append(mode)
 
             def post(module: torch.nn.Module, args: Any, out: Any, popped: list = popped) -> None:
                 if popped:
-                    torch._C._push_on_torch_function_stack(popped.pop())
+                    compat.push_torch_function_mode(popped.pop())
 
             self._handles.append(m.register_forward_pre_hook(pre))
             self._handles.append(m.register_forward_hook(post, always_call=True))
@@ -218,15 +214,11 @@ class ConsumerTrace(TorchFunctionMode):
 
     def push(self) -> None:
         """Make this mode active (as ``__enter__``)."""
-        torch._C._push_on_torch_function_stack(self)
+        compat.push_torch_function_mode(self)
 
     def pop(self) -> bool:
         """Deactivate this mode if it is the innermost one (never from inside its own handler); True if popped."""
-        n = torch._C._len_torch_function_stack()
-        if n and torch._C._get_function_stack_at(n - 1) is self:
-            torch._C._pop_torch_function_stack()
-            return True
-        return False
+        return compat.pop_torch_function_mode(self)
 
 
 _GRAD_ATTRIBUTE = torch.Tensor.grad  # the descriptor whose ``__get__`` a read of ``param.grad`` calls

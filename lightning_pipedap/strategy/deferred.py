@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_pipedap.compat import disable_torch_function
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, averaged_grads, clip_norm_coefficient,
                                              snapshot_hparams, write_back_grads)
@@ -327,7 +328,7 @@ class DeferredUpdates:
             return
         self.applying = True
         try:
-            with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
+            with torch.inference_mode(False), torch.no_grad(), disable_torch_function():
                 for b in buckets:
                     if self.engine.syncs[b].in_flight:
                         self._apply_one(pending, b, where, write_grads or where == "observe")
@@ -396,7 +397,7 @@ class DeferredUpdates:
         """Drop the pending step: no bucket is stepped. ``.grad`` still shows the averaged (clipped)
         gradients when read, as DDP shows them after a skipped ``optimizer.step``."""
         self._clip_coefficient(pending)
-        with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.inference_mode(False), torch.no_grad(), disable_torch_function():
             for b in self.remaining():
                 bucket = self.engine.buckets[b]
                 for slot, used in enumerate(self.engine.used_flags(b)):
@@ -410,7 +411,7 @@ class DeferredUpdates:
         self.pending = None
 
     def _write_grads(self, b: int) -> None:
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), disable_torch_function():
             write_back_grads(self.engine.buckets[b], self.engine.used_flags(b))
         self.engine.syncs[b].write()
 
@@ -435,7 +436,7 @@ class DeferredUpdates:
         if pending.clip is None or pending.clip.algorithm != "norm" or pending.clip_ready:
             return
         engine = self.engine
-        with torch._C.DisableTorchFunction(), torch.no_grad():
+        with disable_torch_function(), torch.no_grad():
             for b in range(engine.num_buckets):
                 engine.wait_done(b)
             assert self.updater is not None

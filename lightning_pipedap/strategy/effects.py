@@ -14,6 +14,7 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Optional
 
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap import compat
 from lightning_pipedap.schedule import Schedule
 from lightning_pipedap.strategy.config import DEFAULT_TORCH_DDP_MARGIN
 from lightning_pipedap.strategy.handover import TorchDDPCandidate
@@ -91,7 +92,7 @@ class RunEffects:
         checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
         # a candidate switch happens in the optimizer step, after the earlier micro-batches of an accumulation
         # window ran under the previous reducer: DDP's reducer would not know which parameters they used
-        accumulate = getattr(getattr(rt.module, "_trainer", None), "accumulate_grad_batches", 1)
+        accumulate = getattr(compat.attached_trainer(rt.module), "accumulate_grad_batches", 1)
         if rt.handover is not None and cfg.torch_ddp_candidate and accumulate > 1 and not self._said_accumulate:
             self._said_accumulate = True
             rt.info(f"pipedap: the torch_ddp candidate is not trialled with accumulate_grad_batches={accumulate}: "

@@ -32,14 +32,13 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.ddp import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap import compat
 from lightning_pipedap.strategy.config import (DeferUpdate, PipeDAPConfig, PlanningOptions, SafetyOptions,
                                                ScheduleOptions, TrialOptions, WireDtype, build_config)
 from lightning_pipedap.strategy.failure import exit_on_lost_peer
@@ -155,14 +154,14 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend,
                          timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s), start_method=start_method)
-        self._backward_sync_control = _PipeDAPBackwardSyncControl(self)
+        compat.set_backward_sync_control(self, _PipeDAPBackwardSyncControl(self))
         self._optimizers: list[Optimizer] = []
         self._step_open = False  # a grad-enabled forward ran since the last optimizer step
         self._at_exit_registered = False
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
         register_names(strategy_registry, cls, "PipeDAP for Fabric: scheduled reduce-scatter/all-gather gradient "
                                                "sync in backward")
@@ -327,7 +326,7 @@ class _PipeDAPModule(Module):
         return self._strategy.run_forward(lambda: self.module(*args, **kwargs))
 
 
-class _PipeDAPBackwardSyncControl(_BackwardSyncControl):
+class _PipeDAPBackwardSyncControl(compat.BackwardSyncControl):
     """``fabric.no_backward_sync``: no communication in the micro-batches it wraps."""
 
     def __init__(self, strategy: PipeDAPFabricStrategy) -> None:

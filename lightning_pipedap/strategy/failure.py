@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from lightning_pipedap import compat
 from lightning_pipedap.strategy.messages import failure, log
 
 #: exit code of a process ended because a peer stopped answering
@@ -135,20 +136,10 @@ def disarm_child_observer() -> int:
     own code (143, or 1) moments before the launching rank; the observer would then turn the launching
     rank's own exit code into -9. :func:`reap_children` (run at teardown after a failure) takes over its
     other duty: no rank outlives the job. The observer is found among the live threads by its class
-    (Lightning's ``_ChildProcessObserver``, a private name: with another Lightning nothing is stopped).
+    (Lightning's ``_ChildProcessObserver``, a private name: with another Lightning nothing is stopped;
+    :func:`~lightning_pipedap.compat.forget_observed_children`).
     """
-    import threading  # noqa: PLC0415
-
-    try:
-        from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver  # noqa: PLC0415
-    except ImportError:
-        return 0
-    stopped = 0
-    for thread in threading.enumerate():
-        if isinstance(thread, _ChildProcessObserver) and getattr(thread, "_child_processes", None):
-            thread._child_processes = []  # its next poll finds nothing to watch and ends the thread
-            stopped += 1
-    return stopped
+    return compat.forget_observed_children()
 
 
 def route_sigterm(strategy: Any) -> None:
@@ -163,22 +154,20 @@ def route_sigterm(strategy: Any) -> None:
     import signal  # noqa: PLC0415
     import threading  # noqa: PLC0415
 
-    try:  # Lightning's private names: with another Lightning, keep its handler rather than fail
-        from lightning.pytorch.trainer.connectors.signal_connector import _HandlersCompose, _SignalConnector  # noqa: PLC0415
-
-        lightning_notifier = _SignalConnector._sigterm_notifier_fn
-    except (ImportError, AttributeError):
+    hooks = compat.sigterm_hooks()  # (Lightning's private names: with another Lightning, keep its handler, not fail)
+    if hooks is None:
         log.info("pipedap: this Lightning has no _SignalConnector._sigterm_notifier_fn; its SIGTERM handler is kept")
         return
+    lightning_notifier = hooks.notifier
 
-    trainer = getattr(strategy.lightning_module, "_trainer", None) if strategy.lightning_module is not None else None
+    trainer = compat.attached_trainer(strategy.lightning_module)
     rt = getattr(strategy, "_rt", None)
     if trainer is None or rt is None or threading.current_thread() is not threading.main_thread():
         return
     handler = signal.getsignal(signal.SIGTERM)
-    if not isinstance(handler, _HandlersCompose):
+    if not isinstance(handler, hooks.composed):
         return
-    connector = trainer._signal_connector
+    connector = compat.signal_connector(trainer)
 
     def notify(signum: int, frame: Any) -> None:
         log.info("pipedap: rank %s received SIGTERM; stopping every rank at the next step", trainer.global_rank)

@@ -31,7 +31,6 @@ from typing import Any, Callable, Generator, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -41,6 +40,7 @@ from typing_extensions import override
 
 import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
+from lightning_pipedap import compat
 from lightning_pipedap.engine.threads import lower_current_thread_priority
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
 from lightning_pipedap.probe.consumers import eager_modules
@@ -168,7 +168,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     # ------------------------------------------------------------------ registration
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         """Register ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher); idempotent."""
         register_names(strategy_registry, cls, "PipeDAP: scheduled decoupled reduce-scatter/all-gather gradient "
                                                "sync (DeAR/PipeDAP)")
@@ -177,7 +177,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        if self._layer_sync is not None and self.root_device.type == "cpu":
+        if compat.layer_sync(self) is not None and self.root_device.type == "cpu":
             raise ValueError("pipedap: Trainer(sync_batchnorm=True) needs CUDA devices (torch's SyncBatchNorm has no "
                              "CPU implementation); remove sync_batchnorm=True on CPU, or train on GPUs")
         super().setup(trainer)
@@ -232,7 +232,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Lightning's batch transfer, after pending updates when a batch hook of the user's can read weights."""
         if self._flush_callback is not None and self.lightning_module is not None:
-            trainer = getattr(self.lightning_module, "_trainer", None)
+            trainer = compat.attached_trainer(self.lightning_module)
             if trainer is not None:
                 self._flush_callback.before_batch_transfer(trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -374,7 +374,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         rt = self._rt
         if self._aborted or rt is None:
             return
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        trainer = compat.attached_trainer(self.lightning_module)
         if trainer is not None and trainer.interrupted:
             return
         rt.flush()
@@ -449,7 +449,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                     self.flush()
             finally:
                 rt.close(abort=aborted)
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        trainer = compat.attached_trainer(self.lightning_module)
         if trainer is not None and self._flush_callback in trainer.callbacks:
             trainer.callbacks.remove(self._flush_callback)
         if self._orig_clip is not None:

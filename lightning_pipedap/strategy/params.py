@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap import compat
 from lightning_pipedap.engine.sparse import sparse_gradient_params
 
 #: engine parameter index -> (parameter name, shape)
@@ -34,7 +35,7 @@ class TrainableSet:
 
     def requires_grad(self, p: Tensor) -> bool:
         """``p.requires_grad`` as the user set it (not as ``toggle_optimizer`` switched it for one step)."""
-        toggled = getattr(self.module, "_param_requires_grad_state", None) or {}
+        toggled = compat.toggled_requires_grad(self.module) or {}
         return bool(toggled.get(p, p.requires_grad))
 
     def collect(self) -> list[Tensor]:
@@ -61,7 +62,7 @@ class TrainableSet:
         """
         if self._all is None:
             self._all = list(self.module.parameters())
-        toggled = getattr(self.module, "_param_requires_grad_state", None)
+        toggled = compat.toggled_requires_grad(self.module)
         if toggled:
             trainable = tuple(bool(toggled.get(p, p.requires_grad)) for p in self._all)
         else:

@@ -27,9 +27,10 @@ import torch
 
 import lightning_pipedap
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap import compat
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.plan.plan_cache import ENTRY_VERSION, PlanStore, digest, plan_key
-from lightning_pipedap.probe.alpha_beta import _cache_key, device_kind
+from lightning_pipedap.probe.alpha_beta import cache_key, device_kind
 from lightning_pipedap.schedule import Schedule
 from lightning_pipedap.strategy.config import PipeDAPConfig
 
@@ -78,7 +79,7 @@ def keyed_options(config: PipeDAPConfig, accumulate: int, frontend: str) -> dict
 def link_fingerprint(comm: Any, device: torch.device, cost_model: Any) -> dict[str, Any]:
     """The key's link part (a collective: every rank's host name): the α-β cache entry of this group, and the
     constants of a ``cost_model`` the user gave (a file's content or the model's, as a digest)."""
-    out: dict[str, Any] = {"alpha_beta_key": _cache_key(comm, device)}
+    out: dict[str, Any] = {"alpha_beta_key": cache_key(comm, device)}
     if isinstance(cost_model, str):
         try:
             out["cost_model"] = hashlib.sha1(Path(cost_model).read_bytes()).hexdigest()[:16]
@@ -96,7 +97,7 @@ def _utc_now() -> str:
 
 
 def _qualname(obj: Any) -> str:
-    inner = getattr(obj, "_optimizer", obj)  # (a wrapper of Lightning's or Fabric's: the optimizer inside)
+    inner = compat.unwrap_optimizer(obj)  # (a wrapper of Lightning's or Fabric's: the optimizer inside)
     return f"{type(inner).__module__}.{type(inner).__qualname__}"
 
 
@@ -154,7 +155,7 @@ class PlanCache:
         trainable = {id(p) for p in rt.params}
         frozen = [[n, list(p.shape), str(p.dtype), False, None] for n, p in rt.module.named_parameters()
                   if id(p) not in trainable]
-        trainer = getattr(rt.module, "_trainer", None)
+        trainer = compat.attached_trainer(rt.module)
         nodes, per_node = rt.layout
         return plan_key(
             model_class=type(rt.module).__name__, params=traced + frozen, world_size=rt.world_size, nodes=nodes,

@@ -14,10 +14,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
-
 import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
+from lightning_pipedap import compat
 from lightning_pipedap.measure.timeline import OpRecord, as_op_records
 from lightning_pipedap.strategy.config import PipeDAPConfig
 from lightning_pipedap.strategy.controller import Phase
@@ -49,7 +48,7 @@ def _entry_of(cache: Any) -> Optional[dict[str, Any]]:
     return dict(entry) if entry else None
 
 
-class RunResults:
+class RunResults(compat.SpawnLauncherHook):
     """Results of the current or last fit: plan selection, predictions, measured times, the timeline."""
 
     #: what messages call one training run: ``trainer.fit`` here, a Fabric script's run in the Fabric strategy
@@ -287,13 +286,12 @@ class RunResults:
             out = as_op_records(self._rt.engine.take_timings()) + out
         return sorted(out, key=lambda r: r.start_s)
 
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()  # type: ignore[misc]
-        if isinstance(self._launcher, _MultiProcessingLauncher):
-            self._launcher = _ResultsBackLauncher(self, start_method=self._start_method)
+    def make_spawn_launcher(self, start_method: Optional[str]) -> Any:
+        """Lightning's spawn launcher that also brings :meth:`what_ran` back (:class:`compat.SpawnLauncherHook`)."""
+        return _ResultsBackLauncher(self, start_method=start_method)
 
 
-class _ResultsBackLauncher(_MultiProcessingLauncher):
+class _ResultsBackLauncher(compat.MultiProcessingLauncher):
     """Lightning's spawn launcher, also bringing rank 0's :meth:`RunResults.what_ran` back to the main process."""
 
     def get_extra_results(self, trainer: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 import lightning_pipedap.engine.collectives as C
+from lightning_pipedap import compat
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.sparse import SparseGradReducer, sparse_gradient_params
 from lightning_pipedap.engine.update import write_back_grads
@@ -356,7 +357,7 @@ class Runtime:
 
     def _step_text(self) -> str:
         """``"global step 12"`` for messages (``"a step"`` outside a Trainer)."""
-        trainer = getattr(self.module, "_trainer", None)
+        trainer = compat.attached_trainer(self.module)
         return f"global step {trainer.global_step}" if trainer is not None else "a step"
 
     def trainable_signature(self) -> int:
@@ -520,7 +521,7 @@ class Runtime:
             # as DDP's reducer: the reduction finishes when autograd's backward pass ends, so user code right
             # after ``loss.backward()`` (a LightningModule.backward override) sees averaged gradients in sync mode
             self._end_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward_pass)
+            compat.queue_autograd_callback(self._end_of_backward_pass)
         engine.grad_ready(i, p.grad)
         if self.recorder is not None:
             self.sync_device()

@@ -14,6 +14,7 @@ from typing import Any, Callable, Generator, Optional
 import torch
 from torch import Tensor
 
+from lightning_pipedap import compat
 from lightning_pipedap.probe.consumers import ConsumerTrace, Consumption, ModuleStack, consumer_order
 
 
@@ -42,11 +43,10 @@ def plan_owners(first: dict[int, Consumption], num_params: int,
 def outside_compiled(name: str, modules: dict[str, torch.nn.Module]) -> str:
     """The owner to trigger instead of module ``name``: the parent of the outermost ``torch.compile``d
     module around it (hooks of modules inside a compiled region do not run eagerly), else ``name``."""
-    from torch._dynamo.eval_frame import OptimizedModule
-
+    compiled = compat.compiled_module_type()  # (torch.compile's wrapper class)
     parts = name.split(".") if name else []
     for k in range(1, len(parts) + 1):
-        if isinstance(modules.get(".".join(parts[:k])), OptimizedModule):
+        if isinstance(modules.get(".".join(parts[:k])), compiled):
             return ".".join(parts[:k - 1])
     return name
 
