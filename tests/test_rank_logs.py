@@ -65,7 +65,10 @@ class _Failing:
         from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure
 
         self.abort = CollectivesOffAfterFailure.abort.__get__(self)
-        self._aborted, self._rt, self.global_rank = False, None, rank
+        self._aborted, self.global_rank = False, rank
+
+    def stop_fit_after_failure(self, word):
+        pass
 
 
 def test_a_failure_goes_to_the_rank_log_file_with_its_traceback_not_to_the_terminal(tmp_path, as_rank, capsys):

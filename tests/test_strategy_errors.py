@@ -221,8 +221,7 @@ def test_a_fit_logs_the_options_that_do_not_apply_and_the_warmup_schedule_once()
                      ResumeState(), said.append, said.append, {}, [], lambda: False)
         # the set-up's warm-up schedule, then the profiling steps re-install the same one: said once
         rt.install_warmup()
-        rt.order, rt.owners = [0, 1], [None, None]
-        rt.install(rt.order, rt.builtin(rt.order, "allreduce"), rt.owners)
+        rt.install([0, 1], rt.builtin([0, 1], "allreduce"), [None, None])
         assert rt.running_schedule == "allreduce" and rt.final_schedule is None
         rt.close()
     finally:

@@ -191,7 +191,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
             return _PipeDAPModule(module, self)
         rt = self._start_runtime(module, lambda: self._optimizers, ResumeState(), self._on_lost_peer)
         rt.install_warmup()
-        rt.trainable_key = rt.trainable_signature()
+        rt.remember_trainable_set()
         self._step_open = False
         if not self._at_exit_registered:
             atexit.register(self._close_at_exit)
@@ -209,7 +209,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         refuse_self_communicating([optimizer])
         self._optimizers.append(optimizer)
         if self._rt is not None:
-            self._rt.trainable_key = self._rt.trainable_signature()
+            self._rt.remember_trainable_set()
         return optimizer
 
     @override
@@ -248,7 +248,7 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         if not self._step_open:  # the first forward of a step (all ranks: same point)
             self._step_open = True
             rt.retrain_if_changed()
-            rt.t_backward_done = None
+            rt.no_update_time()
         return rt.training_step(call)
 
     @contextmanager
@@ -258,11 +258,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         if rt is None:
             yield
             return
-        prev, rt.sync_grads = rt.sync_grads, False
-        try:
+        with rt.local_gradients():
             yield
-        finally:
-            rt.sync_grads = prev
 
     @override
     def backward(self, tensor: Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from torch import Tensor
 
 from lightning_pipedap import compat
+from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.messages import failure, log
 
 #: exit code of a process ended because a peer stopped answering
@@ -34,10 +35,12 @@ SIGTERM_EXIT_CODE = 143
 class CollectivesOffAfterFailure:
     """Mixin for a Lightning ``ParallelStrategy``: no collective on the default group after :meth:`abort`.
 
-    Needs ``self._aborted`` (bool) and, for :meth:`abort`, ``self._rt`` (the run-time or None).
+    Needs ``self._aborted`` (bool) and, for :meth:`abort`, ``self.stop_fit_after_failure(word)`` (tell the peers
+    ``word`` and stop the communication worker without waiting: :class:`~.results.RunResults`).
     """
 
     _aborted: bool
+    stop_fit_after_failure: Callable[[str], None]
 
     def abort(self, exception: Optional[BaseException] = None) -> None:
         """Mark this rank as failed: stop the communication worker without waiting, make collectives local."""
@@ -50,12 +53,9 @@ class CollectivesOffAfterFailure:
         self._aborted = True
         if getattr(self, "local_rank", None) == 0:  # every rank sees the failure: reap_children waits at teardown
             disarm_child_observer()
-        rt = getattr(self, "_rt", None)
-        if rt is not None and rt.heartbeat is not None:  # tell the peers now: they stop waiting for this rank
-            rt.heartbeat.stop("interrupted" if isinstance(exception, KeyboardInterrupt)
-                              else "stopped" if isinstance(exception, SystemExit) else "failed")
-        if rt is not None and rt.engine is not None:
-            rt.engine.close(abort=True)
+        # tell the peers now (they stop waiting for this rank) and stop the communication worker
+        self.stop_fit_after_failure("interrupted" if isinstance(exception, KeyboardInterrupt)
+                                    else "stopped" if isinstance(exception, SystemExit) else "failed")
         if exception is not None and not isinstance(exception, (SystemExit, KeyboardInterrupt)):
             # on every rank, so each rank's own log file (train_ddp_process_<r>.log, [rank r]-prefixed) has it; not on
             # the terminal, where Python/Hydra print the exception once (a console copy printed every error twice)
@@ -160,9 +160,9 @@ def route_sigterm(strategy: Any) -> None:
         return
     lightning_notifier = hooks.notifier
 
-    trainer = compat.attached_trainer(strategy.lightning_module)
-    rt = getattr(strategy, "_rt", None)
-    if trainer is None or rt is None or threading.current_thread() is not threading.main_thread():
+    trainer = trainer_of(strategy.lightning_module)
+    heartbeat = strategy.peer_heartbeat  # (None: no multi-process fit)
+    if trainer is None or heartbeat is None or threading.current_thread() is not threading.main_thread():
         return
     handler = signal.getsignal(signal.SIGTERM)
     if not isinstance(handler, hooks.composed):
@@ -175,8 +175,7 @@ def route_sigterm(strategy: Any) -> None:
             disarm_child_observer()  # the ranks it started now exit 143; this rank must too, not -9
             strategy.launcher.kill(signum)
         connector.received_sigterm = True
-        if rt.heartbeat is not None:
-            rt.heartbeat.note = "sigterm"
+        heartbeat.note = "sigterm"
 
     def peer_noted(rank: int, word: str) -> None:
         if word == "sigterm":
@@ -184,5 +183,4 @@ def route_sigterm(strategy: Any) -> None:
 
     handler.signal_handlers = [notify if getattr(h, "__func__", None) is lightning_notifier else h
                                for h in handler.signal_handlers]
-    if rt.heartbeat is not None:
-        rt.heartbeat.on_note = peer_noted
+    heartbeat.on_note = peer_noted

@@ -50,6 +50,7 @@ from lightning_pipedap.strategy.deferred import intercept_clipping
 from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
+from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.refusals import group_timeout, refuse_kwargs, refuse_self_communicating, register_names
 from lightning_pipedap.strategy.resume import ResumeState, add_to_checkpoint, install_plan
@@ -189,9 +190,9 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")
-        self._rt.trainable_key = self._rt.trainable_signature()  # (the optimizers exist now)
+        self._rt.remember_trainable_set()  # (the optimizers exist now)
         if getattr(self.precision_plugin, "scaler", None) is not None:
-            self._rt.nonfinite.enabled = False  # (scaled fp16 gradients overflow by design; the scaler skips)
+            self._rt.leave_nonfinite_to_scaler()  # (scaled fp16 gradients overflow by design; the scaler skips)
             if self.config.nonfinite in ("raise", "skip"):
                 M.info(f"pipedap: nonfinite={self.config.nonfinite!r} is not applied under the fp16 grad scaler, "
                        "which skips steps with non-finite gradients itself (as under DDP)")
@@ -217,8 +218,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         if self.single_process:  # nothing to synchronise: the model runs unwrapped, as a single device
             self.note_single_process()
             return
-        rt = self._start_runtime(model, lambda: self.optimizers, self._resume, exit_on_lost_peer)
-        rt.step_of = lambda: self.lightning_module.global_step
+        rt = self._start_runtime(model, lambda: self.optimizers, self._resume, exit_on_lost_peer,
+                                 step_of=lambda: self.lightning_module.global_step)
         for m in eager_modules(model):
             if type(m).train is not torch.nn.Module.train and "train" not in m.__dict__:
                 rt.wrap_train(m, self.flush)  # a module that reads its weights in train()/eval() (LoRA merge)
@@ -232,7 +233,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     def batch_to_device(self, batch: Any, device: Optional[torch.device] = None, dataloader_idx: int = 0) -> Any:
         """Lightning's batch transfer, after pending updates when a batch hook of the user's can read weights."""
         if self._flush_callback is not None and self.lightning_module is not None:
-            trainer = compat.attached_trainer(self.lightning_module)
+            trainer = trainer_of(self.lightning_module)
             if trainer is not None:
                 self._flush_callback.before_batch_transfer(trainer)
         return super().batch_to_device(batch, device, dataloader_idx)
@@ -278,7 +279,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._rt is not None:
-            self._rt.buffers_sync_next = False  # as DDP: a no-grad forward turns the next buffer sync off
+            self._rt.no_buffer_sync_next()  # as DDP: a no-grad forward turns the next buffer sync off
         return super().validation_step(*args, **kwargs)
 
     @contextmanager
@@ -293,11 +294,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             with super().block_backward_sync():  # DDP's no_sync()
                 yield
             return
-        prev, rt.sync_grads = rt.sync_grads, False
-        try:
+        with rt.local_gradients():
             yield
-        finally:
-            rt.sync_grads = prev
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -354,7 +352,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                 rt.controller.at_step_start()  # a final schedule runs: time the step, switch candidates
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
-                rt.t_backward_done = None
+                rt.no_update_time()
             skip = rt is not None and rt.nonfinite.decides_first
             with skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -374,7 +372,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         rt = self._rt
         if self._aborted or rt is None:
             return
-        trainer = compat.attached_trainer(self.lightning_module)
+        trainer = trainer_of(self.lightning_module)
         if trainer is not None and trainer.interrupted:
             return
         rt.flush()
@@ -410,8 +408,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         the step count).
         """
         if self._aborted:
-            pending = self._rt is not None and self._rt.deferred is not None and self._rt.deferred.pending is not None
-            if pending:  # the parameters miss the update of the last step, which its global_step counts
+            if self.updates_pending:  # the parameters miss the update of the last step, which its global_step counts
                 M.warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
                                "still being communicated, so the parameters would not match the step count")
                 return
@@ -449,7 +446,7 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
                     self.flush()
             finally:
                 rt.close(abort=aborted)
-        trainer = compat.attached_trainer(self.lightning_module)
+        trainer = trainer_of(self.lightning_module)
         if trainer is not None and self._flush_callback in trainer.callbacks:
             trainer.callbacks.remove(self._flush_callback)
         if self._orig_clip is not None:

@@ -140,8 +140,8 @@ class ObservationFlush(Callback):
     overwrite it).
 
     Args:
-        strategy: the :class:`~lightning_pipedap.PipeDAPStrategy` (its ``config``, ``flush()`` and the
-            current run-time ``_rt``).
+        strategy: the :class:`~lightning_pipedap.PipeDAPStrategy` (its ``config``, ``flush()``, ``say_once()``,
+            ``updates_pending`` and ``apply_pending()``).
 
     Attributes:
         observers: the :class:`Observers` found last.
@@ -161,31 +161,29 @@ class ObservationFlush(Callback):
             return
         self._found_for = ids
         self.observers = find_observers(trainer.lightning_module, trainer.callbacks, trainer.datamodule)
-        rt = self.strategy._rt
-        if self.strategy.config.defer_update != "auto" or rt is None:
+        if self.strategy.config.defer_update != "auto":
             return
+        say = self.strategy.say_once  # (nothing outside a multi-process fit)
         if self.observers.grads:
             names = ", ".join(self.observers.grads)
-            rt.say("grads:" + names, f"pipedap: {names} can read or write .grad: steps run in sync mode (averaged "
-                   "gradients in .grad at the end of backward, the optimizer steps as with DDP; the reduce-scatter/"
-                   "all-gather still overlap backward). Pass defer_update=True if they do not.")
+            say("grads:" + names, f"pipedap: {names} can read or write .grad: steps run in sync mode (averaged "
+                "gradients in .grad at the end of backward, the optimizer steps as with DDP; the reduce-scatter/"
+                "all-gather still overlap backward). Pass defer_update=True if they do not.")
         for hook, found in self.observers.between.items():
             names = ", ".join(found)
-            rt.say(f"between:{hook}:{names}", f"pipedap: {names} can read parameters or .grad: pending updates are "
-                   f"applied before {hook} (their all-gathers no longer overlap the next forward). Pass "
-                   "defer_update=True if they do not.")
+            say(f"between:{hook}:{names}", f"pipedap: {names} can read parameters or .grad: pending updates are "
+                f"applied before {hook} (their all-gathers no longer overlap the next forward). Pass "
+                "defer_update=True if they do not.")
 
     def before_batch_transfer(self, trainer: Any) -> None:
         """Before the batch hooks (``on_before_batch_transfer``, ...) of the module and the datamodule."""
         self._observe("batch_transfer", trainer)
 
     def _observe(self, hook: str, trainer: Any) -> None:
-        rt = self.strategy._rt
-        if rt is None or rt.deferred is None or rt.deferred.pending is None or self.strategy._aborted \
-                or trainer.interrupted:
+        if not self.strategy.updates_pending or self.strategy._aborted or trainer.interrupted:
             return
         if hook == "on_train_end" or self.strategy.config.defer_update == "auto" and hook in self.observers.between:
-            rt.deferred.apply_all("observe")
+            self.strategy.apply_pending("observe")
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.find(trainer)

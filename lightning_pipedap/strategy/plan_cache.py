@@ -21,21 +21,18 @@ import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-import lightning_pipedap
 import lightning_pipedap.engine.collectives as C
-from lightning_pipedap import compat
 from lightning_pipedap.plan import CostModel
 from lightning_pipedap.plan.plan_cache import ENTRY_VERSION, PlanStore, digest, plan_key
+from lightning_pipedap import compat
 from lightning_pipedap.probe.alpha_beta import cache_key, device_kind
 from lightning_pipedap.schedule import Schedule
 from lightning_pipedap.strategy.config import PipeDAPConfig
-
-if TYPE_CHECKING:
-    from lightning_pipedap.strategy.runtime import Runtime
+from lightning_pipedap.strategy.lightning_reads import accumulate_grad_batches
 
 #: environment variable that says what ``plan_cache=True`` means (a directory, or off)
 ENV = "PIPEDAP_PLAN_CACHE"
@@ -45,6 +42,34 @@ OFF_VALUES = ("0", "off", "false", "no")
 #: (``cost_model`` is in the key's link part; the other per-rank options are rank 0's own)
 UNKEYED_OPTIONS = ("wait_timeout_s", "warmup_steps", "profile_steps", "replan_margin", "replan_every", "max_replans",
                    "trial_steps", "trial_rounds", "trial_window_s", "startup_budget", "plan_cache")
+
+
+class CachedRun(Protocol):
+    """What the plan cache reads of one fit's run-time (:class:`~lightning_pipedap.strategy.runtime.Runtime`)."""
+
+    module: torch.nn.Module
+    tset: Any
+    params: list[torch.Tensor]
+    order: list[int]
+    owners: list[Any]
+    layout: tuple[int, int]
+    world_size: int
+    comm: Any
+    device: torch.device
+    optimizers: Callable[[], list]
+    controller: Any
+    handover: Any
+    planning: Any
+    final_schedule: Any
+
+    def say(self, key: str, message: str) -> None: ...
+
+
+def _package_version() -> str:
+    """``lightning_pipedap.__version__``. The package is imported already (this is one of its modules); it is read
+    from ``sys.modules`` because an import statement would close an import circle through the package's lazy
+    loading of the strategies."""
+    return sys.modules[__name__.partition(".")[0]].__version__
 
 
 def default_directory() -> Path:
@@ -144,7 +169,7 @@ class PlanCache:
         return self.directory is not None
 
     # ------------------------------------------------------------------ key
-    def build_key(self, rt: "Runtime") -> dict[str, Any]:
+    def build_key(self, rt: "CachedRun") -> dict[str, Any]:
         """The key of this run after its trace (:func:`~lightning_pipedap.plan.plan_cache.plan_key`; a
         collective: the link part gathers every rank's host name)."""
         names = {id(m): n for n, m in rt.module.named_modules()}
@@ -155,20 +180,19 @@ class PlanCache:
         trainable = {id(p) for p in rt.params}
         frozen = [[n, list(p.shape), str(p.dtype), False, None] for n, p in rt.module.named_parameters()
                   if id(p) not in trainable]
-        trainer = compat.attached_trainer(rt.module)
         nodes, per_node = rt.layout
         return plan_key(
             model_class=type(rt.module).__name__, params=traced + frozen, world_size=rt.world_size, nodes=nodes,
             processes_per_node=per_node, backend=str(getattr(rt.comm, "backend", "?")),
             device=device_kind(rt.device), link=link_fingerprint(rt.comm, rt.device, self.config.cost_model),
             optimizers=[_qualname(o) for o in rt.optimizers()],
-            options=keyed_options(self.config, getattr(trainer, "accumulate_grad_batches", 1) or 1,
+            options=keyed_options(self.config, accumulate_grad_batches(rt.module) or 1,
                                   "Fabric" if rt.controller.run_noun == "run" else "Trainer"),
-            versions={"lightning_pipedap": lightning_pipedap.__version__, "torch": torch.__version__,
+            versions={"lightning_pipedap": _package_version(), "torch": torch.__version__,
                       "entry": str(ENTRY_VERSION)})
 
     # ------------------------------------------------------------------ lookup (after the trace)
-    def lookup(self, rt: "Runtime") -> tuple[str, Optional[tuple[Any, float, float]]]:
+    def lookup(self, rt: "CachedRun") -> tuple[str, Optional[tuple[Any, float, float]]]:
         """Rank 0 looks this run's key up; every rank gets its answer (collective when on).
 
         Returns:
@@ -197,10 +221,9 @@ class PlanCache:
         candidate = _candidate(choice)
         fitted = entry.get("raw_cost_model") or entry.get("cost_model")
         if fitted is not None:  # (as fitted: a re-plan of this fit calibrates it on its own profiling steps)
-            rt.planning.cost_model, rt.planning.raw_cost_model = CostModel.from_dict(fitted), None
             self._origin = entry.get("cost_model_origin")
-            rt.planning.cost_model_origin = self._origin_here = (
-                f"α-β model of the plan cache entry {path} ({self._origin or 'origin not recorded'})")
+            self._origin_here = f"α-β model of the plan cache entry {path} ({self._origin or 'origin not recorded'})"
+            rt.planning.adopt_cost_model(CostModel.from_dict(fitted), self._origin_here)
         self.entry = {"path": path, "selected_at": entry.get("selected_at"), "chosen": candidate.name,
                       "describe": candidate.describe(), "measured_s": entry["measured_s"],
                       "candidates": entry.get("candidates", [])}
@@ -231,7 +254,7 @@ class PlanCache:
         return "hit", entry, str(found.path), line
 
     # ------------------------------------------------------------------ store (after a finished selection)
-    def store(self, rt: "Runtime", results: list[dict[str, Any]], no_overlap_s: Optional[float],
+    def store(self, rt: "CachedRun", results: list[dict[str, Any]], no_overlap_s: Optional[float],
               measured_s: Optional[float]) -> None:
         """Rank 0 remembers the selection that just finished (the chosen candidate installed now, every
         candidate's measured times, the α-β model) under the key of the last lookup. An unwritable directory is

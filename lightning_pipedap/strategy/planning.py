@@ -9,7 +9,6 @@ happens here is measuring their inputs and choosing which of their outputs to tr
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -18,14 +17,13 @@ from typing import Any, Callable, Optional
 import torch
 
 import lightning_pipedap.engine.collectives as C
-from lightning_pipedap.plan import CostModel, get_planner, load_cost_model
-from lightning_pipedap.plan.candidates import trial_candidates, wire16_everywhere
-from lightning_pipedap.plan.partition import (choose_partition, engine_period, expand_pieces,
-                                              piece_schedule_to_layers)
+from lightning_pipedap.plan import CostModel, load_cost_model
+from lightning_pipedap.plan.partition import expand_pieces
 from lightning_pipedap.probe.alpha_beta import describe_origin, measure_cost_model
 from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
-from lightning_pipedap.strategy.config import PLANNED, PipeDAPConfig
+from lightning_pipedap.strategy.candidates import CandidatePlanner
+from lightning_pipedap.strategy.config import PipeDAPConfig
 
 
 @dataclass
@@ -56,10 +54,12 @@ class Planning:
         world_size, rank: of the default group (rank 0 plans; the plan is broadcast).
         measured: the strategy's :class:`Measured` (contention measured once per strategy).
         info, warn: rank-0 loggers.
+        job: what this job is, in words, recorded with an α-β fit written to the cache.
     """
 
     def __init__(self, config: PipeDAPConfig, comm: Any, device: torch.device, world_size: int, rank: int,
-                 measured: Measured, info: Callable[[str], None], warn: Callable[[str], None]) -> None:
+                 measured: Measured, info: Callable[[str], None], warn: Callable[[str], None],
+                 job: Optional[str] = None) -> None:
         self.config, self.comm, self.device, self.world_size, self.rank = config, comm, device, world_size, rank
         self.measured, self.info, self.warn = measured, info, warn
         self.layers: list[list[int]] = []
@@ -70,8 +70,7 @@ class Planning:
         #: where the α-β model came from, in words (:func:`~lightning_pipedap.probe.alpha_beta.describe_origin`)
         self.cost_model_origin: Optional[str] = None
         self.compression_cost: Optional[Any] = None
-        #: what this job is, in words, recorded with an α-β fit written to the cache (set by the run-time)
-        self.job: Optional[str] = None
+        self.job = job
         self.profile: Optional[dict] = None
         self.predictions: dict[str, dict[str, float]] = {}
         self._profiled: list[tuple[list[float], list[float]]] = []
@@ -189,11 +188,9 @@ class Planning:
             params: the trainable parameters in engine order.
             engine: the profiling engine (its busy-time prediction calibrates the α-β model).
 
-        With ``partition_mb`` set (planned schedules, no compression) rank 0 also plans on the profile with
-        every layer larger than ``partition_mb`` MiB split into pieces (:meth:`_plan_partitioned`); that
-        schedule comes first when it is predicted more than 1% faster than the planner's, else it is the last
-        trial candidate (with ``plan_trials > 1``) or left out. Its engine schedule has ``pieces``
-        (:func:`~lightning_pipedap.plan.partition.expand_pieces`).
+        Rank 0's candidates come from :class:`~lightning_pipedap.strategy.candidates.CandidatePlanner` (with
+        ``partition_mb`` the partitioned plan among them, whose engine schedule has ``pieces``:
+        :func:`~lightning_pipedap.plan.partition.expand_pieces`).
 
         Returns:
             Candidate engine schedules (the planner's first, or the partitioned one, with their predictions)
@@ -212,52 +209,10 @@ class Planning:
                 self.info(f"pipedap: {passes} backward passes per training_step (manual optimization), each reducing "
                           f"every bucket: planned for one pass (the profiled times divided by {passes}); predictions "
                           f"are for the whole step ({passes} passes)")
-            planner = get_planner(PLANNED[cfg.schedule])
-            wire16 = cfg.wire_dtype != "fp32"
-            schedule = planner(profile, self.cost_model, self.world_size)
-            if wire16:
-                fp32_s = schedule.predicted_iteration_s
-                if PLANNED[cfg.schedule] == "optimal":  # per bucket
-                    schedule = planner(profile, self.cost_model, self.world_size, wire16=True)
-                else:
-                    schedule = wire16_everywhere(profile, self.cost_model, schedule)
-                self.info(f"pipedap: {schedule.num_wire16} of {len(schedule.buckets)} buckets {cfg.wire_dtype} on the "
-                          f"wire; predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
-                          f"{fp32_s * 1e3:.1f} ms all fp32 (same profile and α-β model)")
-            candidates: list[Schedule] = [schedule]
-            part = None
-            if cfg.partition_mb is not None and not cfg.compression:
-                part = self._plan_partitioned(profile, params, schedule, wire16)
-            if cfg.compression:
-                shapes = [[tuple(params[i].shape) for i in l] for l in self.layers]
-                candidates = [self._plan_compression(planner, profile, schedule, shapes)]
-            elif cfg.plan_trials > 1:
-                # the partitioned plan is a candidate beside the others: first when it is kept, else last
-                k = cfg.plan_trials - (part is not None)
-                candidates = trial_candidates(profile, self.cost_model, self.world_size, schedule,
-                                              cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16)
-            maps: list[Optional[tuple]] = [None] * len(candidates)
-            profiles = [profile] * len(candidates)
-            if part is not None and part.schedule is not None:
-                merged = piece_schedule_to_layers(part.schedule, part.piece_map)
-                if merged is not None and any(merged.buckets == c.buckets and merged.ops == c.ops for c in candidates):
-                    part = None  # (every layer whole in one bucket, as a candidate already has it: not tried twice)
-            if part is not None and (part.keep or cfg.plan_trials > 1):
-                at = 0 if part.keep else len(candidates)
-                candidates.insert(at, part.schedule)
-                maps.insert(at, part.piece_map)
-                profiles.insert(at, part.profile)
-                del candidates[cfg.plan_trials:], maps[cfg.plan_trials:], profiles[cfg.plan_trials:]
-            candidates = [self._predict(pr, c, m) for pr, c, m in zip(profiles, candidates, maps)]
-            no_overlap = [profile.t_compute + profile.t_update + sum(
-                self.cost_model.all_reduce(sum(pr.layers[k].nbytes for k in b)) for b in c.buckets)
-                for pr, c in zip(profiles, candidates)]
-            if passes > 1:  # (a step is that many passes: what the trials and the drift check measure)
-                candidates = [c if c.predicted_iteration_s is None else
-                              dataclasses.replace(c, predicted_iteration_s=c.predicted_iteration_s * passes)
-                              for c in candidates]
-                no_overlap = [t * passes for t in no_overlap]
-                self.predictions = {n: {k: v * passes for k, v in p.items()} for n, p in self.predictions.items()}
+            rank0 = CandidatePlanner(cfg, self.cost_model, self.raw_cost_model, self.world_size,
+                                     self.measured.contention, self.info, self.compression_cost)
+            candidates, no_overlap, maps = rank0.build(profile, params, self.layers, passes)
+            self.compression_cost, self.predictions = rank0.compression_cost, rank0.predictions
             plan = (candidates, no_overlap, profile.to_dict(), self.cost_model, maps)
         t0 = time.perf_counter()
         try:
@@ -271,90 +226,6 @@ class Planning:
         numels = [p.numel() for p in params]
         return [expand_layers(c, self.layers, keys) if m is None else expand_pieces(c, m, self.layers, numels, keys)
                 for c, m in zip(candidates, maps)], no_overlap
-
-    def _plan_partitioned(self, profile: Any, params: list[torch.Tensor], schedule: Schedule,
-                          wire16: bool) -> Optional[Any]:
-        """Rank 0: plan again on the profile with every layer larger than ``partition_mb`` MiB split into pieces
-        (:func:`~lightning_pipedap.plan.partition.choose_partition`) and log both predictions (ms) and what was
-        split into how many pieces.
-
-        Element counts come from the parameters (``numel`` of each layer's parameters together), so pieces
-        fall on element boundaries whatever the dtypes. Not called with compression (a compressor works on
-        whole parameters; :meth:`PipeDAPConfig.ignored_options` says so at the start of the fit) nor for the
-        fixed schedules (they are not planned).
-
-        Returns:
-            The :class:`~lightning_pipedap.plan.partition.PartitionChoice` when some layer was split, else
-            ``None`` (nothing larger than ``partition_mb``).
-        """
-        cfg = self.config
-        numels = [sum(params[i].numel() for i in l) for l in self.layers]
-        counted = dataclasses.replace(profile, layers=tuple(dataclasses.replace(l, numel=n)
-                                                            for l, n in zip(profile.layers, numels)))
-        choice = choose_partition(counted, self.cost_model, self.world_size, PLANNED[cfg.schedule], schedule,
-                                  cfg.partition_mb * 2**20, wire16=wire16)
-        self.info(choice.line)
-        return choice if choice.schedule is not None else None
-
-    def _predict(self, profile: Any, schedule: Schedule, piece_map: Optional[tuple] = None) -> Schedule:
-        """Rank 0: ``schedule`` with the prediction training is checked against, and every prediction in
-        :attr:`predictions` (s): α-β as fitted (``ab_s``), α-β calibrated (``calibrated_s``), and each of
-        those through the contention-aware simulator (``contended_s``, ``contended_calibrated_s``).
-
-        The prediction kept is the contention-aware one on the *uncalibrated* α-β when the contention was
-        measured (the profiling-step calibration already contains some of the same slowdown), else the
-        planner's own (calibrated when calibration applied). A schedule over piece-layers (``piece_map``
-        given, ``profile`` partitioned) is predicted with
-        :func:`~lightning_pipedap.plan.partition.engine_period` (a split layer's update once, after its last
-        bucket); its contention-aware predictions use the simulator's share-by-bytes update.
-        """
-        from lightning_pipedap.plan.contention import simulate_contended  # noqa: PLC0415
-        from lightning_pipedap.plan.simulator import simulate  # noqa: PLC0415
-
-        if self.config.compression:
-            return schedule  # compressed plans: the planner's compression-aware prediction
-        raw = self.raw_cost_model or self.cost_model
-        if piece_map is not None:
-            pred = {"ab_s": engine_period(profile, piece_map, raw, schedule),
-                    "calibrated_s": engine_period(profile, piece_map, self.cost_model, schedule)}
-        else:
-            pred = {"ab_s": simulate(profile, raw, schedule).iteration_s,
-                    "calibrated_s": simulate(profile, self.cost_model, schedule).iteration_s}
-        keep = schedule.predicted_iteration_s
-        contention = self.measured.contention
-        if contention is not None:
-            pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s
-            pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule, contention).iteration_s
-            keep = pred["contended_s"]
-        self.predictions[schedule.name] = pred
-        return dataclasses.replace(schedule, predicted_iteration_s=keep)
-
-    def _plan_compression(self, planner: Callable[..., Schedule], profile: Any, dense: Schedule,
-                          layer_shapes: list[list[tuple[int, ...]]]) -> Schedule:
-        """Rank 0: plan again with the measured compression cost; log what is compressed and what it buys.
-
-        The compressor is timed once per fit (:func:`~lightning_pipedap.probe.compression_cost.
-        measure_compression_cost`, about a second at most) with the helper's thread count. ``optimal``
-        compresses only the buckets where it pays; the other planners compress every bucket.
-        """
-        from lightning_pipedap.probe.compression_cost import measure_compression_cost  # noqa: PLC0415
-
-        cfg = self.config
-        cost = self.compression_cost
-        if cost is None:
-            process = cfg.compression_mode == "process"
-            cost = measure_compression_cost(cfg.compression, cfg.compression_kwargs, layer_shapes,
-                                            world_size=self.world_size, where="helper" if process else "inline",
-                                            threads=cfg.compression_threads if process else None)
-            self.compression_cost = cost
-            self.info(f"pipedap: compression cost of {cost.method}: {cost.alpha_c_s * 1e6:.0f} µs + "
-                      f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/B ({cost.post_share:.0%} after the collective, "
-                      f"R²={_r2(cost.meta.get('r2'))}), payload via {cost.collective} x{cost.rounds}")
-        schedule = planner(profile, self.cost_model, self.world_size, compression=cost)
-        self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
-                  f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
-                  f"{dense.predicted_iteration_s * 1e3:.1f} ms without compression")
-        return schedule
 
     def _calibrate(self, engine: Any) -> None:
         """Scale the measured α-β model by the profiling steps' measured / predicted busy time (rank 0).
@@ -376,17 +247,19 @@ class Planning:
             self.info(f"pipedap: communication during the profiling steps took {ratio:.2f}x the α-β prediction "
                       "(compute shares the cores); planning with α and β scaled by it")
 
+    def adopt_cost_model(self, cost_model: CostModel, origin: Optional[str] = None) -> None:
+        """Plan with ``cost_model`` as fitted (a checkpoint's or a plan cache entry's; calibrated again by a
+        re-plan's profiling steps); ``origin``: where it came from, in words (None: unchanged)."""
+        self.cost_model, self.raw_cost_model = cost_model, None
+        if origin is not None:
+            self.cost_model_origin = origin
+
     def rescale(self, ratio: float) -> bool:
         """Scale α and β by ``ratio`` before a re-plan (not with compression: its cost model is separate)."""
         if self.config.compression or self.cost_model is None:
             return False
         self.cost_model = self.cost_model.scaled(alpha_factor=ratio, beta_factor=ratio)
         return True
-
-
-def _r2(r2: Any) -> str:
-    """R² for a log line: 4 decimals, or ``n/a``."""
-    return f"{r2:.4f}" if isinstance(r2, (int, float)) else "n/a"
 
 
 def describe_contention(c: Any) -> str:

@@ -71,11 +71,11 @@ class RunResults(compat.SpawnLauncherHook):
         self._timeline_enabled = False
 
     def _start_runtime(self, module: torch.nn.Module, optimizers: Callable[[], list], resume: ResumeState,
-                       on_lost_peer: Callable[[str], None]) -> Runtime:
+                       on_lost_peer: Callable[[str], None], step_of: Optional[Callable[[], int]] = None) -> Runtime:
         """Set-up shared by the Trainer and Fabric strategies: check that every rank has the same model and
         options, broadcast rank 0's parameters and buffers, create the engine's group and the fit's
         :class:`~lightning_pipedap.strategy.runtime.Runtime` with its hooks (the strategy's ``_on_grad_ready``
-        and ``_on_module_forward``).
+        and ``_on_module_forward``). ``step_of``: ``() -> int``, the current optimizer step (none: -1).
 
         Raises:
             ValueError: parameters, buffers or options that differ between ranks (the first difference is
@@ -90,12 +90,12 @@ class RunResults(compat.SpawnLauncherHook):
             C.broadcast_coalesced_(list(module.parameters()) + list(module.buffers()), src=0)
         self.update_counts = dict.fromkeys(UPDATE_PLACES, 0)
         self._comm = C.new_comm_group(self.config.wait_timeout_s, int(self.config.ring_chunk_mb * 2**20))
+        nodes = int(getattr(self, "num_nodes", 1) or 1)
         self._rt = rt = Runtime(self.config, module, optimizers, self._comm, self.world_size, self.global_rank,
                                 self.root_device, self._measured, resume, M.info, M.warn, self.update_counts,
-                                self._records, lambda: self._timeline_enabled, run_noun=self.RUN_NOUN)
+                                self._records, lambda: self._timeline_enabled, run_noun=self.RUN_NOUN,
+                                layout=(nodes, max(1, self.world_size // nodes)), step_of=step_of)
         rt.start_heartbeat(on_lost_peer)
-        nodes = int(getattr(self, "num_nodes", 1) or 1)
-        rt.layout = (nodes, max(1, self.world_size // nodes))
         M.every_rank(f"pipedap: rank {self.global_rank} of {self.world_size} set up on {socket.gethostname()} "
                      f"(pid {os.getpid()}, device {self.root_device}, {len(rt.params)} trainable tensors"
                      f"{f' + {len(rt.sparse.params)} with sparse gradients' if rt.has_sparse else ''}, "
@@ -105,6 +105,33 @@ class RunResults(compat.SpawnLauncherHook):
         # parameters are updated before training_step)
         rt.install_hooks(self._on_grad_ready, torch.compiler.disable(self._on_module_forward))
         return rt
+
+    # ------------------------------------------------------------------ for pipedap's callback and failure handling
+    def say_once(self, key: str, message: str) -> None:
+        """Log ``message`` on rank 0 once per fit (per ``key``); nothing outside a multi-process fit."""
+        if self._rt is not None:
+            self._rt.say(key, message)
+
+    @property
+    def updates_pending(self) -> bool:
+        """Whether a deferred update of the current fit has not been applied yet."""
+        return self._rt is not None and self._rt.updates_pending
+
+    def apply_pending(self, place: str) -> None:
+        """Apply every pending update now, counted under ``place`` in :attr:`update_counts` (all ranks call it)."""
+        if self._rt is not None and self._rt.deferred is not None:
+            self._rt.deferred.apply_all(place)
+
+    @property
+    def peer_heartbeat(self) -> Optional[C.Heartbeat]:
+        """The current fit's heartbeat (liveness and notes between the ranks), None outside a multi-process fit."""
+        return self._rt.heartbeat if self._rt is not None else None
+
+    def stop_fit_after_failure(self, word: str) -> None:
+        """This rank failed: tell the peers (the heartbeat's ``word``) and stop the communication worker without
+        waiting (nothing outside a multi-process fit)."""
+        if self._rt is not None:
+            self._rt.stop_after_failure(word)
 
     def __getattr__(self, name: str) -> Any:
         """The options as attributes (``strategy.bucket_cap_mb``, ``strategy.compression``, ...)."""

@@ -44,6 +44,11 @@ class ResumeState:
     plan: Optional[dict[str, Any]] = None
     compression: Optional[dict[str, Any]] = None
 
+    def take_plan(self) -> Optional[dict[str, Any]]:
+        """The loaded plan, once (then None: a later engine gets the compression state directly)."""
+        plan, self.plan = self.plan, None
+        return plan
+
     def load_state_dict(self, checkpoint: dict[str, Any], method: Optional[str], kwargs: dict[str, Any],
                         world_size: int, rank: int) -> list[str]:
         """Read ``checkpoint``; returns the reasons (warnings) for not restoring the compression state.
@@ -106,15 +111,16 @@ class CompressionCarry:
         method, kwargs: the configured compressor.
         info: ``info()`` -> the installed engine's parameter names and shapes (:data:`ParamInfo`).
         log: rank-0 logger.
+        state: a loaded checkpoint's state for this rank, or None.
 
     Attributes:
         state: the kept state while no compressing engine holds it (``compress.state`` format), or None.
     """
 
     def __init__(self, method: str, kwargs: dict[str, Any], info: Callable[[Any], ParamInfo],
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None], state: Optional[dict[str, Any]] = None) -> None:
         self.method, self.kwargs, self.info, self.log = method, kwargs, info, log
-        self.state: Optional[dict[str, Any]] = None
+        self.state = state
 
     def now(self, engine: Any, take: bool) -> Optional[dict[str, Any]]:
         """This rank's state: the helper's (or the kept one while no compressing engine runs) plus the
@@ -176,7 +182,7 @@ def install_plan(rt: Any) -> None:
     Args:
         rt: the fit's :class:`~lightning_pipedap.strategy.runtime.Runtime` (its ``resume.plan`` is consumed).
     """
-    plan, rt.resume.plan = rt.resume.plan, None
+    plan = rt.resume.take_plan()
     if plan is None:
         return
     cfg = rt.config
@@ -186,11 +192,10 @@ def install_plan(rt: Any) -> None:
         rt.info(f"pipedap: the checkpoint's schedule does not fit this run ({', '.join(differ)} differ); "
                 "tracing and planning again")
         return
-    rt.order = list(plan["order"])
-    rt.owners = owner_modules(plan["owners"], rt.module)
+    rt.slot.adopt_layout(list(plan["order"]), owner_modules(plan["owners"], rt.module))
     schedule = plan_schedule(plan)
     if plan["cost_model"] is not None:
-        rt.planning.cost_model = CostModel.from_dict(plan["cost_model"])
+        rt.planning.adopt_cost_model(CostModel.from_dict(plan["cost_model"]))
     rt.install(rt.order, schedule, rt.owners, final=True)
     cm = rt.planning.cost_model
     rt.controller.resumed(schedule.predicted_iteration_s, plan["no_overlap_time_s"],

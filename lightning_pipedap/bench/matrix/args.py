@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from typing import Callable, Optional, Sequence
 
 from lightning_pipedap.bench.matrix.spec import (DEFAULT_COMPRESSORS, LINKS, MODELS, PIPEDAP_PREFIX, QUICK_STRATEGIES,
@@ -85,8 +86,7 @@ def parse_bucket_list(text: str) -> list[float]:
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser (lists are comma-separated and validated by :func:`parse_args`); its
     description is the package docstring of :mod:`lightning_pipedap.bench.matrix`."""
-    from lightning_pipedap.bench import matrix as package
-
+    package = sys.modules[__name__.rpartition(".")[0]]  # (imported already; an import would close a circle)
     ap = argparse.ArgumentParser(prog=PROG, description=package.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
