@@ -11,7 +11,6 @@ Rank 0 writes ``{case: {variant: max |param - ddp param|}}`` to OUT.json.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile

@@ -475,7 +475,7 @@ def test_quiet_worker_is_scoped_and_filters_only_its_warnings():
     before_level, before_filters = lg.level, list(warnings.filters)
     with M.quiet_worker():
         assert lg.level == logging.ERROR
-        with warnings.catch_warnings(record=True) as seen:
+        with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")  # would override the quiet filters: check them without it
         for message, category in M.worker.QUIET_WARNINGS:
             assert any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message and f[2] is category

@@ -97,8 +97,10 @@ from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, CLIP_SUFFIX, C
                                                  SIZES, TRIAL_STEPS, StrategySpec, all_strategies, compressor_names,
                                                  extra_warmup_steps, parse_strategies, parse_strategy, pipedap_schedules,
                                                  plan_trials, uncompressed_name, valid_strategies)
-from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTimer, _ddp_with_comm_hook, _make_timer,
-                                                   comm_only, plan_record, quiet_worker)
+from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTimer, comm_only, plan_record,
+                                                   quiet_worker)
+# private helpers, re-exported for tests/test_bench_matrix.py (M._make_timer, M._ddp_with_comm_hook)
+from lightning_pipedap.bench.matrix.worker import _ddp_with_comm_hook, _make_timer  # noqa: F401
 
 __all__ = [
     "BASE_STRATEGIES", "CLIP_SUFFIX", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS", "DEFAULT_COMPRESSORS",
