@@ -481,7 +481,7 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
             else:
                 groups.append([i])
         parts.append([tuple(g) for g in groups])
-    n = sum(len(l) for l in layers)
+    n = sum(len(layer_params) for layer_params in layers)
     return split_buckets(schedule, parts, n)
 
 

@@ -192,4 +192,4 @@ def targets_summary(cells: Sequence[CellVerdict], pipedap: str = DEFAULT_PIPEDAP
         lines.append(f"- simulator within ±{SIM_TOLERANCE * 100:.0f}% of the measurement{what}: {len(ok)} of "
                      f"{len(errs)} predictions ({100 * len(ok) / len(errs):.0f}%; target {SIM_SHARE_TARGET * 100:.0f}%)"
                      if errs else f"- simulator{what}: no prediction recorded")
-    return [l for l in lines if l]
+    return [line for line in lines if line]

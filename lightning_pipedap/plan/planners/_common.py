@@ -106,8 +106,8 @@ def starts_of(buckets: Sequence[Sequence[int]]) -> Starts:
 
 def _prefix_bytes(profile: ModelProfile) -> list[int]:
     pre = [0]
-    for l in profile.layers:
-        pre.append(pre[-1] + l.nbytes)
+    for layer in profile.layers:
+        pre.append(pre[-1] + layer.nbytes)
     return pre
 
 

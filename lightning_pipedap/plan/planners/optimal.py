@@ -225,8 +225,8 @@ class _FusionSearch:
         self.compression, self.world_size, self.wire16 = compression, world_size, wire16
         self.cache: dict[Starts, tuple[float, list[int], Evaluator]] = {}
         self.pre = [0]
-        for l in profile.layers:
-            self.pre.append(self.pre[-1] + l.nbytes)
+        for layer in profile.layers:
+            self.pre.append(self.pre[-1] + layer.nbytes)
 
     def evaluate(self, starts: Starts) -> tuple[float, list[int], Evaluator]:
         hit = self.cache.get(starts)
