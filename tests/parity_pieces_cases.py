@@ -147,8 +147,9 @@ def run_resume_case(at: int = 8) -> dict[str, Any]:
 
 def run_option_case(real_plan: Any) -> dict[str, Any]:
     """``PipeDAPStrategy(partition_mb=...)`` end to end: the real ``Planning.plan`` splits the layers larger than
-    0.001 MiB (262 fp32 elements), with an α-β model of no start-up and a slow link, and offers the partitioned plan as a trial candidate; the measured selection is
-    forced to pick it (``*+pieces*`` name), and the rest of the fit runs it (AdamW, param groups, StepLR)."""
+    0.001 MiB (262 fp32 elements), with an α-β model of no start-up and a slow link, and offers the partitioned plan as
+    a trial candidate; the measured selection is forced to pick it (``*+pieces*`` name), and the rest of the fit runs it
+    (AdamW, param groups, StepLR)."""
     import lightning_pipedap.strategy.controller as ctl
     from lightning_pipedap.strategy.planning import Planning
 

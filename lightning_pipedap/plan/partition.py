@@ -66,9 +66,8 @@ from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
 from lightning_pipedap.schedule import OpKind, Schedule, expand_layers, split_buckets
 
-__all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
-           "fused_pieces",
-           "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
+__all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period",
+           "expand_pieces", "fused_pieces", "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
 
 #: ``piece_map[j] = (layer, start, stop)``: piece-layer ``j`` of the partitioned profile is elements
 #: ``[start, stop)`` of layer ``layer`` of the original profile (flattened); plain data (JSON-able as lists)
@@ -93,7 +92,8 @@ def layer_numels(profile: ModelProfile, bytes_per_element: int | None = None) ->
         if layer.numel is not None:
             out.append(int(layer.numel))
         elif layer.nbytes % bpe:
-            raise ValueError(f"layer {layer.name!r} has {layer.nbytes} bytes and no element count; {layer.nbytes} is not a "
+            raise ValueError(f"layer {layer.name!r} has {layer.nbytes} bytes and no element count; "
+                             f"{layer.nbytes} is not a "
                              f"multiple of bytes_per_element={bpe} (give the profile's numel or bytes_per_element)")
         else:
             out.append(layer.nbytes // bpe)
@@ -142,8 +142,8 @@ def partition_profile(profile: ModelProfile, piece_bytes: float, *,
             start, stop = j * n // k, (j + 1) * n // k
             nbytes = stop * layer.nbytes // n - start * layer.nbytes // n
             last = j == k - 1
-            layers.append(LayerProfile(f"{layer.name}#{j}/{k}", nbytes, layer.t_f if last else 0.0, layer.t_b if last else 0.0,
-                                       stop - start))
+            layers.append(LayerProfile(f"{layer.name}#{j}/{k}", nbytes, layer.t_f if last else 0.0,
+                                       layer.t_b if last else 0.0, stop - start))
             pmap.append((i, start, stop))
     if not split:
         return profile, tuple(pmap)
@@ -198,7 +198,8 @@ def _check_piece_map(piece_map: PieceMap, layers: Sequence[Sequence[int]], numel
     for k, layer in enumerate(layers):
         total = sum(numels[p] for p in layer)
         if ends[k] != total:
-            raise ValueError(f"the pieces of layer {k} cover elements [0, {ends[k]}) but its parameters {list(layer)[:10]} "
+            raise ValueError(f"the pieces of layer {k} cover elements [0, {ends[k]}) "
+                             f"but its parameters {list(layer)[:10]} "
                              f"have {total} elements; the piece map does not match the parameters")
 
 
@@ -434,7 +435,8 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
     from lightning_pipedap.plan.planners import get_planner  # noqa: PLC0415
 
     if unpartitioned.predicted_iteration_s is None:
-        raise ValueError("unpartitioned has no predicted_iteration_s; give the planner's schedule (with its prediction)")
+        raise ValueError("unpartitioned has no predicted_iteration_s; "
+                         "give the planner's schedule (with its prediction)")
     u = unpartitioned.predicted_iteration_s
     asked = piece_bytes
     pieces = sum(max(1, math.ceil(layer.nbytes / piece_bytes)) for layer in profile.layers) if piece_bytes > 0 else 0

@@ -154,7 +154,8 @@ class ModelProfile:
         """Copy with every compute time (``t_f``, ``t_b``, ``t_update``) multiplied by ``time_factor``."""
         if not (time_factor >= 0 and math.isfinite(time_factor)):
             raise ValueError(f"time_factor must be a finite number >= 0, got {time_factor}")
-        layers = tuple(LayerProfile(layer.name, layer.nbytes, layer.t_f * time_factor, layer.t_b * time_factor, layer.numel)
+        layers = tuple(LayerProfile(layer.name, layer.nbytes, layer.t_f * time_factor, layer.t_b * time_factor,
+                                    layer.numel)
                        for layer in self.layers)
         return ModelProfile(self.name, layers, self.t_update * time_factor, dict(self.meta))
 
@@ -270,8 +271,8 @@ def _own_profile(data: Mapping[str, Any], src: str) -> ModelProfile:
     for i, entry in enumerate(data.get("layers", [])):
         name = str(entry.get("name", f"layer{i}"))
         if "nbytes" in entry:
-            layers.append(LayerProfile(name, int(entry["nbytes"]), float(entry["t_f"]) * scale, float(entry["t_b"]) * scale,
-                                       entry.get("numel")))
+            layers.append(LayerProfile(name, int(entry["nbytes"]), float(entry["t_f"]) * scale,
+                                       float(entry["t_b"]) * scale, entry.get("numel")))
         elif "numel" in entry:
             layers.append(LayerProfile.from_numel(name, int(entry["numel"]), int(entry.get("bytes_per_element", 4)),
                                                   float(entry["t_f"]) * scale, float(entry["t_b"]) * scale))

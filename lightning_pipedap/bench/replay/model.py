@@ -171,7 +171,8 @@ class ReplayNet(nn.Module):
     def __init__(self, profile: ModelProfile, seed: int = 0) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.layers = nn.ModuleList(SleepLayer(max(1, layer.nbytes // 4), layer.t_f, layer.t_b, g) for layer in profile.layers)
+        self.layers = nn.ModuleList(SleepLayer(max(1, layer.nbytes // 4), layer.t_f, layer.t_b, g)
+                                    for layer in profile.layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, FEATURES)`` floats -> ``(batch, FEATURES)`` logits."""
