@@ -168,8 +168,9 @@ def run_option_case(real_plan: Any) -> dict[str, Any]:
 
         # (no start-up cost per op and a slow link: the planner keeps pieces in buckets of their own)
         cm = CostModel.from_allreduce(0.0, 1e-6)
-        st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, partition_mb=0.001, plan_trials=5, startup_budget=None,
-                             trial_steps=1, trial_rounds=1, trial_window_s=0, torch_ddp_candidate=False, cost_model=cm)
+        st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, partition_mb=0.001, plan_trials=5,
+                             startup_budget=None, trial_steps=1, trial_rounds=1, trial_window_s=0,
+                             torch_ddp_candidate=False, cost_model=cm)
         out = train("mlp", kw, {}, st)
         return {"diff": max_diff(out, ref), "installed": st.installed_schedule,
                 "forward": st.update_counts["forward"]}

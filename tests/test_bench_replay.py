@@ -191,8 +191,8 @@ def test_judge_ratios_and_simulator_error(tmp_path):
     assert v.variant("pipedap-optimal@fp16").vs_best_baseline == pytest.approx(0.20 / 0.24)
     assert v.variant("pipedap-optimal").vs_best_baseline == pytest.approx(1.2)  # (fp32: against ddp_tuned)
     lines = A.targets_summary([v])
-    assert any(line.startswith("- `pipedap-optimal@fp16` at least as fast as every baseline (") and "0 of 1 cells" in line
-               and "0.83× ddp+fp16hook" in line for line in lines), lines
+    assert any(line.startswith("- `pipedap-optimal@fp16` at least as fast as every baseline (")
+               and "0 of 1 cells" in line and "0.83× ddp+fp16hook" in line for line in lines), lines
     assert A.sends_fewer_bytes("pipedap-optimal@bf16@nice5") and not A.sends_fewer_bytes("pipedap-optimal@part1")
 
 

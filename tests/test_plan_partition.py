@@ -9,8 +9,8 @@ import pytest
 
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.partition import (
-    choose_partition, describe_partition, engine_period, expand_pieces, fused_pieces, is_split, layer_numels, partition_profile,
-    piece_schedule_to_layers,
+    choose_partition, describe_partition, engine_period, expand_pieces, fused_pieces, is_split, layer_numels,
+    partition_profile, piece_schedule_to_layers,
 )
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
@@ -233,8 +233,9 @@ def test_expand_pieces_of_planned_schedules_cover_every_element_once(seed):
         layers.append(list(range(p, p + n)))
         numels += [rng.randint(1, 300) for _ in range(n)]
         p += n
-    prof = ModelProfile("r", tuple(LayerProfile.from_numel(f"l{k}", sum(numels[i] for i in layer_params), 4, rng.random(),
-                                                           rng.random()) for k, layer_params in enumerate(layers)))
+    prof = ModelProfile("r", tuple(LayerProfile.from_numel(f"l{k}", sum(numels[i] for i in layer_params), 4,
+                                                           rng.random(), rng.random())
+                                   for k, layer_params in enumerate(layers)))
     cm = CostModel.from_allreduce(rng.uniform(0, 0.01), 1e-5)
     pp, pmap = partition_profile(prof, rng.choice([100, 400, 1000]))
     keys = [rng.choice("fh") for _ in numels]

@@ -102,8 +102,8 @@ def _rank_dependent_stall_fit(out_dir: str) -> None:
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, startup_budget=None,
-                               trial_rounds=1, trial_window_s=0, wait_timeout_s=5, timeout=60,
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1,
+                               startup_budget=None, trial_rounds=1, trial_window_s=0, wait_timeout_s=5, timeout=60,
                                find_unused_parameters=False)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -18,8 +18,9 @@ from lightning_pipedap.bench.matrix.report import (format_text_report, machine_d
 from lightning_pipedap.bench.matrix.results import CellResult, combine
 from lightning_pipedap.bench.matrix.spec import (CLIP_SUFFIX, COMPRESS_SEP, COMPRESSOR_KWARGS, DEFAULT_PIPEDAP,
                                                  INLINE_SUFFIX, LINKS, MODELS, NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS,
-                                                 PRESETS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS, TRIAL_ROUNDS,
-                                                 TRIAL_STEPS, WIRE_SUFFIXES, compressor_names, valid_strategies)
+                                                 PRESETS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS,
+                                                 TRIAL_ROUNDS, TRIAL_STEPS, WIRE_SUFFIXES, compressor_names,
+                                                 valid_strategies)
 
 #: the module every rank runs (``python -m <this> --worker <spec JSON>``)
 WORKER_MODULE = "lightning_pipedap.bench.matrix"

@@ -407,7 +407,8 @@ def worker(spec: dict) -> dict:
         _, _, make_batch = build_net(spec["model"], spec["size"], spec.get("model_options"))
         trial_steps, candidates = spec.get("trial_steps", TRIAL_STEPS), spec.get("plan_trials", PLAN_TRIALS)
         rounds = spec.get("trial_rounds", TRIAL_ROUNDS)
-        total = (spec["warmup"] + max(extra_warmup_steps(n, trial_steps, candidates, rounds) for n in spec["strategies"])
+        total = (spec["warmup"]
+                 + max(extra_warmup_steps(n, trial_steps, candidates, rounds) for n in spec["strategies"])
                  + max(spec["steps"], spec["sweep_steps"]))
         g = torch.Generator().manual_seed(1234)
         ds = TensorDataset(*make_batch(spec["batch"] * (total + 1) * world, g))

@@ -92,8 +92,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
             for k, v in QUICK.items():
                 setattr(args, k, v)
         for flag, value, low in (("--steps", args.steps, 2), ("--warmup", args.warmup, 5),
-                                 ("--repeats", args.repeats, 1), ("--plan-trials", args.plan_trials, 1), ("--trial-steps", args.trial_steps, 1),
-                                 ("--trial-rounds", args.trial_rounds, 1)):
+                                 ("--repeats", args.repeats, 1), ("--plan-trials", args.plan_trials, 1),
+                                 ("--trial-steps", args.trial_steps, 1), ("--trial-rounds", args.trial_rounds, 1)):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         if not args.target_mb > 0:
