@@ -167,10 +167,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("|---|---:|---:|---:|---:|---|")
     for s in summary:
         print(f"| {s['variant']} | {s['round'] + 1} | {_fmt(s['own_ms'])} | {_fmt(s['after_ms'])} | "
-              f"{_fmt(s['pair_diff_ms'])} ({s['pairs']} pairs) | {_fmt(s['lead_own_ms'])} / {_fmt(s['lead_after_ms'])} |")
+              f"{_fmt(s['pair_diff_ms'])} ({s['pairs']} pairs) | "
+              f"{_fmt(s['lead_own_ms'])} / {_fmt(s['lead_after_ms'])} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"config": cfg, "command": " ".join(["python benchmarks/clip_alternate.py", *(argv or sys.argv[1:])]),
+            json.dump({"config": cfg,
+                       "command": " ".join(["python benchmarks/clip_alternate.py", *(argv or sys.argv[1:])]),
                        "date": time.strftime("%Y-%m-%d %H:%M"), "summary": summary, "runs": res["runs"]}, f, indent=1)
     return 0
 

@@ -102,10 +102,12 @@ def table(results: str, timelines: Optional[str] = None) -> str:
         num = lambda key: "–" if key not in t or t[key] != t[key] else f"{t[key]:.0f}"  # noqa: E731 (NaN: –)
         wait = "–" if v.get("wait_s") is None else f"{v['wait_s'] * 1e3:.0f}"
         busy = "–" if v.get("comm_busy_s") is None else f"{v['comm_busy_s'] * 1e3:.0f}"
-        lines.append(f"| {name} | {' / '.join(f'{x:.0f}' for x in rounds[name])} | {statistics.median(rounds[name]):.0f} | "
+        lines.append(f"| {name} | {' / '.join(f'{x:.0f}' for x in rounds[name])} | "
+                     f"{statistics.median(rounds[name]):.0f} | "
                      f"{_cell(_ratios(rounds[name], rounds.get(base)), each=True) if base else '–'} | "
                      f"{_cell(_ratios(rounds[name], rounds.get('ddp')))} | "
-                     f"{_cell(_ratios(rounds[name], rounds.get(ddp_clip)))} | {num('lead_ms')} | {num('comm_in_fwd_ms')} | "
+                     f"{_cell(_ratios(rounds[name], rounds.get(ddp_clip)))} | {num('lead_ms')} | "
+                     f"{num('comm_in_fwd_ms')} | "
                      f"{wait} | {busy} | {ran} |")
     return "\n".join(lines)
 

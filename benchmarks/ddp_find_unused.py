@@ -31,7 +31,8 @@ def _run(rank: int, world: int, port: int, blocks: int, steps: int) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    models = {fu: torch.nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=fu) for fu in (False, True)}
+    models = {fu: torch.nn.parallel.DistributedDataParallel(_model(), find_unused_parameters=fu)
+              for fu in (False, True)}
     opts = {fu: torch.optim.SGD(m.parameters(), lr=0.01) for fu, m in models.items()}
     x, y = torch.randn(32, 32), torch.randint(0, 10, (32,))
     medians: dict[bool, list[float]] = {False: [], True: []}

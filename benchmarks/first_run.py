@@ -102,7 +102,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         def fmt(v: Any, spec: str) -> str:
             return "–" if v is None else format(v, spec)
 
-        lines.append(f"| {experiment} | {variant} | {best['fit_s']:.1f} / {statistics.median(x['fit_s'] for x in ok):.1f} "
+        lines.append(f"| {experiment} | {variant} | {best['fit_s']:.1f} / "
+                     f"{statistics.median(x['fit_s'] for x in ok):.1f} "
                      f"| {fmt(statistics.median(ratios) if ratios else None, '.2f')} "
                      f"| {fmt(best['startup_steps'], 'd') if isinstance(best['startup_steps'], int) else '–'} "
                      f"| {fmt(best['startup_s'], '.1f')} | {fmt(best['steady_share'], '.0%')} "

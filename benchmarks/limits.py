@@ -148,7 +148,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                     print(_ddp_row(cell, name, v))
                     rows += 1
     if not rows:
-        print(f"(no pipedap variant with the timeline fields wait_s and comm_busy_s, or with DDP's reducer installed, in "
+        print("(no pipedap variant with the timeline fields wait_s and comm_busy_s, or with DDP's reducer installed, "
+              "in "
               f"{', '.join(args.files)}: not a bench.matrix / bench.replay results file, or run with --no-timeline)")
 
 

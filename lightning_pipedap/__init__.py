@@ -9,9 +9,9 @@ The import itself is light: it does not import Lightning. Lightning 2.6 has no e
 for strategies, so registration happens when ``lightning.pytorch`` is imported: at once if it already
 is, otherwise through an import hook that registers right after that package (which loads the
 strategy registry, and Fabric's) has finished executing. ``import lightning`` and ``import lightning.fabric``
-import ``lightning.pytorch`` too, so the hook covers Fabric-only scripts. Processes that only need the planner, the CLI or the compression helper therefore never pay for
-importing Lightning. ``PipeDAPStrategy``, ``PipeDAPFabricStrategy`` and ``valid_schedule_names`` are loaded on
-first access.
+import ``lightning.pytorch`` too, so the hook covers Fabric-only scripts. Processes that only need the planner,
+the CLI or the compression helper therefore never pay for importing Lightning. ``PipeDAPStrategy``,
+``PipeDAPFabricStrategy`` and ``valid_schedule_names`` are loaded on first access.
 """
 
 from __future__ import annotations

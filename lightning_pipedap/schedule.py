@@ -452,10 +452,12 @@ def builtin_schedule(
         raise ValueError(f"unknown fixed schedule {name!r}; valid: 'allreduce', 'dear'")
     compressed = (True,) * len(buckets) if compress_all else None
     wire16 = (True,) * len(buckets) if wire16_all and not compress_all else None
-    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed, wire16=wire16).validate(len(sizes_bytes))
+    return Schedule(buckets=buckets, ops=ops, name=name, compressed=compressed,
+                    wire16=wire16).validate(len(sizes_bytes))
 
 
-def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Sequence[object] | None = None) -> Schedule:
+def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]],
+                  keys: Sequence[object] | None = None) -> Schedule:
     """Turn a schedule over *layers* into one over *parameters*, splitting buckets where ``keys`` change.
 
     Planners fuse layers (groups of parameters); the engine needs parameter indices and buckets of
@@ -481,7 +483,7 @@ def expand_layers(schedule: Schedule, layers: Sequence[Sequence[int]], keys: Seq
             else:
                 groups.append([i])
         parts.append([tuple(g) for g in groups])
-    n = sum(len(l) for l in layers)
+    n = sum(len(layer_params) for layer_params in layers)
     return split_buckets(schedule, parts, n)
 
 

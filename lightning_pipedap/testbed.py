@@ -197,5 +197,6 @@ class Testbed:
                     p.communicate()
         bad = [i for i, p in enumerate(procs) if p.returncode != 0]
         if bad:
-            raise RuntimeError("ranks " + str(bad) + " failed:\n" + "\n".join(f"--- rank {i}\n{outs[i][-4000:]}" for i in bad))
+            raise RuntimeError("ranks " + str(bad) + " failed:\n"
+                               + "\n".join(f"--- rank {i}\n{outs[i][-4000:]}" for i in bad))
         return outs

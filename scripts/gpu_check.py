@@ -32,7 +32,6 @@ def _rank(rank: int, world: int, port: int) -> None:
     assert comm.backend == "nccl" and not comm.uses_ring
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).cuda()
-    ref = [p.detach().clone() for p in model.parameters()]
     params = list(model.parameters())
     sizes = [p.numel() * 4 for p in params]
     for name in ("allreduce", "dear"):

@@ -11,7 +11,6 @@ Rank 0 writes ``{case: {variant: max |param - ddp param|}}`` to OUT.json.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import tempfile
@@ -33,7 +32,8 @@ from lightning_pipedap import PipeDAPStrategy
 warnings.filterwarnings("ignore")
 
 N_SAMPLES, BATCH = 96, 8
-SCHEDULES = os.environ.get("PARITY_SCHEDULES", "allreduce,dear,optimal").split(",")  # 6 steps per epoch per rank with 2 ranks
+# 6 steps per epoch per rank with 2 ranks
+SCHEDULES = os.environ.get("PARITY_SCHEDULES", "allreduce,dear,optimal").split(",")
 
 
 # ---------------------------------------------------------------------------------------- models
@@ -328,8 +328,8 @@ def run_trials_case() -> dict[str, Any]:
     of it again: 4 candidates in 2 interleaved rounds) keeps DDP parity."""
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp", epochs=6)
-    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2, startup_budget=None,
-                               trial_window_s=0)
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=3, trial_steps=1, trial_rounds=2,
+                               startup_budget=None, trial_window_s=0)
     out = train("mlp", kw, {}, strategy, epochs=6)
     return {"optimal": max_diff(out, ref), "trials": strategy.trial_results,
             "installed": strategy.installed_schedule}
@@ -389,7 +389,8 @@ def run_replan_case() -> dict[str, float]:
 
     kw = {"opt": "adamw", "sched": "step"}
     ref = train("mlp", kw, {}, "ddp", epochs=10)  # (60 steps: a re-plan needs 4x its start-up steps left)
-    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=0.5, max_replans=1, plan_trials=1, startup_budget=None)
+    strategy = PipeDAPStrategy(schedule="optimal", replan_every=3, replan_margin=0.5, max_replans=1, plan_trials=1,
+                               startup_budget=None)
     holdoff, ctl.DRIFT_HOLDOFF_S = ctl.DRIFT_HOLDOFF_S, 0.0  # (a short fit: no hold-off after the install)
     try:
         with tempfile.TemporaryDirectory() as d:
@@ -487,8 +488,8 @@ def run_torch_ddp_case() -> dict[str, Any]:
             model_name, model_kw, trainer_kw = CASES[name]
             ref = train(model_name, model_kw, trainer_kw,
                         "ddp_find_unused_parameters_true" if model_name.startswith("unused") else "ddp")
-            st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1, startup_budget=None,
-                                 trial_window_s=0, **options)
+            st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=1,
+                                 startup_budget=None, trial_window_s=0, **options)
             said = Said()
             log.addHandler(said)
             try:
@@ -503,7 +504,9 @@ def run_torch_ddp_case() -> dict[str, Any]:
     return out
 
 
-SPECIAL = {"torch_ddp_forced": run_torch_ddp_case, "resume_epoch_boundary": run_resume_boundary_case, "plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case, "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
+SPECIAL = {"torch_ddp_forced": run_torch_ddp_case, "resume_epoch_boundary": run_resume_boundary_case,
+           "plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case,
+           "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 
 def main(out_path: str, names: list[str]) -> None:

@@ -147,8 +147,9 @@ def run_resume_case(at: int = 8) -> dict[str, Any]:
 
 def run_option_case(real_plan: Any) -> dict[str, Any]:
     """``PipeDAPStrategy(partition_mb=...)`` end to end: the real ``Planning.plan`` splits the layers larger than
-    0.001 MiB (262 fp32 elements), with an α-β model of no start-up and a slow link, and offers the partitioned plan as a trial candidate; the measured selection is
-    forced to pick it (``*+pieces*`` name), and the rest of the fit runs it (AdamW, param groups, StepLR)."""
+    0.001 MiB (262 fp32 elements), with an α-β model of no start-up and a slow link, and offers the partitioned plan as
+    a trial candidate; the measured selection is forced to pick it (``*+pieces*`` name), and the rest of the fit runs it
+    (AdamW, param groups, StepLR)."""
     import lightning_pipedap.strategy.controller as ctl
     from lightning_pipedap.strategy.planning import Planning
 
@@ -167,8 +168,9 @@ def run_option_case(real_plan: Any) -> dict[str, Any]:
 
         # (no start-up cost per op and a slow link: the planner keeps pieces in buckets of their own)
         cm = CostModel.from_allreduce(0.0, 1e-6)
-        st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, partition_mb=0.001, plan_trials=5, startup_budget=None,
-                             trial_steps=1, trial_rounds=1, trial_window_s=0, torch_ddp_candidate=False, cost_model=cm)
+        st = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, partition_mb=0.001, plan_trials=5,
+                             startup_budget=None, trial_steps=1, trial_rounds=1, trial_window_s=0,
+                             torch_ddp_candidate=False, cost_model=cm)
         out = train("mlp", kw, {}, st)
         return {"diff": max_diff(out, ref), "installed": st.installed_schedule,
                 "forward": st.update_counts["forward"]}

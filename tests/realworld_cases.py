@@ -470,7 +470,8 @@ def _summary(r: dict) -> str:
         return f"skipped ({r['skipped']})"
     if "variants" not in r:
         return f"harness error {_first_line(r.get('error'))}"
-    parts = [f"ref moved {r.get('ref_moved')}" if not r.get("ref_error") else f"ref ERROR {_first_line(r['ref_error'])}"]
+    parts = [f"ref moved {r.get('ref_moved')}" if not r.get("ref_error")
+             else f"ref ERROR {_first_line(r['ref_error'])}"]
     for v, vr in r["variants"].items():
         if "error" in vr:
             parts.append(f"{v}: ERROR {vr['error_first_line']}")

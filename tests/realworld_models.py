@@ -85,7 +85,8 @@ class Recorder:
     def record(self, key: str, value: Any) -> None:
         if not hasattr(self, "_rec"):
             self._rec = defaultdict(list)
-        v = value.detach().double().reshape(-1) if torch.is_tensor(value) else torch.tensor([float(value)], dtype=torch.float64)
+        v = (value.detach().double().reshape(-1) if torch.is_tensor(value)
+             else torch.tensor([float(value)], dtype=torch.float64))
         self._rec[key].append(v.clone())
 
     def records(self) -> dict[str, torch.Tensor]:
@@ -250,7 +251,7 @@ def build_demo_transformer() -> Spec:
     return Spec(TinyLightningTransformer(), loader(tokens()))
 
 
-# ------------------------------------------------------------------------------------------------ 4-5 functional weights
+# ----------------------------------------------------------------------------------------------- 4-5 functional weights
 class Block(nn.Module):
     def __init__(self, d: int, heads: int = 2) -> None:
         super().__init__()
@@ -368,7 +369,7 @@ def build_l2() -> Spec:
     return Spec(L2Functional(), loader(classification()))
 
 
-# ------------------------------------------------------------------------------------------------ 6-7 gradients in hooks
+# ----------------------------------------------------------------------------------------------- 6-7 gradients in hooks
 class ClipOverride(MLP):
     lr = 0.5
 
@@ -492,7 +493,7 @@ def build_union_check() -> Spec:
     return Spec(BackboneModel(), loader(classification()))
 
 
-# ------------------------------------------------------------------------------------------------ 9-10 averaged / target nets
+# ------------------------------------------------------------------------------------------ 9-10 averaged / target nets
 def _avg_extra(spec: Spec) -> dict[str, torch.Tensor]:
     out = {}
     for cb in spec.callbacks:
@@ -550,7 +551,8 @@ class BYOLLike(pl.LightningModule):
         p1, p2 = self.predictor(self.online_network(v1)), self.predictor(self.online_network(v2))
         with torch.no_grad():
             z1, z2 = self.target_network(v1), self.target_network(v2)
-        loss = (2 - 2 * F.cosine_similarity(p1, z2, dim=-1)).mean() + (2 - 2 * F.cosine_similarity(p2, z1, dim=-1)).mean()
+        loss = ((2 - 2 * F.cosine_similarity(p1, z2, dim=-1)).mean()
+                + (2 - 2 * F.cosine_similarity(p2, z1, dim=-1)).mean())
         return loss
 
     def configure_optimizers(self):
@@ -673,7 +675,7 @@ def build_compile() -> Spec:
     return Spec(CompiledSub(), loader(classification()))
 
 
-# ------------------------------------------------------------------------------------------------ 13 timm-style backbone
+# ----------------------------------------------------------------------------------------------- 13 timm-style backbone
 class TinyViT(nn.Module):
     def __init__(self, patch: int = 4, d: int = 16, in_chans: int = 3, img: int = 8) -> None:
         super().__init__()
@@ -717,7 +719,7 @@ def build_timm() -> Spec:
     return Spec(TimmStyle(), loader(images()))
 
 
-# ------------------------------------------------------------------------------------------------ 14 RL: net used in the data loader
+# ----------------------------------------------------------------------------------- 14 RL: net used in the data loader
 class ToyEnv:
     """Deterministic 4-d 'cart' with 2 actions; reward for keeping the state small."""
 
@@ -732,7 +734,8 @@ class ToyEnv:
     def step(self, action: int):
         push = 0.3 if action == 1 else -0.3
         s = self.state
-        self.state = torch.stack([s[0] + 0.1 * s[1], s[1] + push - 0.1 * s[0], 0.9 * s[2] + 0.1 * s[3], s[3] - 0.05 * s[2]])
+        self.state = torch.stack([s[0] + 0.1 * s[1], s[1] + push - 0.1 * s[0],
+                                  0.9 * s[2] + 0.1 * s[3], s[3] - 0.05 * s[2]])
         self.t += 1
         reward = float(1.0 - self.state.abs().mean())
         done = self.t >= 12 or bool(self.state.abs().max() > 3)
@@ -1121,7 +1124,7 @@ def build_shared() -> Spec:
     return Spec(SharedEncDec(), loader(tokens()))
 
 
-# ------------------------------------------------------------------------------------------------ found by a fresh-user test
+# ------------------------------------------------------------------------------------------- found by a fresh-user test
 class PrevGradAndState(MLP, Recorder):
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
@@ -1253,7 +1256,7 @@ def build_val_reader() -> Spec:
                 callbacks=[ValGradReader()])
 
 
-# ------------------------------------------------------------------------------------------------ issue 26: switching must never change results
+# ------------------------------------------------------------------------ issue 26: switching must never change results
 def _world() -> int:
     """The number of ranks the harness runs (data layouts that place batches on ranks need it): the default process
     group's size (the harness keeps one across fits; ``WORLD_SIZE`` does not survive a Lightning fit), else the
@@ -1404,8 +1407,8 @@ class BertFineTune(pl.LightningModule):
         from transformers import BertConfig, BertForSequenceClassification
 
         # initializer_range 0.2: gradient norms 1.5-3.5 over the fit, so that gradient_clip_val=1.0 clips every step
-        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                         max_position_embeddings=16, num_labels=2, initializer_range=0.2)
+        cfg = BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=16, num_labels=2, initializer_range=0.2)
         self.model = BertForSequenceClassification(cfg)
 
     def training_step(self, batch, batch_idx):

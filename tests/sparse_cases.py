@@ -184,8 +184,8 @@ STRATEGIES = {
     "default": lambda: "pipedap",
     "dear": lambda: PipeDAPStrategy(schedule="dear", bucket_cap_mb=0.002),
     # measured plan selection that keeps DDP's reducer unless another candidate is > 99% faster
-    "torch_ddp": lambda: PipeDAPStrategy(plan_trials=2, trial_steps=1, trial_rounds=1, trial_window_s=0.0, startup_budget=None,
-                                         torch_ddp_margin=0.99, model_contention=False),
+    "torch_ddp": lambda: PipeDAPStrategy(plan_trials=2, trial_steps=1, trial_rounds=1, trial_window_s=0.0,
+                                         startup_budget=None, torch_ddp_margin=0.99, model_contention=False),
     "wire16": lambda: PipeDAPStrategy(schedule="dear", wire_dtype="bf16"),
 }
 

@@ -31,8 +31,8 @@ def test_model_config_trains_one_step(model):
     module = hydra.utils.instantiate(cfg.model)
     data = hydra.utils.instantiate(cfg.data)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", max_epochs=1, limit_train_batches=1, limit_val_batches=1,
-                         num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy="auto", max_epochs=1, limit_train_batches=1,
+                         limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(module, datamodule=data)
     assert trainer.global_step == 1

@@ -79,7 +79,8 @@ def _check_sweep(tmp_path, proc, marker, strategies):
     assert proc.returncode == 0, out[-4000:]
     sweep = tmp_path / "sweep"
     assert sorted(os.listdir(tmp_path)) == ["sweep"]  # nothing written outside the sweep dir
-    assert {"0", "1", "sweep_summary.csv", "sweep_summary.md", "sweep_summary.png", "tensorboard"} <= set(os.listdir(sweep))
+    assert ({"0", "1", "sweep_summary.csv", "sweep_summary.md", "sweep_summary.png", "tensorboard"}
+            <= set(os.listdir(sweep)))
     for job in ("0", "1"):
         res = json.loads((sweep / job / "results.json").read_text())
         assert res["processes"] == 2 and res["strategy"] == strategies[int(job)]
@@ -103,7 +104,8 @@ def test_sweep_runs_each_distinct_job_once(tmp_path):
     sweep = tmp_path / "sweep"
     first, second = (json.loads((sweep / j / "results.json").read_text()) for j in ("0", "1"))
     assert first["duplicate_of"] is None and second["duplicate_of"] == 0
-    assert second["job_num"] == 1 and "scheduler=dear" in second["overrides"] and "scheduler=allreduce" in first["overrides"]
+    assert second["job_num"] == 1 and "scheduler=dear" in second["overrides"]
+    assert "scheduler=allreduce" in first["overrides"]
     assert second["effective_key"] == first["effective_key"] and second["iteration_ms"] == first["iteration_ms"]
     assert out.count("All distributed processes registered. Starting with 2 processes") == 1
     assert "job #1" in out and "not run again" in out, out[-3000:]
@@ -150,7 +152,8 @@ def test_multirun_two_jobs_two_ranks_pipedap(tmp_path):
 
         events = list((tmp_path / "sweep" / j).rglob("events.out.tfevents.*"))
         acc = [EventAccumulator(str(e), size_guidance={"tensors": 0}).Reload() for e in events]
-        texts = [t.tensor_proto.string_val[0].decode() for a in acc if "pipedap/what_ran/text_summary" in a.Tags()["tensors"]
+        texts = [t.tensor_proto.string_val[0].decode()
+                 for a in acc if "pipedap/what_ran/text_summary" in a.Tags()["tensors"]
                  for t in a.Tensors("pipedap/what_ran/text_summary")]
         assert texts and f"**installed** `{ran[int(j)]['installed']['name']}`" in texts[0], texts
     # same seed and data: both schedules apply the same averaged gradients, so the same model
@@ -181,7 +184,8 @@ def test_ckpt_path_resumes_as_ddp_does(tmp_path):
                              tmp_path)
         assert first.returncode == 0, first.stderr[-3000:]
         resumed, _ = _run([*common, f"strategy={strategy}", "trainer.max_epochs=2",
-                           f"ckpt_path={out / '1' / 'checkpoints' / 'last.ckpt'}", f"paths.output_dir={out}/2"], tmp_path)
+                           f"ckpt_path={out / '1' / 'checkpoints' / 'last.ckpt'}", f"paths.output_dir={out}/2"],
+                          tmp_path)
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert "Restoring states from the checkpoint path" in resumed.stdout + resumed.stderr
         res[strategy] = [json.loads((out / k / "results.json").read_text()) for k in ("1", "2")]
@@ -228,7 +232,8 @@ def test_a_second_run_into_the_same_directory_keeps_the_first_and_writes_a_fresh
     res = json.loads((run / "version_1" / "results.json").read_text())
     assert res["output_dir"] == str(run / "version_1") and res["tensorboard_dir"].startswith(str(run / "version_1"))
     assert os.listdir(run / "version_1" / "tensorboard") and os.listdir(run / "version_1" / "checkpoints")
-    said = f"{run} already holds a run (results.json, measure_summary.json, tensorboard, checkpoints): its results are kept"
+    said = (f"{run} already holds a run (results.json, measure_summary.json, tensorboard, checkpoints): "
+            "its results are kept")
     assert said in (run / "train.log").read_text() and f"output dir      {said}" in second.stdout, out[-3000:]
     assert f"results         {run / 'version_1' / 'results.json'}" in second.stdout
     assert not (run / "version_2").exists()  # rank 1 wrote where rank 0 did

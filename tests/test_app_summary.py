@@ -82,7 +82,8 @@ def test_the_summary_says_selection_was_unfinished_instead_of_installed():
 def test_the_summary_names_a_16_bit_wire_format():
     ran = {"installed": {"name": "optimal"}, "buckets": 4, "wire_dtype": "bf16", "wire16_buckets": 3,
            "plan_selection": "finished (4 of 4 candidates measured)", "plan_selection_status": "finished"}
-    assert "(schedule optimal -> installed optimal, 4 buckets, wire bf16 on 3 of 4 buckets)" in format_summary(_res(ran))
+    assert ("(schedule optimal -> installed optimal, 4 buckets, wire bf16 on 3 of 4 buckets)"
+            in format_summary(_res(ran)))
     ran["wire_dtype"] = "fp32"
     assert "wire" not in format_summary(_res(ran)).splitlines()[3]
 
@@ -152,7 +153,8 @@ def test_the_summary_has_no_iteration_time_when_the_fit_ended_before_steady_stat
 
 def test_the_summary_lists_the_numbers_the_choice_was_made_on():
     # the fresh-user run: over all windows torch_ddp (chosen) looked slower; the confirmation decided
-    ran = {"installed": {"name": "torch_ddp"}, "buckets": None, "plan_selection": "finished (3 of 3 candidates measured)",
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None,
+           "plan_selection": "finished (3 of 3 candidates measured)",
            "plan_selection_status": "finished", "candidates": [
                {"name": "optimal", "measured_s": 0.0125, "deciding_s": 0.0125, "decided_in": "first pass",
                 "chosen": False},
@@ -184,8 +186,8 @@ def test_what_ran_lists_deciding_and_all_window_medians():
 
 
 def test_the_summary_says_a_speedup_came_from_ddps_reducer():
-    ran = {"installed": {"name": "torch_ddp"}, "buckets": None, "plan_selection": "finished (3 of 3 candidates measured)",
-           "plan_selection_status": "finished"}
+    ran = {"installed": {"name": "torch_ddp"}, "buckets": None,
+           "plan_selection": "finished (3 of 3 candidates measured)", "plan_selection_status": "finished"}
     text = format_summary(_res(ran, speedup_vs_reference=1.013))
     assert "speedup         1.013x vs the reference run (installed torch_ddp: DDP's reducer, not a pipedap schedule)" \
         in text

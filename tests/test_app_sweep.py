@@ -14,8 +14,8 @@ def _job(root, num, strategy, schedule, overrides, it_ms, energy=None):
     d = os.path.join(root, str(num))
     os.makedirs(d)
     res = {"job_num": num, "strategy": strategy, "schedule": schedule, "overrides": overrides, "processes": 2,
-           "val_acc": 0.9, "iteration_ms": it_ms, "energy_J_per_step": energy, "energy_kind": "estimated" if energy else None,
-           "fit_s": 1.0, "metrics": {}}
+           "val_acc": 0.9, "iteration_ms": it_ms, "energy_J_per_step": energy,
+           "energy_kind": "estimated" if energy else None, "fit_s": 1.0, "metrics": {}}
     with open(os.path.join(d, "results.json"), "w") as f:
         json.dump(res, f)
 
@@ -26,7 +26,8 @@ def test_speedup_is_against_the_ddp_job_with_the_same_other_overrides():
         {"strategy": "pipedap", "overrides": ["strategy=pipedap", "scheduler=dear", "model=a"], "iteration_ms": 8.0},
         {"strategy": "ddp", "overrides": ["strategy=ddp", "model=b"], "iteration_ms": 30.0},
         {"strategy": "ddp", "overrides": ["model=b", "strategy=ddp", "scheduler=dear"], "iteration_ms": 50.0},
-        {"strategy": "pipedap", "overrides": ["strategy=pipedap", "strategy.bucket_cap_mb=4", "model=b"], "iteration_ms": 20.0},
+        {"strategy": "pipedap", "overrides": ["strategy=pipedap", "strategy.bucket_cap_mb=4", "model=b"],
+         "iteration_ms": 20.0},
         {"strategy": "pipedap", "overrides": ["strategy=pipedap", "model=c"], "iteration_ms": 5.0},
     ]
     out = [r["speedup_vs_ddp"] for r in add_speedup(rows)]

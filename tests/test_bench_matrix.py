@@ -120,9 +120,10 @@ def test_a_speedup_from_ddps_reducer_says_so():
     assert "| 1.11 (torch_ddp: DDP's reducer) |" in row
     text = M.format_text_report(c)
     line = next(x for x in text.splitlines() if x.strip().startswith("pipedap-optimal"))
-    assert "1.11" in line and "[vs ddp (torch_ddp: DDP's reducer): measured selection installed DDP's own reducer]" in line
-    assert ("candidate torch_ddp                measured    9.6 ms, predicted      – ms  <- chosen (confirmation rounds; "
-            "all windows 11.1 ms)") in text
+    assert "1.11" in line
+    assert "[vs ddp (torch_ddp: DDP's reducer): measured selection installed DDP's own reducer]" in line
+    assert ("candidate torch_ddp                measured    9.6 ms, predicted      – ms  <- chosen "
+            "(confirmation rounds; all windows 11.1 ms)") in text
     assert M.quick_line(c, "pipedap-optimal").startswith("speedup_vs_ddp=1.11 ratio_to_bound=1.47 installed=torch_ddp "
                                                          "(DDP's reducer")
     # results written before `installed` existed: the chosen trial candidate says it
@@ -216,10 +217,12 @@ def test_compression_table_rows_and_columns():
     assert lines[0].startswith("| cell | strategy | compression | iter ms (median) | speedup vs ddp | vs uncompressed ")
     rows = {r[1]: r for r in ([x.strip() for x in line.strip("|").split("|")] for line in lines[2:])}
     # pipedap-dear has no compressed variant: not a reference row here
-    assert list(rows) == ["ddp", "ddp+fp16hook", "pipedap-optimal", "pipedap-optimal+topk", "pipedap-optimal+topk:inline"]
+    assert list(rows) == ["ddp", "ddp+fp16hook", "pipedap-optimal", "pipedap-optimal+topk",
+                          "pipedap-optimal+topk:inline"]
     assert rows["ddp"][2:] == ["none", "900", "1.00", "–", "–", "–", "–"]
     assert rows["ddp+fp16hook"][2:] == ["fp16_compress_hook", "750", "1.20", "1.20", "–", "–", "–"]
-    assert rows["pipedap-optimal+topk"][2:] == ["topk ratio=0.01, helper process", "400", "2.25", "1.50", "45.3", "82%", "49.9"]
+    assert rows["pipedap-optimal+topk"][2:] == ["topk ratio=0.01, helper process", "400", "2.25", "1.50", "45.3", "82%",
+                                                "49.9"]
     assert rows["pipedap-optimal+topk:inline"][5:] == ["1.20", "41.0", "–", "50.0"]
     md_all = M.render_markdown([_compressed_cell()], {"steps": 20, "warmup": 6})
     assert "*hidden* = share of the compression time" in md_all and md in md_all
@@ -286,7 +289,8 @@ def test_strategy_names_are_taken_apart():
     assert (sp.family, sp.schedule, sp.compressor, sp.mode) == ("pipedap", "optimal", "powersgd", "process")
     assert sp.compression == "powersgd rank=4 start_step=2, helper process"
     sp = M.parse_strategy("pipedap-dear+topk:inline")
-    assert (sp.schedule, sp.compressor, sp.mode, sp.compression) == ("dear", "topk", "inline", "topk ratio=0.01, inline")
+    assert (sp.schedule, sp.compressor, sp.mode, sp.compression) == ("dear", "topk", "inline",
+                                                                      "topk ratio=0.01, inline")
     sp = M.parse_strategy("pipedap-wfbp")
     assert (sp.family, sp.schedule, sp.compressor, sp.mode, sp.compression) == ("pipedap", "wfbp", None, None, "")
     assert M.parse_strategy("ddp+powersgdhook").family == "ddp_hook"
@@ -328,8 +332,9 @@ def test_quick_selects_the_headline_cell():
         (["--strategies", "pipedap-fast"], "unknown strategy 'pipedap-fast': unknown schedule 'fast'; valid: ddp, "
                                            "ddp_tuned, fsdp2, ddp+fp16hook, ddp+powersgdhook, pipedap-<schedule>"),
         (["--strategies", "ddp+bf16hook"], "unknown strategy 'ddp+bf16hook'; valid: ddp, ddp_tuned"),
-        (["--strategies", "pipedap-optimal+zip"], "unknown compressor 'zip' in strategy 'pipedap-optimal+zip'; "
-                                                  "valid: none, fp16, bf16, powersgd, randomk, topk, dgc, qsgd, efsignsgd"),
+        (["--strategies", "pipedap-optimal+zip"],
+         "unknown compressor 'zip' in strategy 'pipedap-optimal+zip'; "
+         "valid: none, fp16, bf16, powersgd, randomk, topk, dgc, qsgd, efsignsgd"),
         (["--strategies", "pipedap-optimal+fp16:process"], "unknown compression mode ':process' in strategy "
                                                            "'pipedap-optimal+fp16:process'; valid: ':inline'"),
         (["--compressors", "fp16,zip"], "unknown compressor 'zip'; valid: none, fp16, bf16, powersgd"),
@@ -354,7 +359,8 @@ def test_ddp_hook_strategy_is_a_ddp_strategy_and_names_are_checked():
     from lightning.pytorch.strategies import DDPStrategy
 
     assert isinstance(M._ddp_with_comm_hook("ddp+fp16hook"), DDPStrategy)
-    with pytest.raises(ValueError, match=re.escape("unknown DDP hook variant 'ddp+bf16hook'; valid: ddp+fp16hook, ddp+powersgdhook")):
+    with pytest.raises(ValueError, match=re.escape("unknown DDP hook variant 'ddp+bf16hook'; "
+                                                   "valid: ddp+fp16hook, ddp+powersgdhook")):
         M._ddp_with_comm_hook("ddp+bf16hook")
 
 
@@ -385,8 +391,8 @@ def test_tiny_cell_on_the_testbed(tmp_path):
         pytest.skip(why)
     out_json = tmp_path / "r.json"
     cmd = [sys.executable, "-m", "lightning_pipedap.bench.matrix", "--size", "tiny", "--links", "none", "--ranks", "2",
-           "--strategies", "ddp,ddp+powersgdhook,pipedap-dear+fp16", "--steps", "2", "--warmup", "5", "--json", str(out_json),
-           "--markdown", str(tmp_path / "B.md"), "--chart", str(tmp_path / "c.png")]
+           "--strategies", "ddp,ddp+powersgdhook,pipedap-dear+fp16", "--steps", "2", "--warmup", "5",
+           "--json", str(out_json), "--markdown", str(tmp_path / "B.md"), "--chart", str(tmp_path / "c.png")]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads(out_json.read_text())
@@ -398,7 +404,8 @@ def test_tiny_cell_on_the_testbed(tmp_path):
         assert v["steps"] == 2 and v["iter_s"] > 0 and math.isfinite(v["iter_s"])
     assert cell["compute_s"] > 0 and cell["allreduce_s"] > 0 and cell["rs_ag_s"] > 0
     ddp, hook, comp = cell["variants"]
-    assert ddp["compress_s"] is None and hook["compression"] == "powerSGD_hook rank=4 start_iter=2, one DDP bucket (gloo)"
+    assert ddp["compress_s"] is None
+    assert hook["compression"] == "powerSGD_hook rank=4 start_iter=2, one DDP bucket (gloo)"
     assert comp["compression"] == "fp16, helper process"
     assert comp["compression_ratio"] == 2.0  # fp32 gradient / fp16 payload, every round
     # one bucket (dear's 25 MiB fusion of a 2.4 k-parameter model) x 2 measured steps, each round counted once
@@ -430,12 +437,14 @@ def test_trials_table_and_cpu_aware_bound():
                      variants=[M.VariantResult(name="pipedap-optimal", iter_s=0.5, steps=3, trials=trials)])
     table = M.format_trials_table([c]).splitlines()
     assert len(table) == 4
-    assert table[2] == "| mlp uncapped 2r | pipedap-optimal | `optimal: 2 buckets: AR1 AR0` | 500 | 625 | -20.0% | 625.0 |  |"
+    assert table[2] == ("| mlp uncapped 2r | pipedap-optimal | `optimal: 2 buckets: AR1 AR0` | 500 | 625 | -20.0% "
+                        "| 625.0 |  |")
     assert table[3].endswith("| 550 | 500 | +10.0% | 500.0 | yes |")
     assert c.cpu_bound_s == pytest.approx(0.58)  # max(compute + all-reduce CPU, communication)
     assert M.CellResult.from_dict(json.loads(json.dumps(dataclasses.asdict(c)))).variants[0].trials == trials
     c.allreduce_cpu_s = None
-    assert c.cpu_bound_s is None and M.format_trials_table([M.CellResult(**{**dataclasses.asdict(c), "variants": []})]) == ""
+    assert c.cpu_bound_s is None
+    assert M.format_trials_table([M.CellResult(**{**dataclasses.asdict(c), "variants": []})]) == ""
 
 
 def test_testbed_cleans_up_on_sigterm():
@@ -475,7 +484,7 @@ def test_quiet_worker_is_scoped_and_filters_only_its_warnings():
     before_level, before_filters = lg.level, list(warnings.filters)
     with M.quiet_worker():
         assert lg.level == logging.ERROR
-        with warnings.catch_warnings(record=True) as seen:
+        with warnings.catch_warnings(record=True):
             warnings.simplefilter("always")  # would override the quiet filters: check them without it
         for message, category in M.worker.QUIET_WARNINGS:
             assert any(f[0] == "ignore" and f[1] is not None and f[1].pattern == message and f[2] is category
@@ -502,8 +511,10 @@ def test_plan_record_reads_the_strategy_attributes():
     noted = SimpleNamespace(**{**vars(s), "what_ran": lambda: {"selection_notes": ["confirmation: a 1 ms, b 2 ms"]}})
     assert M.plan_record(noted)[-1] == "why: confirmation: a 1 ms, b 2 ms"
     confirmed = SimpleNamespace(**{**vars(s), "trial_results": [
-        {"name": "dear@25MiB", "measured_s": 0.0101, "deciding_s": 0.0100, "decided_in": "confirmation", "chosen": False},
-        {"name": "torch_ddp", "measured_s": 0.0111, "deciding_s": 0.0096, "decided_in": "confirmation", "chosen": True}]})
+        {"name": "dear@25MiB", "measured_s": 0.0101, "deciding_s": 0.0100, "decided_in": "confirmation",
+         "chosen": False},
+        {"name": "torch_ddp", "measured_s": 0.0111, "deciding_s": 0.0096, "decided_in": "confirmation",
+         "chosen": True}]})
     assert M.plan_record(confirmed)[-1] == (
         "measured candidates (the medians the choice was made on): dear@25MiB 10.0 ms [confirmation; all windows "
         "10.1 ms]; torch_ddp 9.6 ms [confirmation; all windows 11.1 ms] (chosen)")
@@ -546,8 +557,10 @@ def test_part_suffix_selects_partition_mb_and_rejects_bad_values():
     assert (sp.schedule, sp.partition_mb, sp.nice, sp.wire) == ("pipedap", 0.5, 3, "bf16")
     assert M.parse_strategy("pipedap-optimal").partition_mb is None
     for bad in ("pipedap-optimal@part0", "pipedap-optimal@part-1", "pipedap-optimal@partx", "pipedap-optimal@partnan",
-                "pipedap-optimal@part1_0", "pipedap-optimal@part 1", "pipedap-optimal@part1e-9", "pipedap-optimal@part"):
-        with pytest.raises(ValueError, match=r"valid: @part<MiB> with a decimal number of MiB >= 1/1024 = 0.0009765625"):
+                "pipedap-optimal@part1_0", "pipedap-optimal@part 1", "pipedap-optimal@part1e-9",
+                "pipedap-optimal@part"):
+        with pytest.raises(ValueError,
+                           match=r"valid: @part<MiB> with a decimal number of MiB >= 1/1024 = 0.0009765625"):
             M.parse_strategy(bad)
     for bad in ("pipedap-optimal+fp16@part1", "pipedap-dear@part1", "pipedap-allreduce@part1"):
         with pytest.raises(ValueError, match=r"needs an uncompressed pipedap variant with a planned schedule"):
@@ -559,8 +572,8 @@ def test_margin_suffix_selects_torch_ddp_margin_and_rejects_bad_values():
     assert (sp.schedule, sp.torch_ddp_margin, sp.partition_mb) == ("optimal", 0.05, None)
     assert M.parse_strategy("pipedap-optimal@part1@margin0").torch_ddp_margin == 0.0
     assert M.parse_strategy("pipedap-optimal").torch_ddp_margin is None
-    for bad in ("pipedap-optimal@margin100", "pipedap-optimal@margin-1", "pipedap-optimal@margin", "pipedap-optimal@margin5.5",
-                "pipedap-optimal@margin05"):
+    for bad in ("pipedap-optimal@margin100", "pipedap-optimal@margin-1", "pipedap-optimal@margin",
+                "pipedap-optimal@margin5.5", "pipedap-optimal@margin05"):
         with pytest.raises(ValueError, match=r"valid: @margin<percent> with an integer percent in 0\.\.99 without"):
             M.parse_strategy(bad)
     with pytest.raises(ValueError, match=r"@margin<percent> with percent in 0\.\.99 \(each at most once\)"):
@@ -587,7 +600,8 @@ def test_clip_suffix_selects_clip_by_norm_on_ddp_and_uncompressed_pipedap():
     assert M.uncompressed_name("pipedap-dear@fp16@clip1") == "pipedap-dear@clip1"
     assert {"ddp@clip1", "pipedap-dear@clip1", "pipedap-optimal@clip1"} <= set(M.valid_strategies())
     assert not any("@clip" in s for s in M.all_strategies())
-    a = M.parse_args(["--strategies", "ddp,ddp@clip1,pipedap-dear,pipedap-dear@clip1,pipedap-optimal,pipedap-optimal@clip1"])
+    a = M.parse_args(["--strategies",
+                      "ddp,ddp@clip1,pipedap-dear,pipedap-dear@clip1,pipedap-optimal,pipedap-optimal@clip1"])
     assert a.strategies == ["ddp", "ddp@clip1", "pipedap-dear", "pipedap-dear@clip1", "pipedap-optimal",
                             "pipedap-optimal@clip1"]
 
@@ -604,7 +618,8 @@ def test_clip_suffix_rejects_bad_values_and_strategies():
     for bad in ("ddp_tuned@clip1", "fsdp2@clip1", "ddp+fp16hook@clip1", "ddp@fp16", "ddp@nice3"):
         with pytest.raises(ValueError, match=r"takes no suffix but @clip<max_norm>, and only ddp takes that"):
             M.parse_strategy(bad)
-    with pytest.raises(ValueError, match=r"bad suffix '@clip2' in strategy 'ddp@clip1@clip2': 'ddp' takes @clip<max_norm> once"):
+    with pytest.raises(ValueError,
+                       match=r"bad suffix '@clip2' in strategy 'ddp@clip1@clip2': 'ddp' takes @clip<max_norm> once"):
         M.parse_strategy("ddp@clip1@clip2")
     with pytest.raises(ValueError, match=r"@clip<max_norm> with max_norm > 0, @margin<percent>"):
         M.parse_strategy("pipedap-dear@clip1@clip2")

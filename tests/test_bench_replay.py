@@ -36,7 +36,7 @@ def test_replay_profile_scales_sizes_and_times_of_the_published_profile():
     assert same.sizes_bytes == base.sizes_bytes and same.total_bytes == 553_430_176
     assert same.t_compute == pytest.approx(base.t_compute)
     half = replay_profile(ReplayOptions("vgg16", size_scale=0.5, time_scale=0.25))
-    assert [l.numel for l in half.layers] == [max(1, round(l.numel * 0.5)) for l in base.layers]
+    assert [layer.numel for layer in half.layers] == [max(1, round(layer.numel * 0.5)) for layer in base.layers]
     assert half.t_forward == pytest.approx(base.t_forward * 0.25)
     assert half.t_backward == pytest.approx(base.t_backward * 0.25)
     with pytest.raises(ValueError, match="size_scale"):
@@ -47,8 +47,8 @@ def test_replay_net_has_one_layer_per_profile_layer_holding_its_bytes():
     prof = replay_profile(ReplayOptions("resnet50", size_scale=1e-3, time_scale=0.0 + 1e-9))
     net = ReplayNet(prof)
     assert len(net.layers) == prof.num_layers == 107
-    assert [l.weight.numel() * 4 for l in net.layers] == list(prof.sizes_bytes)
-    assert all(l.weight.dtype == torch.float32 for l in net.layers)
+    assert [layer.weight.numel() * 4 for layer in net.layers] == list(prof.sizes_bytes)
+    assert all(layer.weight.dtype == torch.float32 for layer in net.layers)
     # the matrix builds it from plain options, its layers are the FSDP2 units
     net2, units, make_batch = build_net(REPLAY_MODEL, "bench", {"profile": "resnet50", "size_scale": 1e-3,
                                                                 "time_scale": 1e-9})
@@ -81,7 +81,7 @@ def test_forward_and_backward_take_the_profile_times():
     # sleeps end up to LOOKAHEAD_S (1 ms) early per call; a shared machine may add time, never remove it
     assert 0.057 <= t1 - t0 <= 0.060 + 0.05
     assert 0.087 <= t2 - t1 <= 0.090 + 0.05
-    assert all(l.weight.grad is not None and l.weight.grad.abs().sum() > 0 for l in net.layers)
+    assert all(layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0 for layer in net.layers)
 
 
 def test_virtual_stream_absorbs_overhead_and_oversleep():
@@ -191,8 +191,8 @@ def test_judge_ratios_and_simulator_error(tmp_path):
     assert v.variant("pipedap-optimal@fp16").vs_best_baseline == pytest.approx(0.20 / 0.24)
     assert v.variant("pipedap-optimal").vs_best_baseline == pytest.approx(1.2)  # (fp32: against ddp_tuned)
     lines = A.targets_summary([v])
-    assert any(l.startswith("- `pipedap-optimal@fp16` at least as fast as every baseline (") and "0 of 1 cells" in l
-               and "0.83× ddp+fp16hook" in l for l in lines), lines
+    assert any(line.startswith("- `pipedap-optimal@fp16` at least as fast as every baseline (")
+               and "0 of 1 cells" in line and "0.83× ddp+fp16hook" in line for line in lines), lines
     assert A.sends_fewer_bytes("pipedap-optimal@bf16@nice5") and not A.sends_fewer_bytes("pipedap-optimal@part1")
 
 

@@ -68,7 +68,8 @@ def _ranks(rank: int, world: int) -> dict:
 
     def factory(buckets):
         pipe = CompressionPipeline([b.numel for b in buckets], "topk", {"ratio": 1.0}, threads=1, timeout_s=60,
-                                   mode="inline", layouts=[[(name_of[id(p)], tuple(p.shape)) for p in b.params] for b in buckets])
+                                   mode="inline",
+                                   layouts=[[(name_of[id(p)], tuple(p.shape)) for p in b.params] for b in buckets])
         return CompressedTransport(pipe, comm)
 
     # bucket 0 (0.weight, 0.bias) dense RS + AG; bucket 1 (1.weight, 1.bias) compressed at its RS slot

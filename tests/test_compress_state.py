@@ -59,13 +59,15 @@ def test_powersgd_state_moves_to_other_buckets_and_continues_identically():
     assert sd["params"]["w1"]["tensors"]["q"].shape == (8, 2) and sd["params"]["w2"]["tensors"]["q"].shape == (6, 2)
     assert sd["params"]["b1"]["tensors"] == {} and not sd["params"]["b1"]["residual"].any()  # biases are sent exactly
     # the residual slices are the bucket residuals cut at the parameter offsets
-    assert torch.equal(torch.cat([sd["params"]["w1"]["residual"], sd["params"]["b1"]["residual"]]), a.states[0].residual)
+    assert torch.equal(torch.cat([sd["params"]["w1"]["residual"], sd["params"]["b1"]["residual"]]),
+                       a.states[0].residual)
     assert torch.equal(sd["params"]["w2"]["residual"], a.states[1].residual)
 
     b = CompressionRuntime(numels(OTHER_TWO), "powersgd", PSGD, OTHER_TWO)
     assert b.load_state_dict(sd) == []
     assert [st.step for st in b.states] == [4, 4]
-    assert torch.equal(b.states[1].residual, torch.cat([sd["params"]["b1"]["residual"], sd["params"]["w2"]["residual"]]))
+    assert torch.equal(b.states[1].residual,
+                       torch.cat([sd["params"]["b1"]["residual"], sd["params"]["w2"]["residual"]]))
     for s in range(4, 7):  # one matrix per parameter, seeds by name: the fusion does not matter
         ga, gb = step(a, random_grads(s)), step(b, random_grads(s))
         assert all(torch.equal(ga[k], gb[k]) for k in ga), s

@@ -261,8 +261,6 @@ ROUNDS = [[0, 1], [2]]
 
 
 def _run(rank, world, sched_name, opt_name, clip):
-    import torch.distributed as dist
-
     from lightning_pipedap.engine import collectives as C
     from lightning_pipedap.engine.engine import CommEngine
 

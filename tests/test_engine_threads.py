@@ -27,7 +27,8 @@ def test_lowers_only_the_calling_thread_and_new_threads_inherit_it():
         before = os.getpriority(os.PRIO_PROCESS, tid)
         restore = lower_current_thread_priority(3)
         seen["after"] = os.getpriority(os.PRIO_PROCESS, tid) - before
-        child = threading.Thread(target=lambda: seen.__setitem__("child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - before))
+        child = threading.Thread(target=lambda: seen.__setitem__(
+            "child", os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) - before))
         child.start()
         child.join()
         seen["restored"] = restore()

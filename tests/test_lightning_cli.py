@@ -35,7 +35,8 @@ COMMON = ["fit", "--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.
 def test_lightning_cli_trains_with_pipedap(tmp_path, strategy_args, expect):
     script = tmp_path / "cli_train.py"
     script.write_text(SCRIPT)
-    out = subprocess.run([sys.executable, str(script), *COMMON, *strategy_args, f"--trainer.default_root_dir={tmp_path}"],
+    out = subprocess.run([sys.executable, str(script), *COMMON, *strategy_args,
+                          f"--trainer.default_root_dir={tmp_path}"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]

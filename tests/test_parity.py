@@ -131,9 +131,9 @@ def test_torch_ddp_candidate_trains_exactly_as_ddp(parity_results):
     finishes that step's averaging as DDP with the option does and re-wraps with it, and says so in the log
     (without that, DDP stepped on un-averaged gradients and stopped the fit with "Expected to have finished
     reduction"). With ``gradient_as_bucket_view`` the option is set from the start (a stalled reduction would
-    leave ``.grad``, DDP's own buffers, half-averaged). Under accumulation the candidate is left out (a switch falls inside the window, and
-    DDP's reducer would not see a parameter used only in the earlier micro-batches: ``unused_accumulate2`` was
-    0.0117 off DDP with it) and pipedap's own schedule keeps parity."""
+    leave ``.grad``, DDP's own buffers, half-averaged). Under accumulation the candidate is left out (a switch falls
+    inside the window, and DDP's reducer would not see a parameter used only in the earlier micro-batches:
+    ``unused_accumulate2`` was 0.0117 off DDP with it) and pipedap's own schedule keeps parity."""
     res = parity_results["torch_ddp_forced"]
     assert "error" not in res, res.get("error")
     for name, r in res.items():

@@ -247,7 +247,8 @@ def test_a_miss_profiles_as_before():
 
     ctl, fx, _ = _controller(("miss", None))
     ctl.after_sync_step(0.0)
-    assert ctl.phase is Phase.PROFILE and ctl.plan_cache == "miss" and fx.calls[:2] == ["adopt_trace", "start_profiling"]
+    assert ctl.phase is Phase.PROFILE and ctl.plan_cache == "miss"
+    assert fx.calls[:2] == ["adopt_trace", "start_profiling"]
 
 
 # ------------------------------------------------------------------------------------------------ 2 ranks, Lightning
@@ -284,8 +285,9 @@ def _fits(cache_dir: str) -> dict:
 
     def fit(steps: int, **kw) -> dict:
         del lines[:]
-        strategy = PipeDAPStrategy(plan_cache=cache_dir, startup_budget=None, profile_steps=1, plan_trials=2, trial_steps=2, trial_rounds=1,
-                                   trial_window_s=0.0, model_contention=False, wait_timeout_s=60.0, **kw)
+        strategy = PipeDAPStrategy(plan_cache=cache_dir, startup_budget=None, profile_steps=1, plan_trials=2,
+                                   trial_steps=2, trial_rounds=1, trial_window_s=0.0, model_contention=False,
+                                   wait_timeout_s=60.0, **kw)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         pl.seed_everything(1, verbose=False)

@@ -90,7 +90,7 @@ def test_module_runs_on_shared_profile():
     prof = load_profile(SHARED / "vgg16.json")
     cm = CostModel.from_reference(SHARED / "alpha_beta.json", 8)
     expected = get_planner("wfbp")(prof, cm, 8).predicted_iteration_s
-    line = next(l for l in res.stdout.splitlines() if l.startswith("wfbp"))
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("wfbp"))
     assert float(line.split()[3]) == pytest.approx(expected * 1e3, abs=1e-3)
     assert "profile vgg16: 16 layers" in res.stdout
 
@@ -110,7 +110,7 @@ def test_sweep_prints_and_writes_the_table(tmp_path, monkeypatch, capsys):
     out.write_text(f"# doc\n{sweep.SWEEP_BEGIN}\nstale\n{sweep.SWEEP_END}\ntail\n")
     assert cli.main(["--sweep", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    rows = [l for l in printed.splitlines() if l.startswith("| vgg16 |")]
+    rows = [line for line in printed.splitlines() if line.startswith("| vgg16 |")]
     assert [r.split("|")[3].strip() for r in rows] == ["1", "10", "30"]
     prof = load_profile(SHARED / "vgg16.json")
     for r, k in zip(rows, (1.0, 10.0, 30.0)):

@@ -9,8 +9,8 @@ import pytest
 
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.partition import (
-    choose_partition, describe_partition, engine_period, expand_pieces, fused_pieces, is_split, layer_numels, partition_profile,
-    piece_schedule_to_layers,
+    choose_partition, describe_partition, engine_period, expand_pieces, fused_pieces, is_split, layer_numels,
+    partition_profile, piece_schedule_to_layers,
 )
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile, load_profile
@@ -38,11 +38,11 @@ def test_partition_splits_on_element_boundaries_with_times_on_the_last_piece():
                               LayerProfile.from_numel("c", 5, 4, 0.5, 0.6)), t_update=0.25)
     pp, pmap = partition_profile(prof, 1500)
     assert pmap == ((0, 0, 10), (1, 0, 333), (1, 333, 666), (1, 666, 1000), (2, 0, 5))
-    assert [l.name for l in pp.layers] == ["a", "b#0/3", "b#1/3", "b#2/3", "c"]
-    assert [l.nbytes for l in pp.layers] == [40, 1332, 1332, 1336, 20]
-    assert [l.numel for l in pp.layers] == [10, 333, 333, 334, 5]
-    assert [l.t_f for l in pp.layers] == [0.1, 0.0, 0.0, 0.3, 0.5]
-    assert [l.t_b for l in pp.layers] == [0.2, 0.0, 0.0, 0.4, 0.6]
+    assert [layer.name for layer in pp.layers] == ["a", "b#0/3", "b#1/3", "b#2/3", "c"]
+    assert [layer.nbytes for layer in pp.layers] == [40, 1332, 1332, 1336, 20]
+    assert [layer.numel for layer in pp.layers] == [10, 333, 333, 334, 5]
+    assert [layer.t_f for layer in pp.layers] == [0.1, 0.0, 0.0, 0.3, 0.5]
+    assert [layer.t_b for layer in pp.layers] == [0.2, 0.0, 0.0, 0.4, 0.6]
     assert pp.total_bytes == prof.total_bytes and pp.t_update == 0.25 and pp.name == "m"
     assert pp.t_forward == pytest.approx(prof.t_forward) and pp.t_backward == pytest.approx(prof.t_backward)
     assert pp.meta["partition"] == {"piece_bytes": 1500, "split": {1: 3}}
@@ -60,7 +60,7 @@ def test_partition_without_numel_uses_bytes_per_element():
     prof = ModelProfile("m", (LayerProfile("a", 12, 1.0, 2.0),), meta={"bytes_per_element": 2})
     assert layer_numels(prof) == (6,) and layer_numels(prof, 4) == (3,)
     pp, pmap = partition_profile(prof, 5)  # ceil(12 / 5) = 3 pieces of 2 elements (4 bytes)
-    assert pmap == ((0, 0, 2), (0, 2, 4), (0, 4, 6)) and [l.nbytes for l in pp.layers] == [4, 4, 4]
+    assert pmap == ((0, 0, 2), (0, 2, 4), (0, 4, 6)) and [layer.nbytes for layer in pp.layers] == [4, 4, 4]
     # a layer is never split into more pieces than it has elements
     _, pmap = partition_profile(prof, 1)
     assert len(pmap) == 6
@@ -84,7 +84,7 @@ def test_partition_at_or_above_the_largest_layer_is_the_identity(seed):
     for piece in (largest, largest + rng.randint(1, 10), largest * 1.5, float(2**40)):
         pp, pmap = partition_profile(prof, piece)
         assert pp is prof
-        assert pmap == tuple((i, 0, l.numel) for i, l in enumerate(prof.layers))
+        assert pmap == tuple((i, 0, layer.numel) for i, layer in enumerate(prof.layers))
         assert not is_split(pmap) and describe_partition(pmap) == "no layer split"
     # just below the largest: that layer (and only layers that large) splits in 2
     pp, pmap = partition_profile(prof, largest - 0.5)
@@ -120,7 +120,7 @@ def test_simulated_split_layer_by_hand():
     prof = ModelProfile("h", (LayerProfile.from_numel("l0", 25, 4, 2.0, 0.5),
                               LayerProfile.from_numel("l1", 76, 4, 0.5, 0.5)))
     pp, pmap = partition_profile(prof, 152)
-    assert pmap == ((0, 0, 25), (1, 0, 38), (1, 38, 76)) and [l.nbytes for l in pp.layers] == [100, 152, 152]
+    assert pmap == ((0, 0, 25), (1, 0, 38), (1, 38, 76)) and [layer.nbytes for layer in pp.layers] == [100, 152, 152]
     cm = CostModel.from_allreduce(0.0, 0.01)  # AR(100) = 1, AR(152) = 1.52, RS(152) = AG(152) = 0.76
     r = simulate(pp, cm, Schedule(((0,), (1,), (2,)), ops("RS2 AR0 AR1 AG2")))
     # backward: p2 (l1, 0.5 s) [0, 0.5], p1 [0.5, 0.5], p0 [0.5, 1.0]: buckets 1 and 2 ready at 0.5, bucket 0 at 1.0
@@ -233,8 +233,9 @@ def test_expand_pieces_of_planned_schedules_cover_every_element_once(seed):
         layers.append(list(range(p, p + n)))
         numels += [rng.randint(1, 300) for _ in range(n)]
         p += n
-    prof = ModelProfile("r", tuple(LayerProfile.from_numel(f"l{k}", sum(numels[i] for i in l), 4, rng.random(),
-                                                           rng.random()) for k, l in enumerate(layers)))
+    prof = ModelProfile("r", tuple(LayerProfile.from_numel(f"l{k}", sum(numels[i] for i in layer_params), 4,
+                                                           rng.random(), rng.random())
+                                   for k, layer_params in enumerate(layers)))
     cm = CostModel.from_allreduce(rng.uniform(0, 0.01), 1e-5)
     pp, pmap = partition_profile(prof, rng.choice([100, 400, 1000]))
     keys = [rng.choice("fh") for _ in numels]
@@ -256,8 +257,8 @@ def test_partitioned_shared_profile_plans_and_expands():
     prof = load_profile("vgg16")
     pp, pmap = partition_profile(prof, 4 * 2**20)
     assert max(pp.sizes_bytes) <= 4 * 2**20 and pp.total_bytes == prof.total_bytes
-    big = [l for l in prof.layers if l.nbytes > 4 * 2**20]
-    assert len(pp.layers) == len(prof.layers) + sum(math.ceil(l.nbytes / 2**22) - 1 for l in big)
+    big = [layer for layer in prof.layers if layer.nbytes > 4 * 2**20]
+    assert len(pp.layers) == len(prof.layers) + sum(math.ceil(layer.nbytes / 2**22) - 1 for layer in big)
     assert describe_partition(pmap, prof).startswith(f"{len(big)} layers split into ")
 
 

@@ -213,7 +213,8 @@ def test_shared_profiles_optimal_is_never_worse(model, beta_scale):
     # no_overlap: Σt_b + T_AR(all bytes) + Σt_f with the reference's T_AR = alpha + beta_elem * params
     ab = {"alpha": cm.ar.alpha_s, "beta_elem": cm.ar.beta_s_per_byte * 4}
     params = prof.total_bytes // 4
-    assert times["no_overlap"] == pytest.approx(prof.t_backward + prof.t_forward + ab["alpha"] + ab["beta_elem"] * params)
+    assert times["no_overlap"] == pytest.approx(prof.t_backward + prof.t_forward + ab["alpha"]
+                                                + ab["beta_elem"] * params)
 
 
 @pytest.mark.parametrize("model", ["vgg16", "resnet50", "bert_base"])

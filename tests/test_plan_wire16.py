@@ -40,7 +40,8 @@ def test_measured_16bit_constants_replace_the_half_bytes_rule():
     from lightning_pipedap.plan.cost_model import AlphaBeta
 
     cm = dataclasses.replace(CM, rs16=AlphaBeta(0.0, 0.3e-9), ag16=AlphaBeta(0.0, 0.3e-9))
-    assert cm.reduce_scatter16(4_000_000) == pytest.approx(1.2e-3) and CM.reduce_scatter16(4_000_000) == pytest.approx(1e-3)
+    assert cm.reduce_scatter16(4_000_000) == pytest.approx(1.2e-3)
+    assert CM.reduce_scatter16(4_000_000) == pytest.approx(1e-3)
     half = Schedule(((0,), (1,)), (Op(AR, 1), Op(AR, 0)), wire16=(True, False))
     # backward 11 ms, bucket 0's AR (16-bit RS + AG) 2.4 ms, forward 11 ms
     assert simulate(PROF, cm, half).iteration_s == pytest.approx(0.0244, abs=1e-12)

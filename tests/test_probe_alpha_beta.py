@@ -23,7 +23,8 @@ def _fit_then_cached(rank: int, world: int, cache_dir: str) -> dict:
                                       repeats=1, use_cache=False)
         path = Path(cache_dir) / f"alpha_beta-{AB.cache_key(comm)}.json"
         if rank == 0:  # what an earlier good fit left, and one written before fitted_at was recorded
-            model = CostModel.from_allreduce(1e-4, 2e-9, meta={"source": "measured", "fitted_at": "2026-11-30 08:00:00 UTC"})
+            model = CostModel.from_allreduce(1e-4, 2e-9,
+                                             meta={"source": "measured", "fitted_at": "2026-11-30 08:00:00 UTC"})
             path.write_text(json.dumps(model.to_dict()))
         C.barrier()
         cached = AB.measure_cost_model(comm, torch.device("cpu"), max_bytes=64 << 10, min_bytes=4 << 10)

@@ -73,7 +73,7 @@ def test_incomplete_step_is_an_error():
 def test_merge_steps_takes_medians():
     steps = [([1.0, 2.0], [3.0, 4.0]), ([3.0, 2.0], [1.0, 4.0]), ([2.0, 8.0], [2.0, 0.0])]
     prof = merge_steps("m", ["a", "b"], [40, 80], steps, t_update=[0.1, 0.3, 0.2])
-    assert [(l.t_f, l.t_b, l.nbytes) for l in prof.layers] == [(2.0, 2.0, 40), (2.0, 4.0, 80)]
+    assert [(layer.t_f, layer.t_b, layer.nbytes) for layer in prof.layers] == [(2.0, 2.0, 40), (2.0, 4.0, 80)]
     assert prof.t_update == pytest.approx(0.2)
 
 

@@ -206,6 +206,6 @@ def test_nonfinite_check_sees_sparse_gradients():
                                                 check_invariants=True)
     found = check.scan_sparse(reducer)
     assert (found.name, found.bucket, found.nan, found.inf, found.numel) == ("emb.weight", -1, 1, 1, 4)
-    assert said == [f"pipedap: {found.describe()}; the update is applied as DDP applies it (nonfinite='warn', said once "
-                    "per fit; 'raise' stops training, 'skip' skips such steps)"]
+    assert said == [f"pipedap: {found.describe()}; the update is applied as DDP applies it "
+                    "(nonfinite='warn', said once per fit; 'raise' stops training, 'skip' skips such steps)"]
     assert "(first: 'emb.weight', a sparse gradient, 1 NaN and 1 inf of 4 values)" in found.describe()

@@ -186,7 +186,8 @@ def test_trial_measures_every_candidate_and_keeps_the_fastest():
     startup = dict(ctl.startup)
     assert startup.pop("plan_cache") == "off"
     assert startup == pytest.approx({"trace_s": 0.0, "trace_steps": 1, "profile_s": 0.0, "profile_steps": 1,
-                                     "planning_s": 0.0, "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2, "total_steps": 12})
+                                     "planning_s": 0.0, "trial_s": 16.2, "trial_steps": 10, "total_s": 16.2,
+                                     "total_steps": 12})
     assert fx.stored == [(["b"], 3.0, pytest.approx(0.1))]  # the finished selection is offered to the plan cache
     assert any(isinstance(c, tuple) and c[0] == "info" and c[1].startswith("pipedap: steady state after 12 steps, "
                                                                           "16.20 s") for c in fx.calls)

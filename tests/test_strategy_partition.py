@@ -14,7 +14,8 @@ from lightning_pipedap.strategy.config import PipeDAPConfig
 
 @pytest.mark.parametrize("bad", [0, -2.5, 1e-9, 0.000976562, float("inf"), float("nan"), True, "4"])
 def test_partition_mb_is_validated(bad):
-    with pytest.raises(ValueError, match=r"partition_mb must be None \(off\) or a finite number of MiB >= 1/1024 = 0.0009765625 "
+    with pytest.raises(ValueError, match=r"partition_mb must be None \(off\) or a finite number of MiB "
+                                         r">= 1/1024 = 0.0009765625 "
                                          r"\(1 KiB; split layers larger than that before planning, e.g. 4\), got "
                                          + re.escape(repr(bad))):
         PipeDAPConfig(partition_mb=bad)

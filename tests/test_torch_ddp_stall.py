@@ -102,8 +102,8 @@ def _rank_dependent_stall_fit(out_dir: str) -> None:
 
     torch.set_num_threads(1)
     pl.seed_everything(0, verbose=False)
-    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, startup_budget=None,
-                               trial_rounds=1, trial_window_s=0, wait_timeout_s=5, timeout=60,
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1,
+                               startup_budget=None, trial_rounds=1, trial_window_s=0, wait_timeout_s=5, timeout=60,
                                find_unused_parameters=False)
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -121,10 +121,10 @@ def _rank_dependent_stall_fit(out_dir: str) -> None:
 @pytest.mark.multiprocess
 def test_a_parameter_unused_on_one_rank_only_names_the_cause_on_every_rank(tmp_path):
     """``extra`` stops getting a gradient on rank 1 only, after DDP's reducer (without
-    ``find_unused_parameters``: passed False here, the user vouching as under DDP's default) took over: rank 1's reduction stalls while rank 0's bucket all-reduces wait for
-    it. Rank 1 raises an error naming the parameter and the remedy after ``min(60 s, wait_timeout_s)``; rank 0,
-    whose DDP backward then fails inside gloo, raises one that names rank 1's stall (it printed only gloo's
-    error before)."""
+    ``find_unused_parameters``: passed False here, the user vouching as under DDP's default) took over: rank 1's
+    reduction stalls while rank 0's bucket all-reduces wait for it. Rank 1 raises an error naming the parameter and the
+    remedy after ``min(60 s, wait_timeout_s)``; rank 0, whose DDP backward then fails inside gloo, raises one that names
+    rank 1's stall (it printed only gloo's error before)."""
     import json
     import os
 

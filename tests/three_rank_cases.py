@@ -124,8 +124,9 @@ def main(out_path: str, names: list[str]) -> None:
         if rc.RANK == 0:
             _write(out_path, results, t0)
             r = results[name]
-            print(f"[three-ranks] {name}: " + json.dumps({k: v for k, v in r.items() if k not in ("source", "selection")},
-                                                         default=str)[:1500], flush=True)
+            print(f"[three-ranks] {name}: "
+                  + json.dumps({k: v for k, v in r.items() if k not in ("source", "selection")}, default=str)[:1500],
+                  flush=True)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -5,9 +5,9 @@ Run on every rank (the test starts the ranks with Lightning's environment variab
     LOCAL_RANK=r WORLD_SIZE=2 ... python -m tests.wire16_cases OUT.json
 
 * ``parity``: the parity MLP (SGD with momentum, 3 epochs) under ``ddp`` (fp32), ``ddp`` with PyTorch's
-  ``fp16_compress_hook`` (registered on CPU as the bench matrix's ``ddp+fp16hook``), and pipedap with ``wire_dtype`` fp16/bf16 (``dear`` and ``optimal``); max
-  |Δparam| of each against both DDP runs, the installed schedule, and whether both ranks hold
-  byte-identical parameters.
+  ``fp16_compress_hook`` (registered on CPU as the bench matrix's ``ddp+fp16hook``), and pipedap with ``wire_dtype``
+  fp16/bf16 (``dear`` and ``optimal``); max |Δparam| of each against both DDP runs, the installed schedule, and whether
+  both ranks hold byte-identical parameters.
 * ``clip``: the same with ``gradient_clip_val=0.5`` (clip-by-norm from the reduced shards, which the
   wire format rounds before the norm is taken): against DDP with the same clipping, ranks identical.
 * ``overflow``: at step ``AT`` rank 1's loss gets ``2e5 * extra[1]``: a local gradient of 2e5, 1e5

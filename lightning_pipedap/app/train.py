@@ -167,7 +167,8 @@ def earlier_same_job(key: str, output_dir: str, job_num: int) -> Optional[dict[s
         if path is None:
             continue
         res = _read_json(path)
-        if res.get("effective_key") == key and res.get("duplicate_of") is None and res.get("job_num", job_num) < job_num:
+        if (res.get("effective_key") == key and res.get("duplicate_of") is None
+                and res.get("job_num", job_num) < job_num):
             found.append(res)
     return min(found, key=lambda r: r["job_num"]) if found else None
 
@@ -305,7 +306,8 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
     return res
 
 
-#: what SpeedupMonitor writes when the strategy predicts its step (:func:`~lightning_pipedap.measure.speedup.model_comparison`)
+#: what SpeedupMonitor writes when the strategy predicts its step
+#: (:func:`~lightning_pipedap.measure.speedup.model_comparison`)
 COMPARISON_KEYS = ("no_overlap_time_s", "speedup_vs_no_overlap", "predicted_iteration_s", "prediction_error_pct")
 #: the summary flags a steady-state iteration time off the planner's prediction by more than this (%)
 PREDICTION_ERROR_FLAG_PCT = 25.0
@@ -512,8 +514,8 @@ def format_summary(res: dict[str, Any]) -> str:
            + "; train longer, or lower plan_trials / trial_rounds"] if unfinished else []),
         *([("candidates      " if not unfinished else "earlier choice  ") + candidates_text(ran["candidates"])]
           if ran.get("candidates") else []),
-        *([f"why             {'; '.join(ran['selection_notes'])}"] if ran.get("candidates") and ran.get("selection_notes")
-          else []),
+        *([f"why             {'; '.join(ran['selection_notes'])}"]
+          if ran.get("candidates") and ran.get("selection_notes") else []),
         *(["measured so far " + ", ".join(f"{c['name']} {_fmt(c['measured_s'] and 1e3 * c['measured_s'], '.1f', ' ms')}"
                                            for c in ran["unfinished_candidates"] if c.get("measured_s") is not None)]
           if unfinished and any(c.get("measured_s") is not None for c in ran.get("unfinished_candidates") or [])
@@ -572,9 +574,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             os.makedirs(output_dir, exist_ok=True)
             with open(os.path.join(output_dir, RESULTS_FILE), "w") as f:
                 json.dump(res, f, indent=2)
-            logging.getLogger("lightning_pipedap").info(f"job #{res['job_num']} ({' '.join(res['overrides'])}) runs what job #{same['job_num']} ran "
-                     "(the options that differ do not apply to this strategy): not run again; results.json refers "
-                     "to it")
+            logging.getLogger("lightning_pipedap").info(
+                f"job #{res['job_num']} ({' '.join(res['overrides'])}) runs what job #{same['job_num']} ran "
+                "(the options that differ do not apply to this strategy): not run again; results.json refers "
+                "to it")
             return res
     pl.seed_everything(int(cfg.seed), workers=True, verbose=False)
 

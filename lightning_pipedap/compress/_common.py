@@ -15,7 +15,8 @@ def check_ratio(name: str, value: Any) -> float:
 
 
 def check_int(name: str, value: Any, lo: int, hi: int | None = None) -> int:
-    """``value`` when it is an int (not a bool) in ``[lo, hi]`` (``hi=None``: no upper limit); ``ValueError`` otherwise."""
+    """``value`` when it is an int (not a bool) in ``[lo, hi]`` (``hi=None``: no upper limit); ``ValueError``
+    otherwise."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be an integer {rng}, got {value!r}")

@@ -167,10 +167,12 @@ class StdlibTextDataModule(pl.LightningDataModule):
         root = self.root or stdlib_root()
         self.train_files, self.val_files = self.split_files()
         streams = []
-        for files, limit, name in ((self.train_files, self.train_bytes, "train"), (self.val_files, self.val_bytes, "val")):
+        for files, limit, name in ((self.train_files, self.train_bytes, "train"),
+                                   (self.val_files, self.val_bytes, "val")):
             data = read_corpus(files, root, limit)
             if len(data) <= self.block_size:
-                raise ValueError(f"{name} split has {len(data)} bytes, fewer than block_size + 1 = {self.block_size + 1}")
+                raise ValueError(f"{name} split has {len(data)} bytes, fewer than block_size + 1 = "
+                                 f"{self.block_size + 1}")
             streams.append(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.train_set = TokenWindows(streams[0], self.block_size)
         self.val_set = TokenWindows(streams[1], self.block_size)

@@ -348,7 +348,8 @@ def start_sparse_all_reduce(grad: torch.Tensor, comm: CommGroup) -> SparseReduct
 
     Args:
         grad: a ``torch.sparse_coo`` gradient (an empty one for a parameter without a gradient on this rank:
-            :func:`~lightning_pipedap.engine.sparse.empty_sparse_like`), or a dense one; every rank passes the same shape and sparse/dense dims.
+            :func:`~lightning_pipedap.engine.sparse.empty_sparse_like`), or a dense one; every rank passes the same
+            shape and sparse/dense dims.
         comm: the group (every rank calls this for the same parameters in the same order).
 
     Returns:

@@ -49,7 +49,8 @@ class CompressionMonitor(Callback):
             m[f"compress/b{b}/ratio"] = s.ratio
             m[f"compress/b{b}/compress_ms"] = 1e3 * s.compress_s
             m[f"compress/b{b}/hidden_ms"] = 1e3 * h
-            dense, payload, comp, hidden = dense + s.dense_bytes, payload + s.payload_bytes, comp + s.compress_s, hidden + h
+            dense, payload = dense + s.dense_bytes, payload + s.payload_bytes
+            comp, hidden = comp + s.compress_s, hidden + h
         m["compress/ratio"] = dense / payload if payload else 1.0
         m["compress/compress_ms"] = 1e3 * comp
         m["compress/hidden_pct"] = 100.0 * hidden / comp if comp else 0.0

@@ -52,7 +52,8 @@ class _Base(pl.LightningModule):
 
     def _loss_and_preds(self, batch: Any, batch_idx: int, stage: str) -> tuple[Tensor, Tensor, Tensor]:
         """Return ``(loss, logits (N, classes), targets (N,))`` for one batch (subclasses define it)."""
-        raise TypeError(f"{type(self).__name__} is an abstract base: subclasses define _loss_and_preds(batch, batch_idx, stage)")
+        raise TypeError(f"{type(self).__name__} is an abstract base: "
+                        "subclasses define _loss_and_preds(batch, batch_idx, stage)")
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss, logits, target = self._loss_and_preds(batch, batch_idx, "train")

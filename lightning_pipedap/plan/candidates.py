@@ -104,6 +104,7 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
             continue
         kw = {"wire16": True} if wire16 and name == "optimal" else {}
         auto.append(get_planner(name)(profile, cost_model, world_size, compression=compression, **kw))
-    for s in sorted(auto, key=lambda s: s.predicted_iteration_s if s.predicted_iteration_s is not None else float("inf")):
+    for s in sorted(auto,
+                    key=lambda s: s.predicted_iteration_s if s.predicted_iteration_s is not None else float("inf")):
         add(s)
     return out

@@ -10,9 +10,9 @@ Usage::
     python -m lightning_pipedap.plan.cli --sweep --out docs/PLANNERS.md
 
 The profile is a file (our format or a PipeDAP reference profile) or the name of a reference profile
-shipped with the package (``lightning_pipedap/plan/profiles/<name>.json``). The cost model is, in this order of precedence: ``--cost-model``
-(a JSON written by :meth:`CostModel.save`), ``--alpha``/``--beta`` (all-reduce constants, s and
-s/byte), ``--alpha``/``--bandwidth`` (GB/s of a ring all-reduce: ``beta = 2 (N-1) / N / bandwidth``),
+shipped with the package (``lightning_pipedap/plan/profiles/<name>.json``). The cost model is, in this order
+of precedence: ``--cost-model`` (a JSON written by :meth:`CostModel.save`), ``--alpha``/``--beta`` (all-reduce
+constants, s and s/byte), ``--alpha``/``--bandwidth`` (GB/s of a ring all-reduce: ``beta = 2 (N-1) / N / bandwidth``),
 or the shared reference constants ``alpha_beta.json`` for the worker count.
 RS and AG are derived from all-reduce constants with ``--startup-sharing`` (see
 :meth:`CostModel.from_allreduce`). ``--beta-scale`` multiplies beta (a slower network).

@@ -268,7 +268,8 @@ class CostModel:
             ValueError: if a constant is negative or ``startup_sharing`` is outside [0, 1].
         """
         if not (0.0 <= startup_sharing <= 1.0):
-            raise ValueError(f"startup_sharing must be in [0, 1] (fraction of alpha saved by one AR), got {startup_sharing}")
+            raise ValueError("startup_sharing must be in [0, 1] (fraction of alpha saved by one AR), "
+                             f"got {startup_sharing}")
         half = AlphaBeta(alpha_s * (1.0 + startup_sharing) / 2.0, beta_s_per_byte / 2.0)
         m = {"source": "from_allreduce", "startup_sharing": startup_sharing}
         m.update(meta or {})

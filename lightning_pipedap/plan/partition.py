@@ -66,9 +66,8 @@ from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.profile import LayerProfile, ModelProfile
 from lightning_pipedap.schedule import OpKind, Schedule, expand_layers, split_buckets
 
-__all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period", "expand_pieces",
-           "fused_pieces",
-           "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
+__all__ = ["MAX_BUDGET_SCALE", "PartitionChoice", "PieceMap", "choose_partition", "describe_partition", "engine_period",
+           "expand_pieces", "fused_pieces", "is_split", "layer_numels", "partition_profile", "piece_schedule_to_layers"]
 
 #: ``piece_map[j] = (layer, start, stop)``: piece-layer ``j`` of the partitioned profile is elements
 #: ``[start, stop)`` of layer ``layer`` of the original profile (flattened); plain data (JSON-able as lists)
@@ -89,14 +88,15 @@ def layer_numels(profile: ModelProfile, bytes_per_element: int | None = None) ->
     if isinstance(bpe, bool) or not isinstance(bpe, int) or bpe <= 0:
         raise ValueError(f"bytes_per_element must be an int > 0 (fp32: 4, fp16/bf16: 2), got {bpe!r}")
     out = []
-    for l in profile.layers:
-        if l.numel is not None:
-            out.append(int(l.numel))
-        elif l.nbytes % bpe:
-            raise ValueError(f"layer {l.name!r} has {l.nbytes} bytes and no element count; {l.nbytes} is not a "
+    for layer in profile.layers:
+        if layer.numel is not None:
+            out.append(int(layer.numel))
+        elif layer.nbytes % bpe:
+            raise ValueError(f"layer {layer.name!r} has {layer.nbytes} bytes and no element count; "
+                             f"{layer.nbytes} is not a "
                              f"multiple of bytes_per_element={bpe} (give the profile's numel or bytes_per_element)")
         else:
-            out.append(l.nbytes // bpe)
+            out.append(layer.nbytes // bpe)
     return tuple(out)
 
 
@@ -131,19 +131,19 @@ def partition_profile(profile: ModelProfile, piece_bytes: float, *,
     layers: list[LayerProfile] = []
     pmap: list[tuple[int, int, int]] = []
     split: dict[int, int] = {}
-    for i, (l, n) in enumerate(zip(profile.layers, numels)):
-        k = min(math.ceil(l.nbytes / piece_bytes), n) if l.nbytes > piece_bytes else 1
+    for i, (layer, n) in enumerate(zip(profile.layers, numels)):
+        k = min(math.ceil(layer.nbytes / piece_bytes), n) if layer.nbytes > piece_bytes else 1
         if k <= 1:
-            layers.append(l)
+            layers.append(layer)
             pmap.append((i, 0, n))
             continue
         split[i] = k
         for j in range(k):
             start, stop = j * n // k, (j + 1) * n // k
-            nbytes = stop * l.nbytes // n - start * l.nbytes // n
+            nbytes = stop * layer.nbytes // n - start * layer.nbytes // n
             last = j == k - 1
-            layers.append(LayerProfile(f"{l.name}#{j}/{k}", nbytes, l.t_f if last else 0.0, l.t_b if last else 0.0,
-                                       stop - start))
+            layers.append(LayerProfile(f"{layer.name}#{j}/{k}", nbytes, layer.t_f if last else 0.0,
+                                       layer.t_b if last else 0.0, stop - start))
             pmap.append((i, start, stop))
     if not split:
         return profile, tuple(pmap)
@@ -198,7 +198,8 @@ def _check_piece_map(piece_map: PieceMap, layers: Sequence[Sequence[int]], numel
     for k, layer in enumerate(layers):
         total = sum(numels[p] for p in layer)
         if ends[k] != total:
-            raise ValueError(f"the pieces of layer {k} cover elements [0, {ends[k]}) but its parameters {list(layer)[:10]} "
+            raise ValueError(f"the pieces of layer {k} cover elements [0, {ends[k]}) "
+                             f"but its parameters {list(layer)[:10]} "
                              f"have {total} elements; the piece map does not match the parameters")
 
 
@@ -252,7 +253,7 @@ def expand_pieces(schedule: Schedule, piece_map: PieceMap, layers: Sequence[Sequ
             not covering a layer's elements), a bucket names a piece-layer outside the map, a parameter of
             0 elements when some parameter is split, or the result fails validation.
     """
-    num_params = sum(len(l) for l in layers)
+    num_params = sum(len(layer_params) for layer_params in layers)
     if len(numels) != num_params:
         raise ValueError(f"numels has {len(numels)} entries; layers name {num_params} parameters")
     _check_piece_map(piece_map, layers, numels)
@@ -339,7 +340,7 @@ def engine_period(profile: ModelProfile, piece_map: PieceMap, cost_model: CostMo
         if t.op.kind is not OpKind.REDUCE_SCATTER:
             done[t.op.bucket] = t.end - shift
     total = profile.total_bytes
-    share = [profile.t_update * l.nbytes / total if total > 0 else 0.0 for l in profile.layers]
+    share = [profile.t_update * layer.nbytes / total if total > 0 else 0.0 for layer in profile.layers]
     if total <= 0:
         return P  # no bytes: the update is shared per bucket, nothing is split
     bucket_of = {j: b for b, bk in enumerate(schedule.buckets) for j in bk}
@@ -434,12 +435,13 @@ def choose_partition(profile: ModelProfile, cost_model: CostModel, world_size: i
     from lightning_pipedap.plan.planners import get_planner  # noqa: PLC0415
 
     if unpartitioned.predicted_iteration_s is None:
-        raise ValueError("unpartitioned has no predicted_iteration_s; give the planner's schedule (with its prediction)")
+        raise ValueError("unpartitioned has no predicted_iteration_s; "
+                         "give the planner's schedule (with its prediction)")
     u = unpartitioned.predicted_iteration_s
     asked = piece_bytes
-    pieces = sum(max(1, math.ceil(l.nbytes / piece_bytes)) for l in profile.layers) if piece_bytes > 0 else 0
+    pieces = sum(max(1, math.ceil(layer.nbytes / piece_bytes)) for layer in profile.layers) if piece_bytes > 0 else 0
     if pieces > MAX_PIECE_LAYERS:  # (the planners' cost grows with the layers: keep the search bounded)
-        piece_bytes = math.ceil(sum(l.nbytes for l in profile.layers) / (MAX_PIECE_LAYERS - profile.num_layers))
+        piece_bytes = math.ceil(sum(layer.nbytes for layer in profile.layers) / (MAX_PIECE_LAYERS - profile.num_layers))
     pp, pmap = partition_profile(profile, piece_bytes)
     mib = f"{piece_bytes / 2**20:g}"
     if piece_bytes != asked:

@@ -128,22 +128,22 @@ class ModelProfile:
     @property
     def sizes_bytes(self) -> tuple[int, ...]:
         """Gradient bytes per layer, forward order."""
-        return tuple(l.nbytes for l in self.layers)
+        return tuple(layer.nbytes for layer in self.layers)
 
     @property
     def total_bytes(self) -> int:
         """Gradient bytes of the whole model."""
-        return sum(l.nbytes for l in self.layers)
+        return sum(layer.nbytes for layer in self.layers)
 
     @property
     def t_forward(self) -> float:
         """Total forward seconds."""
-        return sum(l.t_f for l in self.layers)
+        return sum(layer.t_f for layer in self.layers)
 
     @property
     def t_backward(self) -> float:
         """Total backward seconds."""
-        return sum(l.t_b for l in self.layers)
+        return sum(layer.t_b for layer in self.layers)
 
     @property
     def t_compute(self) -> float:
@@ -154,20 +154,21 @@ class ModelProfile:
         """Copy with every compute time (``t_f``, ``t_b``, ``t_update``) multiplied by ``time_factor``."""
         if not (time_factor >= 0 and math.isfinite(time_factor)):
             raise ValueError(f"time_factor must be a finite number >= 0, got {time_factor}")
-        layers = tuple(LayerProfile(l.name, l.nbytes, l.t_f * time_factor, l.t_b * time_factor, l.numel)
-                       for l in self.layers)
+        layers = tuple(LayerProfile(layer.name, layer.nbytes, layer.t_f * time_factor, layer.t_b * time_factor,
+                                    layer.numel)
+                       for layer in self.layers)
         return ModelProfile(self.name, layers, self.t_update * time_factor, dict(self.meta))
 
     def to_dict(self) -> dict:
         """JSON-ready dict in our own format (version 1)."""
         layers = []
-        for l in self.layers:
-            d: dict[str, Any] = {"name": l.name}
-            if l.numel is not None and l.numel > 0 and l.nbytes % l.numel == 0:
-                d.update(numel=l.numel, bytes_per_element=l.nbytes // l.numel)
+        for layer in self.layers:
+            d: dict[str, Any] = {"name": layer.name}
+            if layer.numel is not None and layer.numel > 0 and layer.nbytes % layer.numel == 0:
+                d.update(numel=layer.numel, bytes_per_element=layer.nbytes // layer.numel)
             else:
-                d["nbytes"] = l.nbytes
-            d.update(t_f=l.t_f, t_b=l.t_b)
+                d["nbytes"] = layer.nbytes
+            d.update(t_f=layer.t_f, t_b=layer.t_b)
             layers.append(d)
         return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": self.name, "unit_time": "s",
                 "t_update": self.t_update, "layers": layers, "meta": dict(self.meta)}
@@ -251,9 +252,9 @@ def load_reference_profile(data_or_path: Mapping[str, Any] | str | Path, *, repa
     if key not in data:
         raise ValueError(f"{src} has no {key!r} list; is it a reference profile?")
     layers = tuple(
-        LayerProfile.from_numel(str(l["name"]), int(l["params"]), bytes_per_element,
-                                float(l["t_f"]) * scale, float(l["t_b"]) * scale)
-        for l in data[key]
+        LayerProfile.from_numel(str(entry["name"]), int(entry["params"]), bytes_per_element,
+                                float(entry["t_f"]) * scale, float(entry["t_b"]) * scale)
+        for entry in data[key]
     )
     return ModelProfile(str(data.get("model", Path(src).stem)), layers, 0.0,
                         {"source": src, "variant": key, "bytes_per_element": bytes_per_element})
@@ -267,14 +268,14 @@ def _own_profile(data: Mapping[str, Any], src: str) -> ModelProfile:
         raise ValueError(f"{src}: unit_time {unit!r} not understood; valid: {sorted(_TIME_UNITS)}")
     scale = _TIME_UNITS[unit]
     layers = []
-    for i, l in enumerate(data.get("layers", [])):
-        name = str(l.get("name", f"layer{i}"))
-        if "nbytes" in l:
-            layers.append(LayerProfile(name, int(l["nbytes"]), float(l["t_f"]) * scale, float(l["t_b"]) * scale,
-                                       l.get("numel")))
-        elif "numel" in l:
-            layers.append(LayerProfile.from_numel(name, int(l["numel"]), int(l.get("bytes_per_element", 4)),
-                                                  float(l["t_f"]) * scale, float(l["t_b"]) * scale))
+    for i, entry in enumerate(data.get("layers", [])):
+        name = str(entry.get("name", f"layer{i}"))
+        if "nbytes" in entry:
+            layers.append(LayerProfile(name, int(entry["nbytes"]), float(entry["t_f"]) * scale,
+                                       float(entry["t_b"]) * scale, entry.get("numel")))
+        elif "numel" in entry:
+            layers.append(LayerProfile.from_numel(name, int(entry["numel"]), int(entry.get("bytes_per_element", 4)),
+                                                  float(entry["t_f"]) * scale, float(entry["t_b"]) * scale))
         else:
             raise ValueError(f"{src}: layer {i} ({name!r}) needs 'nbytes' or 'numel' (+ 'bytes_per_element')")
     return ModelProfile(str(data.get("name", "model")), tuple(layers), float(data.get("t_update", 0.0)) * scale,

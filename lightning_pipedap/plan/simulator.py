@@ -10,8 +10,9 @@ Model (DeAR ICDCS 2023 §III, PipeDAP TETC 2025 §IV, with consistent costs):
   each other down (an optimistic what-if, e.g. two NCCL communicators on separate links).
 * Op durations come from the :class:`~lightning_pipedap.plan.cost_model.CostModel` at the bucket's
   byte size (a bucket flagged ``wire16`` in the schedule: the model's 16-bit RS and AG,
-  :meth:`~lightning_pipedap.plan.cost_model.CostModel.reduce_scatter16`, its AR = that RS + that AG); they are never negative and no start-up is shared between ops (sharing is only the
-  explicit RS+AG -> AR fusion of the cost model).
+  :meth:`~lightning_pipedap.plan.cost_model.CostModel.reduce_scatter16`, its AR = that RS + that AG); they are
+  never negative and no start-up is shared between ops (sharing is only the explicit RS+AG -> AR fusion of the
+  cost model).
 * Dependencies: ``RS(b)``/``AR(b)`` start after the backward of *every* layer of bucket ``b`` (the
   bucket's lowest layer index finishes last); ``AG(b)`` after ``RS(b)``; in the next iteration the
   first forward that uses bucket ``b`` starts after ``b``'s ``AG``/``AR`` and then, on the compute

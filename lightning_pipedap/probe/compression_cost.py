@@ -8,10 +8,10 @@ Produces the :class:`~lightning_pipedap.plan.compression.CompressionCost` the pl
   rank: later rounds and decompression for summable payloads (the sum over one rank is the payload
   itself), packing, unpacking and aggregating ``world_size`` payloads for the others. Each size is
   timed in up to ``repeats`` interleaved rounds within ``budget_s`` seconds and the fastest cycle is
-  kept (load on a shared CPU only adds time); ``alpha_c``/``beta_c`` are the non-negative least-squares line through (dense bytes, total seconds) and ``post_share`` the
-  measured share after the collective (:func:`~lightning_pipedap.plan.compression.fit_compression_cost`).
-  PowerSGD buckets are built from the model's own parameter shapes (its cost depends on the
-  matrices, not only on the byte count); the other methods see one 1-D tensor.
+  kept (load on a shared CPU only adds time); ``alpha_c``/``beta_c`` are the non-negative least-squares line
+  through (dense bytes, total seconds) and ``post_share`` the measured share after the collective
+  (:func:`~lightning_pipedap.plan.compression.fit_compression_cost`). PowerSGD buckets are built from the model's own
+  parameter shapes (its cost depends on the matrices, not only on the byte count); the other methods see one 1-D tensor.
 * **Payload** from the compressor's :meth:`~lightning_pipedap.compress.base.Compressor.payload_spec`
   (communicated tensors; packed size for all-gathered methods), fitted as ``ratio * bytes + const``
   from two sizes; for PowerSGD exactly per layer, from the factor sizes of its layout

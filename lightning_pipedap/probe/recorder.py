@@ -196,7 +196,8 @@ def merge_steps(
         raise ValueError("no profiled steps to merge")
     L = len(layer_names)
     if len(layer_bytes) != L or any(len(f) != L or len(b) != L for f, b in steps):
-        raise ValueError(f"profile length mismatch: {L} layers, bytes {len(layer_bytes)}, steps {[len(f) for f, _ in steps]}")
+        raise ValueError(f"profile length mismatch: {L} layers, bytes {len(layer_bytes)}, "
+                         f"steps {[len(f) for f, _ in steps]}")
     layers = tuple(
         LayerProfile(
             name=layer_names[k],

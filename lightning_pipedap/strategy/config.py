@@ -613,13 +613,16 @@ class PipeDAPConfig:
         if not self.planned:
             fixed = {"dear": "reduce-scatter in backward, all-gather before the next forward",
                      "allreduce": "WFBP, one all-reduce per bucket in backward"}.get(self.schedule, "fixed")
-            return (f"asked for schedule {self.schedule!r}: the fixed schedule ({fixed}, {self.bucket_cap_mb:g} MiB buckets), "
+            return (f"asked for schedule {self.schedule!r}: the fixed schedule "
+                    f"({fixed}, {self.bucket_cap_mb:g} MiB buckets), "
                     "no profiling or trials")
         if (self.plan_trials or 1) > 1 and self.compression is None:
-            return (f"asked for schedule {self.schedule!r}: the fastest, measured in trials, of up to {self.plan_trials} planned "
+            return (f"asked for schedule {self.schedule!r}: the fastest, measured in trials, "
+                    f"of up to {self.plan_trials} planned "
                     "candidates" + (" and DDP's own reducer" if self.torch_ddp_candidate else "")
                     + " (the plan below says which runs)")
-        return (f"asked for schedule {self.schedule!r}: the {PLANNED[self.schedule]} planner's plan from a profile of the first "
+        return (f"asked for schedule {self.schedule!r}: the {PLANNED[self.schedule]} planner's plan "
+                "from a profile of the first "
                 f"steps{', compressed' if self.compression else ''}, no trials")
 
 

@@ -155,7 +155,8 @@ def train(strategy: Any, case: Case, *, load: Optional[str] = None, save_at: Opt
         rt = s._rt
         out["info"] = {"phase": rt.controller.phase.value, "installed": s.installed_schedule,
                        "engine_rounds": rt.engine.iteration, "trials": len(s.trial_results),
-                       "engine_copies": rt.engine.copies, "engine_params": sum(len(b.params) for b in rt.engine.buckets),
+                       "engine_copies": rt.engine.copies,
+                       "engine_params": sum(len(b.params) for b in rt.engine.buckets),
                        "grads_in_buckets": out.pop("grads_in_buckets", None)}
     fabric.barrier()
     world = os.environ.get("WORLD_SIZE")
@@ -169,7 +170,9 @@ def _diff(a: Any, b: Any) -> float:
     if isinstance(a, torch.Tensor):
         return float((a - b).abs().max()) if a.numel() else 0.0
     if isinstance(a, list):
-        return max((abs(x - y) for x, y in zip(a, b) if x is not None), default=0.0) if len(a) == len(b) else float("inf")
+        if len(a) != len(b):
+            return float("inf")
+        return max((abs(x - y) for x, y in zip(a, b) if x is not None), default=0.0)
     raise TypeError(type(a))
 
 
@@ -190,7 +193,8 @@ def main(out_path: str) -> None:
             ref = train(VARIANTS["ddp"](), case, save_at=case.steps // 2, save_path=ckpt["ddp"])
             res["ddp_moved"] = float((ref["params"] - _initial(case)).abs().max())
             res["ddp_grad_absmax"] = float(ref["grads"].abs().max())  # (> clip_val: value clipping acts)
-            res["ddp_clipped"] = any(n is not None and n > case.clip.get("max_norm", float("inf")) for n in ref["norms"])
+            res["ddp_clipped"] = any(n is not None and n > case.clip.get("max_norm", float("inf"))
+                                     for n in ref["norms"])
             for v in ("dear", "allreduce", "optimal", "dear_view", "optimal_view"):
                 run = train(VARIANTS[v](), case, save_at=case.steps // 2 if v == "dear" else None,
                             save_path=ckpt["dear"])

@@ -89,20 +89,23 @@ from lightning_pipedap.bench.matrix.results import (DDP_REDUCER, CellResult, Com
                                                     dependency_bound_s, hidden_share, installed_note, lower_bound_s,
                                                     median_step_s,
                                                     ratio_to_bound, speedup, summarize_compression)
-from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, CLIP_SUFFIX, COMPRESS_SEP, COMPRESSOR_KWARGS, DDP_HOOKS,
-                                                 DEFAULT_COMPRESSORS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS, MODELS,
+from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, CLIP_SUFFIX, COMPRESS_SEP, COMPRESSOR_KWARGS,
+                                                 DDP_HOOKS, DEFAULT_COMPRESSORS, DEFAULT_PIPEDAP, INLINE_SUFFIX, LINKS,
+                                                 MODELS,
                                                  NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS, POWERSGD_ONE_BUCKET_MB,
                                                  POWERSGD_RANK, POWERSGD_START, PRESETS, QUICK_DDP_WARMUP,
                                                  QUICK_PLAN_TRIALS, QUICK_STRATEGIES, QUICK_TRIAL_STEPS, REFERENCE,
                                                  SIZES, TRIAL_STEPS, StrategySpec, all_strategies, compressor_names,
-                                                 extra_warmup_steps, parse_strategies, parse_strategy, pipedap_schedules,
-                                                 plan_trials, uncompressed_name, valid_strategies)
-from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTimer, _ddp_with_comm_hook, _make_timer,
-                                                   comm_only, plan_record, quiet_worker)
+                                                 extra_warmup_steps, parse_strategies, parse_strategy,
+                                                 pipedap_schedules, plan_trials, uncompressed_name, valid_strategies)
+from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTimer, comm_only, plan_record,
+                                                   quiet_worker)
+# private helpers, re-exported for tests/test_bench_matrix.py (M._make_timer, M._ddp_with_comm_hook)
+from lightning_pipedap.bench.matrix.worker import _ddp_with_comm_hook, _make_timer  # noqa: F401
 
 __all__ = [
-    "BASE_STRATEGIES", "CLIP_SUFFIX", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS", "DEFAULT_COMPRESSORS",
-    "DEFAULT_PIPEDAP",
+    "BASE_STRATEGIES", "CLIP_SUFFIX", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS",
+    "DEFAULT_COMPRESSORS", "DEFAULT_PIPEDAP",
     "HIDDEN_NOTE", "INLINE_SUFFIX", "LINKS", "MD_BEGIN", "MD_END", "MODELS", "NICE_SUFFIX", "PIPEDAP_PREFIX",
     "PLAN_TRIALS", "POWERSGD_ONE_BUCKET_MB", "POWERSGD_RANK", "POWERSGD_START", "PRESETS", "QUICK_DDP_WARMUP",
     "QUICK_PLAN_TRIALS", "QUICK_STRATEGIES", "QUICK_TRIAL_STEPS", "REFERENCE", "SIZES", "TRIAL_STEPS",

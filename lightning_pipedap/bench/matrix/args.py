@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "prints 'speedup_vs_ddp=<x> ratio_to_bound=<y> installed=<schedule>' last, marked when the "
                          "schedule installed is torch_ddp (DDP's reducer)")
     ap.add_argument("--models", default="mlp", help=f"comma list of {', '.join(MODELS)} or 'all'")
-    ap.add_argument("--links", default="1gbit,none", help=f"comma list of {', '.join(LINKS)} or 'all' ('none' = uncapped)")
+    ap.add_argument("--links", default="1gbit,none",
+                    help=f"comma list of {', '.join(LINKS)} or 'all' ('none' = uncapped)")
     ap.add_argument("--ranks", default="2", help="comma list of rank counts (>= 2), e.g. 2,4")
     ap.add_argument("--strategies", default="all",
                     help="comma list (see --list) or 'all'; pipedap-<schedule>+<compressor>[:inline] adds compression")
@@ -146,7 +147,8 @@ def _validate(args: argparse.Namespace) -> None:
         if getattr(args, name) < low:
             raise ValueError(f"--{name.replace('_', '-')} must be >= {low}, got {getattr(args, name)}")
     if any(s.startswith(PIPEDAP_PREFIX) for s in args.strategies) and args.warmup < 5:
-        raise ValueError(f"--warmup must be >= 5 with pipedap strategies (1 trace + 3 profile steps + 1), got {args.warmup}")
+        raise ValueError("--warmup must be >= 5 with pipedap strategies (1 trace + 3 profile steps + 1), "
+                         f"got {args.warmup}")
     if args.batch is not None and args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
     if not args.watts > 0:

@@ -17,9 +17,10 @@ from lightning_pipedap.bench.matrix.report import (format_text_report, machine_d
                                                    replace_marked_section, write_chart)
 from lightning_pipedap.bench.matrix.results import CellResult, combine
 from lightning_pipedap.bench.matrix.spec import (CLIP_SUFFIX, COMPRESS_SEP, COMPRESSOR_KWARGS, DEFAULT_PIPEDAP,
-                                                 INLINE_SUFFIX, LINKS, MODELS, NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS, PRESETS,
-                                                 QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS, TRIAL_ROUNDS,
-                                                 TRIAL_STEPS, WIRE_SUFFIXES, compressor_names, valid_strategies)
+                                                 INLINE_SUFFIX, LINKS, MODELS, NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS,
+                                                 PRESETS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS,
+                                                 TRIAL_ROUNDS, TRIAL_STEPS, WIRE_SUFFIXES, compressor_names,
+                                                 valid_strategies)
 
 #: the module every rank runs (``python -m <this> --worker <spec JSON>``)
 WORKER_MODULE = "lightning_pipedap.bench.matrix"
@@ -92,7 +93,8 @@ def print_list(compressors: Sequence[str]) -> None:
     print("links:", ", ".join(LINKS))
     print("strategies:", ", ".join(valid_strategies(compressors)))
     print(f"  (also any {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>[{INLINE_SUFFIX}]; "
-          f"'all' = the above without {INLINE_SUFFIX}, {'/'.join(WIRE_SUFFIXES)} and {CLIP_SUFFIX}; any pipedap form may end in "
+          f"'all' = the above without {INLINE_SUFFIX}, {'/'.join(WIRE_SUFFIXES)} and {CLIP_SUFFIX}; "
+          "any pipedap form may end in "
           f"{NICE_SUFFIX}<N>, N in 1..19: train_thread_nice=N; an uncompressed one in {' or '.join(WIRE_SUFFIXES)}: "
           f"wire_dtype, or in @part<MiB>: partition_mb; an uncompressed fp32 one with a planned schedule in "
           f"@margin<percent>: torch_ddp_margin; ddp and any uncompressed pipedap form in {CLIP_SUFFIX}<max_norm>: "

@@ -43,7 +43,8 @@ def format_cells_table(cells: Sequence[CellResult]) -> str:
             "| CPU-aware bound ms |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
-        rows.append(f"| {c.model} | {'uncapped' if c.link == 'none' else c.link} | {c.ranks} | {c.params_M:.1f} | {c.batch} "
+        rows.append(f"| {c.model} | {'uncapped' if c.link == 'none' else c.link} | {c.ranks} | {c.params_M:.1f} "
+                    f"| {c.batch} "
                     f"| {_ms(c.compute_s)} | {_ms(c.allreduce_s)} | {_ms(c.rs_ag_s)} | {_ms(c.first_layer_comm_s, 1)} "
                     f"| {_ms(c.bound_s)} | {_ms(c.dep_bound_s)} | {_ms(c.allreduce_cpu_s)} | {_ms(c.cpu_bound_s)} |")
     return "\n".join(rows)
@@ -188,7 +189,8 @@ def machine_description() -> str:
     import lightning
     import torch
 
-    return (f"{cpu}, {nproc} cores (nproc), {platform.system()} {platform.release()}, Python {platform.python_version()}, "
+    return (f"{cpu}, {nproc} cores (nproc), {platform.system()} {platform.release()}, "
+            f"Python {platform.python_version()}, "
             f"torch {torch.__version__}, lightning {lightning.__version__}")
 
 

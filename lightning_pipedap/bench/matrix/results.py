@@ -28,8 +28,10 @@ class VariantResult:
         comm_busy_s: time per iteration the communication worker was busy (RS/AG/AR), s.
         note: free text (e.g. the bucket cap chosen for ``ddp_tuned``).
         plan: pipedap: the strategy's account of its plan (installed schedule, prediction, calibration,
-            contention, measured candidates; :func:`~lightning_pipedap.bench.matrix.worker.plan_record`), for the record.
-        compression: what the variant compresses with (:attr:`~lightning_pipedap.bench.matrix.spec.StrategySpec.compression`; ``""``: nothing).
+            contention, measured candidates; :func:`~lightning_pipedap.bench.matrix.worker.plan_record`), for the
+            record.
+        compression: what the variant compresses with
+            (:attr:`~lightning_pipedap.bench.matrix.spec.StrategySpec.compression`; ``""``: nothing).
         compress_s: compressed pipedap: compression time per iteration, s (rank 0, :func:`summarize_compression`).
         hidden_share: compressed pipedap, pipelined: share of ``compress_s`` hidden by the pipeline (0..1).
         compression_ratio: compressed pipedap: dense bytes / payload bytes over the measured rounds.

@@ -136,7 +136,8 @@ class StrategySpec:
 
     @property
     def compression(self) -> str:
-        """Human description of the compression (``""`` when none), e.g. ``"powersgd rank=4 start_step=2, helper process"``."""
+        """Human description of the compression (``""`` when none), e.g.
+        ``"powersgd rank=4 start_step=2, helper process"``."""
         if self.family == "ddp_hook":
             return DDP_HOOKS[self.name]
         if self.wire != "fp32":
@@ -155,7 +156,8 @@ def strategy_forms() -> str:
             f"[{INLINE_SUFFIX}] (compressors: {', '.join(compressor_names())}); any pipedap name may end in "
             f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19) and an uncompressed one in {' or '.join(WIRE_SUFFIXES)} "
             f"(wire_dtype) or {PART_SUFFIX}<MiB> (partition_mb: split layers larger than that), and a planned "
-            f"uncompressed fp32 one in {MARGIN_SUFFIX}<percent> (torch_ddp_margin, 0..99); {', '.join(CLIP_BASES)} and any "
+            f"uncompressed fp32 one in {MARGIN_SUFFIX}<percent> (torch_ddp_margin, 0..99); "
+            f"{', '.join(CLIP_BASES)} and any "
             f"uncompressed pipedap name may end in {CLIP_SUFFIX}<max_norm> (Trainer gradient_clip_val=max_norm, "
             "algorithm norm), e.g. ddp@clip1")
 
@@ -192,7 +194,8 @@ def parse_strategy(name: str) -> StrategySpec:
         if ("@" + text).startswith(MARGIN_SUFFIX) and margin is None:
             digits = text[len(MARGIN_SUFFIX) - 1:]
             if not (digits.isdigit() and 0 <= int(digits) <= 99 and str(int(digits)) == digits):
-                raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {MARGIN_SUFFIX}<percent> with "
+                raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; "
+                                 f"valid: {MARGIN_SUFFIX}<percent> with "
                                  "an integer percent in 0..99 without leading zeros, e.g. @margin5")
             margin = int(digits) / 100
             continue
@@ -204,8 +207,10 @@ def parse_strategy(name: str) -> StrategySpec:
             continue
         digits = text[len(NICE_SUFFIX) - 1:] if text.startswith(NICE_SUFFIX[1:]) and not nice else ""
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
-            raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; valid: {NICE_SUFFIX}<N> with N in 1..19, "
-                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, {CLIP_SUFFIX}<max_norm> with "
+            raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; "
+                             f"valid: {NICE_SUFFIX}<N> with N in 1..19, "
+                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, "
+                             f"{CLIP_SUFFIX}<max_norm> with "
                              f"max_norm > 0, {MARGIN_SUFFIX}<percent> with percent in 0..99 (each at most once)")
         nice = int(digits)
     spec = _parse_pipedap(name, rest)
@@ -217,10 +222,12 @@ def parse_strategy(name: str) -> StrategySpec:
                          f"schedule (the strategy partitions neither with compression nor the fixed schedules "
                          f"{', '.join(FIXED_SCHEDULES)})")
     if margin is not None and (spec.compressor is not None or spec.schedule in FIXED_SCHEDULES or wire != "fp32"):
-        raise ValueError(f"strategy {name!r}: {MARGIN_SUFFIX}<percent> needs an uncompressed fp32 pipedap variant with a "
+        raise ValueError(f"strategy {name!r}: {MARGIN_SUFFIX}<percent> needs an uncompressed fp32 pipedap variant "
+                         "with a "
                          f"planned schedule (only there is DDP's reducer a trial candidate)")
     if clip is not None and spec.compressor is not None:
-        raise ValueError(f"strategy {name!r}: {CLIP_SUFFIX}<max_norm> needs {' or '.join(CLIP_BASES)} or an uncompressed "
+        raise ValueError(f"strategy {name!r}: {CLIP_SUFFIX}<max_norm> needs {' or '.join(CLIP_BASES)} or an "
+                         "uncompressed "
                          "pipedap variant (the clip measurement covers the uncompressed engine only)")
     return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part, margin,
                         clip)
@@ -269,7 +276,8 @@ def _parse_pipedap(name: str, rest: str) -> StrategySpec:
     """``rest`` = ``<schedule>[+<compressor>[:inline]]`` of the pipedap name ``name``."""
     schedule, sep, comp = rest.partition(COMPRESS_SEP)
     if schedule not in pipedap_schedules():
-        raise ValueError(f"unknown strategy {name!r}: unknown schedule {schedule!r}; valid: {strategy_forms()} (or 'all')")
+        raise ValueError(f"unknown strategy {name!r}: unknown schedule {schedule!r}; "
+                         f"valid: {strategy_forms()} (or 'all')")
     if not sep:
         return StrategySpec(name, "pipedap", schedule)
     comp, colon, mode = comp.partition(":")
@@ -327,7 +335,8 @@ def valid_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[
     ``pipedap-optimal@fp16`` / ``@bf16`` and the clip-by-norm forms ``ddp@clip1``, ``pipedap-dear@clip1``,
     ``pipedap-optimal@clip1`` (for ``--list``; any other ``pipedap-<schedule>+<compressor>[:inline]``,
     ``pipedap-<schedule>@fp16`` or ``...@clip<max_norm>`` is accepted too, see :func:`parse_strategy`)."""
-    return (all_strategies(compressors) + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
+    return (all_strategies(compressors)
+            + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
             + tuple(DEFAULT_PIPEDAP + w for w in WIRE_SUFFIXES)
             + tuple(f"{n}{CLIP_SUFFIX}1" for n in (*CLIP_BASES, PIPEDAP_PREFIX + "dear", DEFAULT_PIPEDAP)))
 

@@ -24,8 +24,8 @@ from lightning_pipedap import PipeDAPStrategy
 from lightning_pipedap.bench.matrix.models import build_net, first_layer_numel, make_module
 from lightning_pipedap.bench.matrix.results import median_step_s, summarize_compression
 from lightning_pipedap.bench.matrix.spec import (COMPRESSOR_KWARGS, DDP_HOOKS, PLAN_TRIALS, POWERSGD_ONE_BUCKET_MB,
-                                                 POWERSGD_RANK, POWERSGD_START, QUICK_DDP_WARMUP, TRIAL_ROUNDS, TRIAL_STEPS,
-                                                 extra_warmup_steps, parse_strategy, plan_trials)
+                                                 POWERSGD_RANK, POWERSGD_START, QUICK_DDP_WARMUP, TRIAL_ROUNDS,
+                                                 TRIAL_STEPS, extra_warmup_steps, parse_strategy, plan_trials)
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.measure.energy import EstimateReader
 
@@ -273,7 +273,8 @@ def _run_variant(spec: dict, name: str, ds: TensorDataset, world: int, bucket_mb
     med, n = median_step_s(timer.starts, warmup)
     energy = (timer.joules[-1] - timer.joules[warmup]) / n
     out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression,
-                           "all_steps_ms": [round((b - a) * 1e3, 1) for a, b in zip(timer.starts[:-1], timer.starts[1:])]}
+                           "all_steps_ms": [round((b - a) * 1e3, 1)
+                                            for a, b in zip(timer.starts[:-1], timer.starts[1:])]}
     if not isinstance(strategy, PipeDAPStrategy):
         return out
     plan = plan_record(strategy)
@@ -357,7 +358,8 @@ def _pick_ddp_bucket(spec: dict, ds: TensorDataset, world: int) -> tuple[float, 
     short = dict(spec, timeline=False, warmup=2)  # DDP has no warm-up phases; two steps settle its buckets
     trial = {c: _run_variant(short, "ddp_tuned", ds, world, c, spec["sweep_steps"])["iter_s"] for c in caps}
     best = C.broadcast_object(min(trial, key=trial.get), src=0)  # every rank must use the same cap
-    return best, f"bucket_cap_mb={best:g} (sweep " + ", ".join(f"{c:g}: {t * 1e3:.0f} ms" for c, t in trial.items()) + ")"
+    return best, (f"bucket_cap_mb={best:g} (sweep "
+                  + ", ".join(f"{c:g}: {t * 1e3:.0f} ms" for c, t in trial.items()) + ")")
 
 
 def _run_strategies(spec: dict, ds: TensorDataset, world: int) -> list[dict]:
@@ -379,7 +381,8 @@ def _run_strategies(spec: dict, ds: TensorDataset, world: int) -> list[dict]:
     for name in spec["strategies"]:
         v = best[name]
         if len(v["runs_ms"]) > 1:
-            v["note"] = (v["note"] + "; " if v["note"] else "") + "best of " + "/".join(f"{x:.0f}" for x in v["runs_ms"]) + " ms"
+            v["note"] = ((v["note"] + "; " if v["note"] else "")
+                         + "best of " + "/".join(f"{x:.0f}" for x in v["runs_ms"]) + " ms")
         del v["runs_ms"]
         variants.append(v)
     return variants
@@ -389,11 +392,12 @@ def worker(spec: dict) -> dict:
     """One rank of a cell: compute-only, every strategy (``repeats`` rounds, round-robin), communication-
     only, compute-only again; returns the raw results of this rank.
 
-    ``spec`` keys: model, size, model_options (:data:`~lightning_pipedap.bench.matrix.models.REPLAY_MODEL` only), batch, steps, warmup, strategies, ddp_bucket_mb (list of MiB), sweep_steps,
-    repeats, threads, watts, timeline, link, timeline_dir (and quick, trial_steps, plan_trials,
-    weight_reader). With ``repeats > 1`` each strategy keeps its run with the lowest median (noise on a
-    shared machine only adds time). Runs inside :func:`quiet_worker`. Any error propagates: the peers then
-    fail or time out, and the driver reports the rank's output.
+    ``spec`` keys: model, size, model_options (:data:`~lightning_pipedap.bench.matrix.models.REPLAY_MODEL`
+    only), batch, steps, warmup, strategies, ddp_bucket_mb (list of MiB), sweep_steps, repeats, threads, watts,
+    timeline, link, timeline_dir (and quick, trial_steps, plan_trials, weight_reader). With ``repeats > 1`` each
+    strategy keeps its run with the lowest median (noise on a shared machine only adds time). Runs inside
+    :func:`quiet_worker`. Any error propagates: the peers then fail or time out, and the driver reports the rank's
+    output.
     """
     with quiet_worker():
         torch.set_num_threads(spec["threads"])
@@ -403,8 +407,9 @@ def worker(spec: dict) -> dict:
         _, _, make_batch = build_net(spec["model"], spec["size"], spec.get("model_options"))
         trial_steps, candidates = spec.get("trial_steps", TRIAL_STEPS), spec.get("plan_trials", PLAN_TRIALS)
         rounds = spec.get("trial_rounds", TRIAL_ROUNDS)
-        total = spec["warmup"] + max(extra_warmup_steps(n, trial_steps, candidates, rounds) for n in spec["strategies"]) \
-            + max(spec["steps"], spec["sweep_steps"])
+        total = (spec["warmup"]
+                 + max(extra_warmup_steps(n, trial_steps, candidates, rounds) for n in spec["strategies"])
+                 + max(spec["steps"], spec["sweep_steps"]))
         g = torch.Generator().manual_seed(1234)
         ds = TensorDataset(*make_batch(spec["batch"] * (total + 1) * world, g))
         res: dict[str, Any] = {"rank": rank, "world": world, "variants": [], "skipped": {}}

@@ -173,8 +173,8 @@ def _beats_line(cells: Sequence[CellVerdict], name: str, against: str) -> Option
 
 def targets_summary(cells: Sequence[CellVerdict], pipedap: str = DEFAULT_PIPEDAP) -> list[str]:
     """Markdown bullet lines: how many cells meet each target of issue 17 item 5 (``pipedap`` against the
-    fp32 baselines, its compressed (``+fp16``) and 16-bit wire (``@fp16``, ``@bf16``) forms against every baseline, the bound where communication can be hidden,
-    the simulator's error)."""
+    fp32 baselines, its compressed (``+fp16``) and 16-bit wire (``@fp16``, ``@bf16``) forms against every baseline,
+    the bound where communication can be hidden, the simulator's error)."""
     lines = [_beats_line(cells, pipedap, "every fp32 baseline (" + ", ".join(DENSE_BASELINES) + ")")]
     for name in dict.fromkeys(v.name for c in cells for v in c.variants):
         if name.startswith(pipedap + COMPRESS_SEP) or name in [pipedap + w for w in WIRE_SUFFIXES]:
@@ -192,4 +192,4 @@ def targets_summary(cells: Sequence[CellVerdict], pipedap: str = DEFAULT_PIPEDAP
         lines.append(f"- simulator within ±{SIM_TOLERANCE * 100:.0f}% of the measurement{what}: {len(ok)} of "
                      f"{len(errs)} predictions ({100 * len(ok) / len(errs):.0f}%; target {SIM_SHARE_TARGET * 100:.0f}%)"
                      if errs else f"- simulator{what}: no prediction recorded")
-    return [l for l in lines if l]
+    return [line for line in lines if line]

@@ -91,9 +91,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         if args.quick:
             for k, v in QUICK.items():
                 setattr(args, k, v)
-        for flag, value, low in (("--steps", args.steps, 2), ("--warmup", args.warmup, 5), ("--repeats", args.repeats, 1),
-                                 ("--plan-trials", args.plan_trials, 1), ("--trial-steps", args.trial_steps, 1),
-                                 ("--trial-rounds", args.trial_rounds, 1)):
+        for flag, value, low in (("--steps", args.steps, 2), ("--warmup", args.warmup, 5),
+                                 ("--repeats", args.repeats, 1), ("--plan-trials", args.plan_trials, 1),
+                                 ("--trial-steps", args.trial_steps, 1), ("--trial-rounds", args.trial_rounds, 1)):
             if value < low:
                 raise ValueError(f"{flag} must be >= {low}, got {value}")
         if not args.target_mb > 0:
@@ -140,7 +140,8 @@ def format_cell(c: CellVerdict) -> str:
              f"comm {r.comm_s * 1e3:.0f} ms, window bound {c.bound_s * 1e3:.0f} ms"]
     for v in c.variants:
         err = "" if v.sim_error is None else f" predicted {v.predicted_s * 1e3:.0f} ms ({v.sim_error * 100:+.0f}%)"
-        lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  x ddp {'   –' if v.vs_ddp is None else f'{v.vs_ddp:.2f}'}  "
+        lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  "
+                     f"x ddp {'   –' if v.vs_ddp is None else f'{v.vs_ddp:.2f}'}  "
                      f"/bound {v.to_bound:.2f}{err}")
     return "\n".join(lines)
 

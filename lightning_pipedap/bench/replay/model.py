@@ -72,10 +72,10 @@ def replay_profile(opts: ReplayOptions) -> ModelProfile:
     ``size_scale`` (at least 1 per layer; fp32, 4 bytes each) and times times ``time_scale``."""
     base = load_profile(opts.profile, repaired=opts.repaired)
     layers = []
-    for l in base.layers:
-        numel = l.numel if l.numel is not None else l.nbytes // 4
-        layers.append(LayerProfile.from_numel(l.name, max(1, round(numel * opts.size_scale)), 4,
-                                              l.t_f * opts.time_scale, l.t_b * opts.time_scale))
+    for layer in base.layers:
+        numel = layer.numel if layer.numel is not None else layer.nbytes // 4
+        layers.append(LayerProfile.from_numel(layer.name, max(1, round(numel * opts.size_scale)), 4,
+                                              layer.t_f * opts.time_scale, layer.t_b * opts.time_scale))
     return ModelProfile(base.name, tuple(layers), base.t_update * opts.time_scale,
                         dict(base.meta, size_scale=opts.size_scale, time_scale=opts.time_scale))
 
@@ -171,7 +171,8 @@ class ReplayNet(nn.Module):
     def __init__(self, profile: ModelProfile, seed: int = 0) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.layers = nn.ModuleList(SleepLayer(max(1, l.nbytes // 4), l.t_f, l.t_b, g) for l in profile.layers)
+        self.layers = nn.ModuleList(SleepLayer(max(1, layer.nbytes // 4), layer.t_f, layer.t_b, g)
+                                    for layer in profile.layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, FEATURES)`` floats -> ``(batch, FEATURES)`` logits."""

@@ -106,8 +106,8 @@ def starts_of(buckets: Sequence[Sequence[int]]) -> Starts:
 
 def _prefix_bytes(profile: ModelProfile) -> list[int]:
     pre = [0]
-    for l in profile.layers:
-        pre.append(pre[-1] + l.nbytes)
+    for layer in profile.layers:
+        pre.append(pre[-1] + layer.nbytes)
     return pre
 
 
@@ -250,7 +250,8 @@ def dear_codes(ev: Evaluator) -> list[int]:
     return [3 * b + RS for b in range(ev.B - 1, -1, -1)] + [3 * b + AG for b in range(ev.B)]
 
 
-def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int], predicted: float | None = None) -> Schedule:
+def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int],
+           predicted: float | None = None) -> Schedule:
     """Build, validate and return the :class:`Schedule` with its predicted iteration time.
 
     With a compression cost in ``ev`` the schedule carries its flags (one per bucket) and the op

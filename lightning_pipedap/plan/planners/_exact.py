@@ -78,7 +78,8 @@ class _BnB:
 
     def _dominated(self, status: list[int], done: list[float], rs_end: list[float], free: list[float]) -> bool:
         key = tuple(status)
-        vec = (free[0], free[1]) + tuple(done[b] if status[b] == 2 else (rs_end[b] if self.two and status[b] == 1 else 0.0)
+        vec = (free[0], free[1]) + tuple(done[b] if status[b] == 2
+                                         else (rs_end[b] if self.two and status[b] == 1 else 0.0)
                                          for b in range(self.B))
         lst = self.memo.setdefault(key, [])
         for v in lst:

@@ -49,9 +49,9 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    (their RS and AG cost the cost model's measured 16-bit constants, cast included, else ``T(n/2)``:
    :meth:`~lightning_pipedap.plan.cost_model.CostModel.reduce_scatter16`). A 16-bit op can be slower than
    the fp32 one where the cast costs more than the halved transfer saves (a fast link), and it rounds the
-   gradients, so a bucket goes 16-bit only where that shortens the predicted iteration: greedy flips (largest buckets first, each flag
-   vector evaluated with the structured op lists of stage 2 and the previous op list adapted) from
-   no bucket 16-bit (a flip must shorten the prediction) and from every bucket 16-bit, on the
+   gradients, so a bucket goes 16-bit only where that shortens the predicted iteration: greedy flips (largest
+   buckets first, each flag vector evaluated with the structured op lists of stage 2 and the previous op list adapted)
+   from no bucket 16-bit (a flip must shorten the prediction) and from every bucket 16-bit, on the
    incumbent's fusion and on the best fusion of stages 2-3 with every bucket 16-bit (a flip back
    to fp32 is taken whenever it does not lengthen the prediction: fp32 where communication is
    hidden anyway); at most ``max_compress_evals`` flag vectors. Of the predictions within ``TOL``
@@ -225,8 +225,8 @@ class _FusionSearch:
         self.compression, self.world_size, self.wire16 = compression, world_size, wire16
         self.cache: dict[Starts, tuple[float, list[int], Evaluator]] = {}
         self.pre = [0]
-        for l in profile.layers:
-            self.pre.append(self.pre[-1] + l.nbytes)
+        for layer in profile.layers:
+            self.pre.append(self.pre[-1] + layer.nbytes)
 
     def evaluate(self, starts: Starts) -> tuple[float, list[int], Evaluator]:
         hit = self.cache.get(starts)

@@ -66,7 +66,8 @@ def pipedap_codes(ev: Evaluator, gap_fill: bool = True, merge: bool = True) -> l
 
 
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
-         channels: int = 1, compression: CompressionCost | None = None, gap_fill: bool = True, merge: bool = True) -> Schedule:
+         channels: int = 1, compression: CompressionCost | None = None, gap_fill: bool = True,
+         merge: bool = True) -> Schedule:
     """PipeDAP schedule with consistent costs on the fastest fusion, named ``"pipedap"``.
 
     Args:
