@@ -28,8 +28,6 @@ BEING_REDUCED: dict[str, str] = {
     "strategy/deferred.py:DeferredUpdates": "per-bucket state moving into the bucket life-cycle object (item 1)",
     # issue 29 item 5 (long functions split, the controller split)
     "strategy/controller.py:Controller": "being split by concern (item 5)",
-    # issue 29 item 3 (options declared once): nested config dataclasses
-    "strategy/config.py:PipeDAPConfig": "being grouped into nested dataclasses (item 3)",
     # issue 29 item 3 (the strategy signatures: config=None, **common_options)
     "strategy/lightning.py:PipeDAPStrategy": "constructor and options being reworked (item 3)",
 }
