@@ -2,7 +2,7 @@
 
 A re-plan (or the warm-up/profiling steps, or a resumed run's plan) can stop compressing a parameter
 whose residual holds what earlier compressions of this rank left out. The strategy then adds that
-residual once to the parameter's next gradient in its bucket (``CommEngine.carry_to_next_gradient``)
+residual once to the parameter's next gradient in its bucket (``CommEngine.carry``)
 and clears it; residuals of parameters that stay compressed go into the helper's state as before.
 Units: the bucket holds the local gradient divided by the world size N, and so does a residual, so
 after the reduction a dense bucket holds ``sum_r (g_r / N + res_r)``, the same as a compressed bucket
@@ -80,7 +80,7 @@ def _ranks(rank: int, world: int) -> dict:
     try:
         carry.state = _state(rank)
         carry.restore(engine)
-        carried = engine.take_carried(clear=False)
+        carried = engine.carry.take(clear=False)
         out["carried"] = {names[i]: v.tolist() for i, v in carried.items()}
         helper = engine.transport.pipeline.state_dict()["params"]
         out["helper_residual"] = {n: None if e["residual"] is None else e["residual"].tolist()
@@ -88,7 +88,7 @@ def _ranks(rank: int, world: int) -> dict:
         out["kept_after_restore"] = carry.state
         ckpt = carry.now(engine, take=False)["params"]  # what a checkpoint would hold
         out["ckpt_residual_0w"] = ckpt["0.weight"]["residual"].tolist()
-        out["still_carried"] = sorted(names[i] for i in engine.take_carried(clear=False))
+        out["still_carried"] = sorted(names[i] for i in engine.carry.take(clear=False))
         rounds = []
         for _ in range(2):
             engine.begin_iteration()
@@ -101,18 +101,18 @@ def _ranks(rank: int, world: int) -> dict:
                 for slot, i in enumerate(bucket.param_indices):
                     got[names[i]] = bucket.grad_view(slot).clone()
             rounds.append({n: v.tolist() for n, v in got.items()})
-            out.setdefault("carried_after_round", sorted(names[i] for i in engine.take_carried(clear=False)))
+            out.setdefault("carried_after_round", sorted(names[i] for i in engine.carry.take(clear=False)))
         out["rounds"] = rounds
         engine.wait_idle()
         # a carried value not used before the engine is replaced goes back into the kept state
-        engine.carry_to_next_gradient({1: torch.tensor([7.0, -7.0])})
+        engine.carry.add({1: torch.tensor([7.0, -7.0])})
         carry.keep(engine)
         out["kept_0b"] = carry.state["params"]["0.bias"]["residual"].tolist()
-        out["carried_after_keep"] = len(engine.take_carried(clear=False))
+        out["carried_after_keep"] = len(engine.carry.take(clear=False))
         errors = []
         for bad in ({9: torch.zeros(1)}, {0: torch.zeros(5)}):
             try:
-                engine.carry_to_next_gradient(bad)
+                engine.carry.add(bad)
             except ValueError as e:
                 errors.append(str(e))
         out["errors"] = errors

@@ -207,13 +207,13 @@ def test_the_engine_labels_a_rounds_ops_with_the_step():
     try:
         comm = C.new_comm_group(timeout_s=30)
         engine = CommEngine(comm, [torch.zeros(10)], builtin_schedule("allreduce", [40], 1 << 20), wait_timeout_s=30)
-        engine.timeline_enabled = True
+        engine.worker.timeline_enabled = True
         for label in (41, None):
             engine.begin_iteration(label)
             engine.grad_ready(0, torch.ones(10))
             engine.finish_backward()
             engine.wait_idle()
-        assert [t.iteration for t in engine.take_timings()] == [41, 2]  # (None: the round count)
+        assert [t.iteration for t in engine.worker.take_timings()] == [41, 2]  # (None: the round count)
         engine.close()
         C.destroy_comm_group(comm)
     finally:

@@ -23,7 +23,7 @@ the step counters are identical on all ranks.
 A parameter that is now sent dense (warm-up/profiling steps, or a plan that stopped compressing its
 bucket) must not keep its residual waiting for a compression that may never come: the strategy takes
 it out with :func:`split_residuals` and the engine adds it once to the parameter's next gradient
-(``CommEngine.carry_to_next_gradient``); one not yet used when the engine is replaced or a
+(``CommEngine.carry``); one not yet used when the engine is replaced or a
 checkpoint is written goes back in with :func:`add_residuals`.
 """
 

@@ -38,11 +38,12 @@ class GradientCarry:
         """
         for i, v in values.items():
             if not (isinstance(i, int) and i in self.numel):
-                raise ValueError(f"carry_to_next_gradient: parameter index {i!r} out of range; valid: "
+                raise ValueError(f"pipedap: GradientCarry.add: parameter index {i!r} out of range; valid: "
                                  f"0..{len(self.numel) - 1}")
             n = self.numel[i]
             if v.numel() != n:
-                raise ValueError(f"carry_to_next_gradient: parameter {i} has {n} elements, the value has {v.numel()}")
+                raise ValueError(f"pipedap: GradientCarry.add: parameter {i} has {n} elements, the value has "
+                                 f"{v.numel()}")
             flat = v.detach().reshape(-1).to(device=self.device, dtype=torch.float32, copy=True)
             old = self._values.get(i)
             self._values[i] = flat if old is None else old.add_(flat)

@@ -35,7 +35,7 @@ from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
 from lightning_pipedap.engine.buckets import FlatBucket, allocate_buckets, param_places
 from lightning_pipedap.engine.carry import GradientCarry
-from lightning_pipedap.engine.transport import DenseTransport, Transport
+from lightning_pipedap.engine.transport import bucket_transports
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.engine.views import BucketViews, view_refusal
 from lightning_pipedap.engine.worker import EngineError, OpWorker
@@ -89,17 +89,9 @@ class CommEngine:
         #: param index -> its ``(bucket, slot, start, stop)`` places, in element order (whole: one place);
         #: split param index -> the buckets holding its pieces (element order; empty without splits)
         self.places, self.split = param_places(self.buckets)
-        # The compressed transport's pipeline is built over *all* buckets (simple bucket numbering, telemetry
-        # by bucket index; slots of uncompressed buckets stay unused); only flagged buckets use it.
-        wants = transport_factory is not None and schedule.num_compressed > 0
-        #: the compressed transport (None when no bucket is compressed)
-        self.transport = transport_factory(self.buckets) if wants else None
-        dense = DenseTransport(comm)
-        half = DenseTransport(comm, C.WIRE_DTYPES[wire_dtype]) if schedule.num_wire16 else dense
-        self._transports: list[Transport] = [
-            self.transport if self.transport is not None and schedule.is_compressed(b)
-            else half if schedule.is_wire16(b) else dense
-            for b in range(len(self.buckets))]
+        #: the compressed transport (None when no bucket is compressed); per bucket, how its ops run
+        self.transport, self._transports = bucket_transports(schedule, self.buckets, comm, transport_factory,
+                                                             C.WIRE_DTYPES.get(wire_dtype))
         self._views = BucketViews(self.buckets if bucket_view else [], lambda b: view_refusal(
             b, compressed=self.transport is not None and schedule.is_compressed(b.index),
             wire16=schedule.is_wire16(b.index), buckets_of=self.split, names=param_names))
@@ -112,7 +104,8 @@ class CommEngine:
         self._slot_of = {i: pl[0][:2] for i, pl in self.places.items()}  # (bucket, slot) of the (first) place
         self._got = [False] * len(params)
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")  # (none: sparse grads only)
-        self._carry = GradientCarry({i: p.numel() for i, p in enumerate(self._params) if i in self._slot_of}, device)
+        #: values added once to a parameter's next gradient (:class:`GradientCarry`: error-feedback residuals)
+        self.carry = GradientCarry({i: p.numel() for i, p in enumerate(self._params) if i in self._slot_of}, device)
         # CUDA: events hand gradients to the comm stream and results back, without host syncs.
         cuda = device.type == "cuda"
         #: per bucket, its life-cycle object (state, hand-off events: :class:`BucketSync`)
@@ -123,7 +116,8 @@ class CommEngine:
         self.context: Optional[Callable[[], str]] = None
         #: ``(wait_s) -> str``: which peers do not answer (``Heartbeat.describe``), for error messages
         self.peers: Optional[Callable[[float], str]] = None
-        self._worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
+        #: the communication worker (its op timings: ``timeline_enabled``, ``take_timings()``, ``last_round_busy_s``)
+        self.worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
 
     # ------------------------------------------------------------------ trainer side
     @property
@@ -151,7 +145,7 @@ class CommEngine:
             EngineError: if the previous round has not finished within the timeout, or the worker failed.
         """
         self._check()
-        if not self._worker.wait_idle(self.wait_timeout_s):
+        if not self.worker.wait_idle(self.wait_timeout_s):
             raise EngineError(f"pipedap: previous round of {self.schedule.name} ops did not finish within "
                               f"{self.wait_timeout_s} s{self._where()}")
         self._check()
@@ -160,7 +154,7 @@ class CommEngine:
         self._got = [False] * len(self._got)
         self.iteration += 1
         self.collecting = True
-        self._worker.start(self.iteration if label is None else label)
+        self.worker.start(self.iteration if label is None else label)
 
     def grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
         """Copy one parameter's finished local gradient into its bucket (called from the autograd thread).
@@ -198,9 +192,9 @@ class CommEngine:
             self.copies += 1
             if bucket.as_view:  # autograd made a new tensor (.grad was None), or user code replaced .grad
                 bucket.params[slot].grad = view
-        if self._carry:
-            extra = self._carry.pop(param_index)
-            if extra is not None:  # once: see carry_to_next_gradient
+        if self.carry:
+            extra = self.carry.pop(param_index)
+            if extra is not None:  # once: see GradientCarry
                 view.add_(extra.view(view.shape).to(view.dtype))
         if self.syncs[b].fill(slot):
             self._mark_ready(b)
@@ -210,39 +204,16 @@ class CommEngine:
         divided by the world size, plus its part of a carried value) into its bucket; no bucket of a split
         parameter is a view bucket (:func:`view_refusal`), so this always copies."""
         flat = grad.detach().reshape(-1)
-        extra = self._carry.pop(param_index)
+        extra = self.carry.pop(param_index)
         for b, slot, start, stop in self.places[param_index]:
             bucket = self.buckets[b]
             view = bucket.grad_view(slot)
             torch.mul(flat[start:stop], 1.0 / self.comm.world_size, out=view)  # (as DDP's copy, see grad_ready)
-            if extra is not None:  # once: see carry_to_next_gradient
+            if extra is not None:  # once: see GradientCarry
                 view.add_(extra[start:stop].to(view.dtype))
             self.copies += 1
             if self.syncs[b].fill(slot):
                 self._mark_ready(b)
-
-    def carry_to_next_gradient(self, values: dict[int, torch.Tensor]) -> None:
-        """Add ``values[i]`` once to parameter ``i``'s next gradient in its bucket, before communication
-        (:mod:`.carry`: error-feedback residuals of parameters now sent dense). Units are the bucket's (the
-        local gradient divided by the world size), so nothing is scaled; added in :meth:`grad_ready` of a round
-        where the parameter has a gradient; still waiting when the engine is replaced: :meth:`take_carried`.
-
-        Args:
-            values: engine parameter index -> tensor of that parameter's ``numel`` elements (any
-                shape, any float dtype; stored as a flat fp32 copy on the bucket's device).
-
-        Raises:
-            ValueError: for an index out of range or a tensor with the wrong number of elements.
-        """
-        self._carry.add(values)
-
-    def take_carried(self, clear: bool = True) -> dict[int, torch.Tensor]:
-        """Values of :meth:`carry_to_next_gradient` not added yet (flat fp32, by parameter index).
-
-        With ``clear`` (default) they are removed from the engine (the caller takes them over, e.g.
-        to hand them to the next engine); ``clear=False`` returns copies and keeps them (checkpoints).
-        """
-        return self._carry.take(clear)
 
     def attach_views(self) -> None:
         """``bucket_view``: before a backward, point every None ``.grad`` at its zeroed view and move any other
@@ -254,7 +225,7 @@ class CommEngine:
         """
         if not self._views.buckets:
             return
-        if not self._worker.idle:
+        if not self.worker.idle:
             self.wait_idle()
         self._check()
         self.copies += self._views.attach()
@@ -340,44 +311,26 @@ class CommEngine:
 
     def wait_idle(self) -> None:
         """Block until the worker finished the current round."""
-        if not self._worker.wait_idle(self.wait_timeout_s):
+        if not self.worker.wait_idle(self.wait_timeout_s):
             self._check()
             raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the end of the op list "
                               f"({self.schedule.describe()[:200]}){self._where()}")
         self._check()
 
-    def take_timings(self) -> list[OpTiming]:
-        """Return and clear the op timings recorded while :attr:`timeline_enabled` was true."""
-        return self._worker.take_timings()
-
-    @property
-    def timeline_enabled(self) -> bool:
-        """Whether the worker records an :class:`OpTiming` per op (read at each op's start)."""
-        return self._worker.timeline_enabled
-
-    @timeline_enabled.setter
-    def timeline_enabled(self, on: bool) -> None:
-        self._worker.timeline_enabled = bool(on)
-
-    @property
-    def last_round_busy_s(self) -> Optional[float]:
-        """Seconds the worker spent inside ops during the last finished round (communication busy time)."""
-        return self._worker.last_round_busy_s
-
     def close(self, abort: bool = False) -> None:
         """Stop the worker. With ``abort`` (after an exception) do not wait for a running op."""
-        if self._worker.closed:
+        if self.worker.closed:
             return
-        self._worker.close(abort)
+        self.worker.close(abort)
         if self.transport is not None:
             self.transport.close()
 
     # ------------------------------------------------------------------ internals
     def _check(self) -> None:
-        error = self._worker.error
+        error = self.worker.error
         if error is not None:
             raise EngineError(f"pipedap: the communication worker failed: {error!r}{self._where()}") from error
-        if self._worker.closed:
+        if self.worker.closed:
             raise EngineError("pipedap: the communication engine is closed")
 
     def _where(self) -> str:

@@ -71,3 +71,26 @@ class DenseTransport:
 
     def close(self) -> None:
         """Nothing held."""
+
+
+def bucket_transports(schedule, buckets: list[FlatBucket], comm: C.CommGroup, compressed_factory=None,
+                      wire: Optional[torch.dtype] = None) -> tuple[Optional[Transport], list[Transport]]:
+    """Each bucket's transport for ``schedule`` (a :class:`~lightning_pipedap.schedule.Schedule`).
+
+    Args:
+        buckets: the engine's buckets.
+        comm: the engine's group.
+        compressed_factory: ``f(buckets) -> CompressedTransport``, called once when ``schedule`` compresses a
+            bucket; its pipeline is built over *all* buckets (simple numbering, telemetry by bucket index; the
+            slots of uncompressed buckets stay unused) and only the flagged buckets use it.
+        wire: the 16-bit wire dtype of the buckets flagged ``wire16`` (None when none is).
+
+    Returns:
+        ``(compressed transport or None, one transport per bucket)``.
+    """
+    wants = compressed_factory is not None and schedule.num_compressed > 0
+    compressed = compressed_factory(buckets) if wants else None
+    dense = DenseTransport(comm)
+    half = DenseTransport(comm, wire) if schedule.num_wire16 else dense
+    return compressed, [compressed if compressed is not None and schedule.is_compressed(b)
+                        else half if schedule.is_wire16(b) else dense for b in range(len(buckets))]

@@ -61,7 +61,7 @@ class Pending:
     Attributes:
         hparams: every param group's hyper-parameters at the step (``snapshot_hparams``).
         clip: the step's clip request, or None.
-        coef: the clip-by-norm factor, once computed (:meth:`DeferredUpdates._clip_coefficient`; a 0-dim tensor,
+        coef: the clip-by-norm factor, once computed (:meth:`clip_coefficient`; a 0-dim tensor,
             None when there is nothing to clip).
         clip_ready: whether ``coef`` was computed.
         step: the optimizer step it belongs to (Lightning's ``global_step`` then), for messages.
@@ -74,6 +74,21 @@ class Pending:
     step: int = -1
     decided: bool = False
     clip_ready: bool = False
+
+    def clip_coefficient(self, engine: CommEngine, updater: Optional[BucketOptimizer]) -> None:
+        """Clip-by-norm exactly as ``clip_grad_norm_`` computes it under DDP (:func:`clip_norm_coefficient`): wait
+        for every bucket's all-gather, then take the per-tensor norms of the averaged gradients, shaped like their
+        parameters, in the optimizer's parameter order. Local (every rank holds the same averaged gradients): no
+        collective. The cost: the first bucket of a clipped step lands only after the last all-gather (the
+        all-gathers overlap the gap between steps, no longer the next forward)."""
+        if self.clip is None or self.clip.algorithm != "norm" or self.clip_ready:
+            return
+        assert updater is not None
+        with disable_torch_function(), torch.no_grad():
+            for b in range(engine.num_buckets):
+                engine.wait_done(b)
+            self.coef = clip_norm_coefficient(averaged_grads(engine, updater.optimizer), self.clip.value)
+        self.clip_ready = True
 
 
 class DeferredStep:
@@ -216,7 +231,7 @@ class DeferredUpdates:
         self._applied_in_forward, self._forward_params = False, set()
         self._landed = False
         if self.pending is not None:
-            self._clip_coefficient(self.pending)
+            self.pending.clip_coefficient(self.engine, self.updater)
             self._decide(self.pending)  # (nonfinite raise/skip: before any bucket of the step lands)
             if self.points.root and self.pending is not None:
                 self.apply(list(self.points.root))
@@ -345,7 +360,7 @@ class DeferredUpdates:
     def _apply_one(self, pending: Pending, b: int, where: str, write_grads: bool) -> None:
         engine = self.engine
         t0 = time.perf_counter()
-        self._clip_coefficient(pending)
+        pending.clip_coefficient(self.engine, self.updater)
         bucket = engine.wait_done(b)
         t1 = time.perf_counter()
         if self.nonfinite is not None and self.nonfinite.mode == "warn":
@@ -396,7 +411,7 @@ class DeferredUpdates:
     def _skip(self, pending: Pending) -> None:
         """Drop the pending step: no bucket is stepped. ``.grad`` still shows the averaged (clipped)
         gradients when read, as DDP shows them after a skipped ``optimizer.step``."""
-        self._clip_coefficient(pending)
+        pending.clip_coefficient(self.engine, self.updater)
         with torch.inference_mode(False), torch.no_grad(), disable_torch_function():
             for b in self.remaining():
                 bucket = self.engine.buckets[b]
@@ -426,22 +441,6 @@ class DeferredUpdates:
         overwritten), or Lightning set ``.grad`` to None (``on_validation_model_zero_grad``)."""
         for s in self.engine.syncs:
             s.retire()
-
-    def _clip_coefficient(self, pending: Pending) -> None:
-        """Clip-by-norm exactly as ``clip_grad_norm_`` computes it under DDP (:func:`clip_norm_coefficient`): wait
-        for every bucket's all-gather, then take the per-tensor norms of the averaged gradients, shaped like their
-        parameters, in the optimizer's parameter order. Local (every rank holds the same averaged gradients): no
-        collective. The cost: the first bucket of a clipped step lands only after the last all-gather (the
-        all-gathers overlap the gap between steps, no longer the next forward)."""
-        if pending.clip is None or pending.clip.algorithm != "norm" or pending.clip_ready:
-            return
-        engine = self.engine
-        with disable_torch_function(), torch.no_grad():
-            for b in range(engine.num_buckets):
-                engine.wait_done(b)
-            assert self.updater is not None
-            pending.coef = clip_norm_coefficient(averaged_grads(engine, self.updater.optimizer), pending.clip.value)
-        pending.clip_ready = True
 
 
 def intercept_clipping(plugin: Any) -> Callable[..., Any]:

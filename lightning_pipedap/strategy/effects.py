@@ -127,7 +127,7 @@ class RunEffects:
         rec, t_backward_done = self.fit.probe.take()
         if rec is None:
             return None
-        return self.fit.planning.keep_step(rec, self.fit.slot.engine.last_round_busy_s, t_backward_done, t_step_end)
+        return self.fit.planning.keep_step(rec, self.fit.slot.engine.worker.last_round_busy_s, t_backward_done, t_step_end)
 
     def plan(self) -> tuple[list[Schedule], list[float]]:
         fit, slot, planning = self.fit, self.fit.slot, self.fit.planning
@@ -189,7 +189,7 @@ class RunEffects:
 
     def last_busy_s(self) -> Optional[float]:
         engine = self.fit.slot.engine
-        return engine.last_round_busy_s if engine is not None else None
+        return engine.worker.last_round_busy_s if engine is not None else None
 
     def comm_floor_s(self) -> Optional[float]:
         """The α-β all-reduce time of every gradient byte, measured alone (s; rank 0's model)."""

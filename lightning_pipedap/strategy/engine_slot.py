@@ -179,7 +179,7 @@ class EngineSlot:
             k = self._index_of.get(id(p))
             if k is not None:
                 engine.local_gradient(k)
-        engine.timeline_enabled = self.timeline.enabled()
+        engine.worker.timeline_enabled = self.timeline.enabled()
         engine.context = self.describe_step
         engine.peers = self._peers()
         if self.carry is not None and self.resume.plan is None:  # (a checkpoint's plan is installed next)

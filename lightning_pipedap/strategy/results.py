@@ -298,7 +298,7 @@ class RunResults(compat.SpawnLauncherHook):
     def timeline_enabled(self, value: bool) -> None:
         self._timeline_enabled = bool(value)
         if self._rt is not None and self._rt.engine is not None:
-            self._rt.engine.timeline_enabled = self._timeline_enabled
+            self._rt.engine.worker.timeline_enabled = self._timeline_enabled
 
     def take_timeline(self) -> list[OpRecord]:
         """Return and clear the records taken while :attr:`timeline_enabled` was set.
@@ -310,7 +310,7 @@ class RunResults(compat.SpawnLauncherHook):
         out = list(self._records)
         self._records.clear()
         if self._rt is not None and self._rt.engine is not None:
-            out = as_op_records(self._rt.engine.take_timings()) + out
+            out = as_op_records(self._rt.engine.worker.take_timings()) + out
         return sorted(out, key=lambda r: r.start_s)
 
     def make_spawn_launcher(self, start_method: Optional[str]) -> Any:

@@ -124,13 +124,13 @@ class CompressionCarry:
 
     def now(self, engine: Any, take: bool) -> Optional[dict[str, Any]]:
         """This rank's state: the helper's (or the kept one while no compressing engine runs) plus the
-        residuals ``engine`` still has to add to a dense gradient (``CommEngine.carry_to_next_gradient``).
+        residuals ``engine`` still has to add to a dense gradient (``CommEngine.carry``).
         ``take``: remove those from the engine."""
         from lightning_pipedap.compress.state import add_residuals  # noqa: PLC0415
 
         transport = engine.transport
         state = transport.pipeline.state_dict() if transport is not None else self.state
-        carried = engine.take_carried(clear=take)
+        carried = engine.carry.take(clear=take)
         if carried:
             info = self.info(engine)
             state = add_residuals(state, {info[i][0]: v for i, v in carried.items()},
@@ -161,7 +161,7 @@ class CompressionCarry:
         index_of = {info[i][0]: i for i in dense}
         self.state, moved = split_residuals(self.state, index_of)
         if moved:
-            engine.carry_to_next_gradient({index_of[n]: r for n, r in moved.items()})
+            engine.carry.add({index_of[n]: r for n, r in moved.items()})
             self.log(f"pipedap: error-feedback residuals of {len(moved)} parameters now sent dense are added once "
                      "to their next gradient")
         if transport is None:
