@@ -26,8 +26,6 @@ BEING_REDUCED: dict[str, str] = {
     # issue 29 item 1 (the per-bucket life-cycle object): its state moves into the bucket objects
     "engine/engine.py:CommEngine": "per-bucket state moving into the bucket life-cycle object (item 1)",
     "strategy/deferred.py:DeferredUpdates": "per-bucket state moving into the bucket life-cycle object (item 1)",
-    # issue 29 item 3 (the strategy signatures: config=None, **common_options)
-    "strategy/lightning.py:PipeDAPStrategy": "constructor and options being reworked (item 3)",
 }
 
 
