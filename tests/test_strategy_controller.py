@@ -383,7 +383,7 @@ def test_after_a_trial_drift_is_checked_against_the_trial_measurement():
         clock.t += 0.105
         ctl.at_step_start()
     assert ctl.phase is Phase.RUN and ctl.replans_done == 0
-    ctl._reset_drift()
+    ctl.drift.reset()
     clock.t += DRIFT_HOLDOFF_S
     for _ in range(1 + 4 * DRIFT_CONFIRMATIONS):  # 2x the trial, still far below the 0.9 s prediction: a re-plan
         clock.t += 0.2

@@ -72,7 +72,7 @@ class CandidatePlanner:
         if cfg.partition_mb is not None and not cfg.compression:
             part = self._plan_partitioned(profile, params, schedule, wire16)
         if cfg.compression:
-            shapes = [[tuple(params[i].shape) for i in l] for l in self.layers]
+            shapes = [[tuple(params[i].shape) for i in layer] for layer in self.layers]
             candidates = [self._plan_compression(planner, profile, schedule, shapes)]
         elif cfg.plan_trials > 1:
             # the partitioned plan is a candidate beside the others: first when it is kept, else last
@@ -119,9 +119,9 @@ class CandidatePlanner:
             ``None`` (nothing larger than ``partition_mb``).
         """
         cfg = self.config
-        numels = [sum(params[i].numel() for i in l) for l in self.layers]
-        counted = dataclasses.replace(profile, layers=tuple(dataclasses.replace(l, numel=n)
-                                                            for l, n in zip(profile.layers, numels)))
+        numels = [sum(params[i].numel() for i in layer) for layer in self.layers]
+        counted = dataclasses.replace(profile, layers=tuple(dataclasses.replace(layer, numel=n)
+                                                            for layer, n in zip(profile.layers, numels)))
         choice = choose_partition(counted, self.cost_model, self.world_size, PLANNED[cfg.schedule], schedule,
                                   cfg.partition_mb * 2**20, wire16=wire16)
         self.info(choice.line)
@@ -155,7 +155,8 @@ class CandidatePlanner:
         contention = self.contention
         if contention is not None:
             pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s
-            pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule, contention).iteration_s
+            pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule,
+                                                                contention).iteration_s
             keep = pred["contended_s"]
         self.predictions[schedule.name] = pred
         return dataclasses.replace(schedule, predicted_iteration_s=keep)

@@ -14,14 +14,14 @@
     the fixed schedule FALLBACK_SCHEDULE, logged)
 
 :class:`Controller` decides *when* to move; :class:`Effects` (implemented by the strategy's
-run-time) does *what* a transition needs: install an engine, measure, plan, flush. The controller
+run-time) does *what* a transition needs: install an engine, measure, plan, flush.
 The controller keeps the phase machine and routes each step to the part that owns the phase's work:
 :class:`~lightning_pipedap.strategy.selection.Selection` (TRIAL: windows, racing, confirmation, the choice),
 :class:`~lightning_pipedap.strategy.verify.Verify` (VERIFY), :class:`~lightning_pipedap.strategy.drift.DriftWatch`
-(RUN: drift, strikes, hold-off) and :class:`~lightning_pipedap.strategy.startup.StartupLedger` (time to steady
-state, the start-up budget).
-has no Lightning, torch or ``torch.distributed`` import, takes an injectable clock, and every
-decision that must be identical on all ranks goes through :meth:`Effects.agree` (rank 0's value).
+(RUN: drift, strikes, hold-off, re-plans), :class:`~lightning_pipedap.strategy.profiling.Profiling` (PROFILE: the
+steps tried, giving up) and :class:`~lightning_pipedap.strategy.startup.StartupLedger` (time to steady state, the
+start-up budget). The controller has no Lightning, torch or ``torch.distributed`` import, takes an injectable clock,
+and every decision that must be identical on all ranks goes through :meth:`Effects.agree` (rank 0's value).
 Steps of the warm-up schedules (TRACE, PROFILE) report :meth:`Controller.after_sync_step`; steps
 with a final schedule installed (TRIAL, RUN; deferred where the step allows it, else in sync mode)
 report :meth:`Controller.at_step_start`. A step is one optimizer step with automatic optimization, one
@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Protocol
 from lightning_pipedap.strategy import selection_report
 from lightning_pipedap.strategy.drift import DRIFT_CONFIRMATIONS, DRIFT_HOLDOFF_S, DriftWatch
 from lightning_pipedap.strategy.phase import FALLBACK_SCHEDULE, Phase
+from lightning_pipedap.strategy.profiling import UNPROFILED_STEPS, Profiling
 from lightning_pipedap.strategy.selection import (MAX_WINDOW_STEPS, MIN_BUDGET_WINDOW, PREFERRED, RACE_DROP,
                                                   Selection, Trial, choose_candidate, lower_quartile)
 from lightning_pipedap.strategy.startup import PARTS, StartupLedger, describe_startup, steps_text
@@ -45,9 +46,6 @@ __all__ = ["DRIFT_CONFIRMATIONS", "DRIFT_HOLDOFF_S", "FALLBACK_SCHEDULE", "MAX_W
            "MIN_BUDGET_WINDOW", "PREFERRED", "RACE_DROP", "UNPROFILED_STEPS", "Controller", "Effects", "Phase",
            "Trial", "Verify", "choose_candidate", "describe_startup", "lower_quartile", "steps_text"]
 
-#: profiling steps that may end unprofiled (no forward with a backward pass observed in the step) before the
-#: fixed schedule is installed instead of a plan: ``max(UNPROFILED_STEPS, 2 * profile_steps)``
-UNPROFILED_STEPS = 8
 
 
 class Effects(Protocol):
@@ -156,19 +154,18 @@ class Controller:
             than this fraction (:data:`RACE_DROP`); None: every candidate runs every round.
 
     Attributes (read by the strategy and the measurement callbacks):
-        selection, drift, ledger: the parts (:class:`Selection`, :class:`DriftWatch`, :class:`StartupLedger`); the
-            options and results they keep are read and written here under the controller's names too.
+        selection, drift, ledger, profiling: the parts (:class:`Selection`, :class:`DriftWatch`,
+            :class:`StartupLedger`, :class:`~lightning_pipedap.strategy.profiling.Profiling`); the options and results
+            they keep are read and written here under the controller's names too, documented by the part:
+            ``trial_results``, ``selections``, ``selection_notes`` (the last *finished* selection's measurements, every
+            finished selection's, why the last one chose as it did), ``measured_iteration_s``, ``replans_done``,
+            ``trial_reference_s``, ``startup`` (time to steady state, empty before RUN), ``unprofiled_note``.
         verify: the :class:`Verify` of a cached plan in progress (VERIFY only).
         phase: the current :class:`Phase`.
         sync_steps: sync steps since TRACE began.
         trial: the :class:`Trial` in progress (TRIAL only).
-        trial_results, selections, selection_notes: the last *finished* selection's measurements (one dict per
-            candidate), every finished selection's, and why the last one chose as it did (see :class:`Selection`).
-        predicted_iteration_s, measured_iteration_s, no_overlap_time_s: of the installed plan (s).
-        replans_done: re-plans triggered by drift.
+        predicted_iteration_s, no_overlap_time_s: of the installed plan (s).
         predictions: rank 0's predictions per candidate name (filled by the planner side).
-        startup: time to steady state, filled when RUN is first reached (see :attr:`StartupLedger.startup`);
-            empty before.
         plan_cache: ``"off"``, ``"miss"``, ``"hit"`` (a remembered plan was installed after the trace:
             being verified, or verified) or ``"stale (re-selected)"`` (it measured slower than recorded by
             more than ``replan_margin``: selected again), as of the last trace.
@@ -180,21 +177,20 @@ class Controller:
                  clock: Callable[[], float] = time.perf_counter, run_noun: str = "fit",
                  prefer_margin: float = 0.10, startup_budget: Optional[float] = None,
                  race_drop: Optional[float] = RACE_DROP, asked: str = "") -> None:
-        self.effects = effects
-        self.clock = clock
+        self.effects, self.clock = effects, clock
         self.selection = Selection(effects, _choose, trial_steps=trial_steps, trial_window_s=trial_window_s,
                                    trial_rounds=trial_rounds, race_drop=race_drop, prefer_margin=prefer_margin,
                                    asked=asked)
-        self.drift = DriftWatch(effects, clock, replan_every=replan_every, replan_margin=replan_margin)
+        self.drift = DriftWatch(effects, clock, replan_every=replan_every, replan_margin=replan_margin,
+                                max_replans=max_replans)
         self.ledger = StartupLedger(clock, startup_budget)
         #: why the last selection stopped early (the start-up budget), in words; None when it did not
         self.budget_note: Optional[str] = None
         self.run_noun = run_noun  # what the end-of-training messages call it: "fit" (Trainer), "run" (Fabric)
         self.planned = planned
-        self.warmup_steps, self.profile_steps = warmup_steps, profile_steps
-        self.max_replans = max_replans
-        self.phase = Phase.TRACE
-        self.sync_steps = 0
+        self.warmup_steps = warmup_steps
+        self.profiling = Profiling(profile_steps)
+        self.phase, self.sync_steps = Phase.TRACE, 0
         self.trial: Optional[Trial] = None
         self.verify: Optional[Verify] = None
         self.plan_cache = "off"
@@ -204,15 +200,9 @@ class Controller:
         #: "unprofiled" (the fixed schedule: profiling could not profile a step, :attr:`unprofiled_note` says why),
         #: "cached" (from the plan cache: verifying, or verified)
         self.how = "trace"
-        #: why the fixed schedule replaced a plan ("unprofiled"), in words; None otherwise
-        self.unprofiled_note: Optional[str] = None
-        self._profile_tries = 0  # steps of the current PROFILE phase
         self.predictions: dict[str, dict[str, float]] = {}
         self.predicted_iteration_s: Optional[float] = None
         self.no_overlap_time_s: Optional[float] = None
-        self.replans_done = 0
-        #: the chosen candidate's measured trial step time (s), the drift reference after a trial
-        self.trial_reference_s: Optional[float] = None
 
     # the options and results kept by the parts, under the controller's names (read and written through)
     trial_steps, trial_window_s, trial_rounds = _Part("selection"), _Part("selection"), _Part("selection")
@@ -220,25 +210,15 @@ class Controller:
     window_steps, trial_results = _Part("selection"), _Part("selection")
     selections, selection_notes = _Part("selection"), _Part("selection")
     replan_every, replan_margin, measured_iteration_s = _Part("drift"), _Part("drift"), _Part("drift")
+    max_replans, replans_done, trial_reference_s = _Part("drift"), _Part("drift"), _Part("drift")
     startup, startup_budget, total_steps = _Part("ledger"), _Part("ledger"), _Part("ledger")
+    # the ledger's verbs: account(parts) (seconds spent inside the current phase on named parts: their own entries
+    # of startup), set_total_steps(total) (the fit's optimizer steps), budget_steps (steps one selection may take)
+    account, set_total_steps, budget_steps = _Part("ledger"), _Part("ledger"), _Part("ledger")
+    profile_steps, unprofiled_note = _Part("profiling"), _Part("profiling")
 
     #: start-up parts reported by :meth:`account`, in the order of the start-up line, with their label
     PARTS = PARTS
-
-    def account(self, parts: Optional[dict[str, float]]) -> None:
-        """Count ``parts`` (``name -> seconds`` spent inside the current phase: ``helper_start``,
-        ``alpha_beta``, ``contention``, ``planning``) as their own entries of :attr:`startup` instead of the phase's.
-        Ignored after steady state is reached (a re-plan's α-β work is not start-up)."""
-        self.ledger.account(parts)
-
-    def set_total_steps(self, total: Optional[float]) -> None:
-        """The fit's optimizer steps (Lightning's ``estimated_stepping_batches``); None or infinite: unknown."""
-        self.ledger.set_total_steps(total)
-
-    @property
-    def budget_steps(self) -> Optional[int]:
-        """Steps one selection may take (``startup_budget`` x the fit's steps, at least 1), None without a budget."""
-        return self.ledger.budget_steps
 
     def _leave(self, new: Phase) -> None:
         """Account the time and steps of the phase being left (until RUN is first reached)."""
@@ -247,7 +227,7 @@ class Controller:
             self.effects.info(f"pipedap: steady state after {steps_text(out['total_steps'])}, "
                               f"{out['total_s']:.2f} s since set-up: {describe_startup(out)}")
         if new is Phase.PROFILE:
-            self._profile_tries = 0
+            self.profiling.tries = 0
         self.phase = new
 
     # ------------------------------------------------------------------ transitions
@@ -263,7 +243,7 @@ class Controller:
         self.predicted_iteration_s, self.no_overlap_time_s = predicted_s, no_overlap_s
         self.drift.planned_busy_s = planned_busy_s
         self.how = "resumed"
-        self._reset_drift()
+        self.drift.reset()
         self._leave(Phase.RUN)
 
     def after_sync_step(self, t_step_end: float) -> None:
@@ -284,11 +264,11 @@ class Controller:
                 self.how = "fixed"
                 self._leave(Phase.RUN)
         elif self.phase is Phase.PROFILE:
-            self._profile_tries += 1
             done = self.effects.take_profile_step(t_step_end) or 0
-            if done >= self.profile_steps:
+            verdict = self.profiling.step(done)
+            if verdict:
                 self._finish_profiling()
-            elif self._profile_tries - done >= max(UNPROFILED_STEPS, 2 * self.profile_steps):
+            elif verdict is not None:
                 self._give_up_profiling(done)
 
     def at_step_start(self) -> None:
@@ -331,7 +311,7 @@ class Controller:
             return
         self.verify = None
         if verdict:
-            self._reset_drift()
+            self.drift.reset()
             self.trial_reference_s = v.reference_s  # drift is checked against what its trial measured
             self._leave(Phase.RUN)
             return
@@ -352,9 +332,7 @@ class Controller:
         # (trial_results keep the last finished selection: a re-plan that the fit does not finish must not
         # erase what was measured and chosen before it)
         self.budget_note = None
-        n = len(schedules)
-        budget = self.budget_steps
-        left = None if budget is None else budget - self.ledger.selection_steps
+        n, left = len(schedules), self.ledger.selection_left()
         if n > 1 and left is not None and left < n * (MIN_BUDGET_WINDOW + 1):
             self.budget_note = (f"{self.ledger.budget_text()} left no room for trial windows: the planner's schedule "
                                 "was installed without measuring")
@@ -362,7 +340,7 @@ class Controller:
             schedules, no_overlap = schedules[:1], no_overlap[:1]
         if len(schedules) > 1:
             self.how = "trial"
-            self.trial = self.selection.begin(schedules, no_overlap, left, budget)
+            self.trial = self.selection.begin(schedules, no_overlap, left, self.budget_steps)
             self._enter(schedules[0], no_overlap[0])
             self._leave(Phase.TRIAL)
             # The first window starts with the first step of the candidate, as every later one does (the step
@@ -378,9 +356,7 @@ class Controller:
         """Too many profiling steps without a forward and a backward pass observed in the same step (a training
         loop whose steps cannot be profiled): install the fixed schedule, final, and say why, rather than run
         the profiling schedule for the rest of the fit."""
-        self.unprofiled_note = selection_report.unprofiled(self._profile_tries, done, self.profile_steps,
-                                                           self.replans_done)
-        self.effects.info(self.unprofiled_note)
+        self.effects.info(self.profiling.give_up(done, self.replans_done))
         self.effects.install_fixed(FALLBACK_SCHEDULE)
         self.how = "unprofiled"
         self._leave(Phase.RUN)
@@ -393,36 +369,23 @@ class Controller:
         self.no_overlap_time_s = no_overlap_s
         self.drift.watch(t_installed, busy, getattr(schedule, "replannable", True))
 
-    def _reset_drift(self) -> None:
-        self.drift.reset()
-
     # ------------------------------------------------------------------ TRIAL
     def _trial_step(self) -> None:
         """The choice is rank 0's (its iteration time is the group's: the ranks are coupled by collectives). Every
         rank counts the same steps, so the start-up budget stops the selection at the same step everywhere."""
         tr = self.trial
         assert tr is not None
-        tr.starts.append(self.clock())
-        over = self.ledger.over_budget()
-        if len(tr.starts) < self.window_steps + 2 and not over:  # the first interval after a switch settles
+        now, over = self.clock(), self.ledger.over_budget()
+        if not self.selection.window_over(tr, now, over):
             return
-        if len(tr.starts) >= 3:  # (a window cut by the budget counts if it measured a step after settling)
-            tr.gaps_s[tr.order[tr.window]].append([b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])])
         self.effects.flush()  # the previous step's updates, before the engine changes
-        tr.window += 1
-        if not over and (tr.window < len(tr.order) or (tr.confirm is None and self.selection.race(tr))):
+        if self.selection.next_window(tr, over):
             self._next_window(tr)
             return
-        windows = [[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s]
-        windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
         installed = tr.order[tr.window - 1]
-        if over:
-            measured_k = sum(1 for w in windows if w)
-            self.budget_note = (f"{self.ledger.budget_text()} ran out after {tr.window} of "
-                                f"{self.selection.planned_windows(tr)} windows ({measured_k} of {len(tr.schedules)} "
-                                "candidates measured): the fastest measured so far is installed")
-            self.effects.info(f"pipedap: {self.budget_note}")
-        choice = self.selection.choose(tr, windows, floor, over, installed)
+        choice, windows, note = self.selection.finish(tr, over, self.ledger.budget_text() if over else "")
+        if note is not None:
+            self.budget_note = note
         if choice is None:  # confirmation windows appended
             self._next_window(tr)
             return
@@ -434,7 +397,7 @@ class Controller:
             self._enter(tr.schedules[best], tr.no_overlap_s[best])
         else:
             self.effects.info(f"pipedap: keeping the installed candidate {tr.schedules[best].name}")
-            self._reset_drift()
+            self.drift.reset()
         self.trial_reference_s = measured[best]  # drift is checked against what the trial measured
         self.effects.store_plan(self.trial_results, tr.no_overlap_s[best], measured[best])
         self._leave(Phase.RUN)
@@ -445,40 +408,18 @@ class Controller:
             self._enter(tr.schedules[nxt], tr.no_overlap_s[nxt])
         tr.starts = [self.clock()]
 
-    def unfinished_trial(self) -> Optional[str]:
-        """A sentence for the end of a fit that stopped during measured plan selection (or while profiling for a
-        plan), else None (:func:`~lightning_pipedap.strategy.selection_report.unfinished_trial`)."""
-        return selection_report.unfinished_trial(self)
-
-    def partial_trial_results(self) -> list[dict[str, Any]]:
-        """The measurements of the selection in progress (TRIAL only, else []; see
-        :func:`~lightning_pipedap.strategy.selection_report.partial_trial_results`)."""
-        return selection_report.partial_trial_results(self)
-
-    def plan_selection(self) -> dict[str, Any]:
-        """Where measured plan selection stands (at the end of a fit: whether it finished), as plain data (see
-        :func:`~lightning_pipedap.strategy.selection_report.plan_selection`)."""
-        return selection_report.plan_selection(self)
+    # the reporting views (read-only, in selection_report): unfinished_trial() (a sentence for the end of a fit that
+    # stopped during measured plan selection or profiling, else None), partial_trial_results() (the measurements of
+    # the selection in progress), plan_selection() (where measured plan selection stands, as plain data)
+    unfinished_trial = selection_report.unfinished_trial
+    partial_trial_results = selection_report.partial_trial_results
+    plan_selection = selection_report.plan_selection
 
     # ------------------------------------------------------------------ RUN: drift
     def _drift_step(self) -> None:
-        """A RUN step (:meth:`DriftWatch.step`): a sustained slowdown re-plans (PROFILE), unless the rest of the fit
-        is too short to pay for another selection."""
-        ref = self.trial_reference_s or self.predicted_iteration_s
-        slow = self.drift.step(ref, self.replans_done < self.max_replans)
-        if slow is None:
-            return
-        used = self.startup.get("total_steps") if self.startup else None
-        left = None if self.total_steps is None else self.total_steps - self.ledger.steps_done
-        if left is not None and used and left < 4 * used:
-            self.drift.strikes = 0
-            self.effects.info(f"pipedap: measured iteration {slow[0] * 1e3:.1f} ms, {slow[1]:.0%} slower than the "
-                              f"reference, but {left} steps are left, fewer than 4x "
-                              f"the {steps_text(used)} a selection took: not re-planning")
-            self.max_replans = self.replans_done  # (the rest of the fit only gets shorter)
-            return
-        assert ref is not None
-        self.drift.announce_replan(slow, ref, "in its trial" if self.trial_reference_s else "predicted")
-        self.replans_done += 1
-        self.ledger.selection_steps = 0
-        self._profile_again()
+        """A RUN step (:meth:`DriftWatch.replan_due`): a sustained slowdown re-plans (PROFILE), unless the rest of
+        the fit is too short to pay for another selection."""
+        ledger = self.ledger
+        if self.drift.replan_due(self.predicted_iteration_s, ledger.steps_left(), ledger.startup.get("total_steps")):
+            self.ledger.selection_steps = 0
+            self._profile_again()

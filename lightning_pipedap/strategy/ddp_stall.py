@@ -63,7 +63,8 @@ class DDPStall:
             raise RuntimeError(
                 f"pipedap: rank {ctx.rank}: {', '.join(local) or 'a parameter'} got no gradient in {step} under DDP's "
                 f"reducer (the torch_ddp candidate, which runs without find_unused_parameters: you passed "
-                f"find_unused_parameters=False, and every parameter had a gradient in the profiled steps), but rank(s) {missing} had one: DDP cannot average such a step. "
+                f"find_unused_parameters=False, and every parameter had a gradient in the profiled steps), "
+                f"but rank(s) {missing} had one: DDP cannot average such a step. "
                 + _STALL_REMEDY)
         unused = h.finish_stalled(ctx.comm)
         assert h.candidate is not None
@@ -86,8 +87,8 @@ class DDPStall:
             return None
         return (f"pipedap: rank {ctx.rank}: DDP's reducer failed in {step_text(ctx.module)}: rank(s) {marked} got no "
                 "gradient for a parameter that this rank used (the torch_ddp candidate runs without "
-                "find_unused_parameters: you passed find_unused_parameters=False, and every parameter had a gradient in "
-                "the profiled and trial steps), so the "
+                "find_unused_parameters: you passed find_unused_parameters=False, and every parameter had a "
+                "gradient in the profiled and trial steps), so the "
                 f"bucket all-reduces this rank launched were never matched; the error of rank(s) {marked} names the "
                 "parameters. " + _STALL_REMEDY)
 

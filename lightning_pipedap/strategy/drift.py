@@ -10,6 +10,7 @@ from collections import deque
 from typing import Any, Callable, Optional
 
 from lightning_pipedap.strategy.selection import lower_quartile
+from lightning_pipedap.strategy.startup import steps_text
 
 #: a drift re-plan needs this many consecutive drift checks over the margin (one slow window on a shared machine
 #: is load, not a slower schedule)
@@ -25,7 +26,7 @@ class DriftWatch:
         effects: the controller's :class:`~lightning_pipedap.strategy.controller.Effects` (``agree``,
             ``last_busy_s``).
         clock: time source in seconds.
-        replan_every, replan_margin: as the controller's arguments.
+        replan_every, replan_margin, max_replans: as the controller's arguments.
 
     Attributes:
         measured_iteration_s: median step interval of the last window (s), refreshed every 5 steps; None before.
@@ -33,11 +34,17 @@ class DriftWatch:
         replannable: False for a candidate without a plan (DDP's reducer): no drift re-plan.
         t_installed: clock when the schedule running now was installed (the hold-off's start).
         strikes: consecutive drift checks over the margin.
+        replans_done: re-plans triggered by drift (:meth:`replan_due`).
+        trial_reference_s: the chosen candidate's measured trial step time (s), the drift reference after a trial
+            (the controller sets it; None: the plan's prediction is the reference).
     """
 
-    def __init__(self, effects: Any, clock: Callable[[], float], *, replan_every: int, replan_margin: float) -> None:
+    def __init__(self, effects: Any, clock: Callable[[], float], *, replan_every: int, replan_margin: float,
+                 max_replans: int = 1) -> None:
         self.effects, self.clock = effects, clock
-        self.replan_every, self.replan_margin = replan_every, replan_margin
+        self.replan_every, self.replan_margin, self.max_replans = replan_every, replan_margin, max_replans
+        self.replans_done = 0
+        self.trial_reference_s: Optional[float] = None
         self.measured_iteration_s: Optional[float] = None
         self.planned_busy_s: Optional[float] = None
         self.replannable = True
@@ -98,6 +105,35 @@ class DriftWatch:
         if self.strikes < DRIFT_CONFIRMATIONS:
             return None
         return measured, drift, ratio
+
+    def replan_due(self, predicted_s: Optional[float], left: Optional[int], used: Optional[int]) -> bool:
+        """A RUN step starts: whether a re-plan is due now, counted in :attr:`replans_done` and said. :meth:`step`
+        against :attr:`trial_reference_s`, else ``predicted_s`` (the plan's prediction, s), while fewer than
+        ``max_replans`` re-plans ran; not when :meth:`too_late` (``left``, ``used``: steps; then no later re-plan
+        either: the rest of the fit only gets shorter)."""
+        ref = self.trial_reference_s or predicted_s
+        slow = self.step(ref, self.replans_done < self.max_replans)
+        if slow is None:
+            return False
+        if self.too_late(slow, left, used):
+            self.max_replans = self.replans_done  # (the rest of the fit only gets shorter)
+            return False
+        assert ref is not None
+        self.announce_replan(slow, ref, "in its trial" if self.trial_reference_s else "predicted")
+        self.replans_done += 1
+        return True
+
+    def too_late(self, slow: tuple[float, float, float], left: Optional[int], used: Optional[int]) -> bool:
+        """Whether the ``left`` steps of the fit (None: unknown) are fewer than 4x the ``used`` steps a selection
+        took (None: unknown), too few to pay for a re-plan after the slowdown ``slow`` (:meth:`step`'s result);
+        then the strikes are forgotten and it is said."""
+        if left is None or not used or left >= 4 * used:
+            return False
+        self.strikes = 0
+        self.effects.info(f"pipedap: measured iteration {slow[0] * 1e3:.1f} ms, {slow[1]:.0%} slower than the "
+                          f"reference, but {left} steps are left, fewer than 4x "
+                          f"the {steps_text(used)} a selection took: not re-planning")
+        return True
 
     def announce_replan(self, slow: tuple[float, float, float], ref: float, what: str) -> None:
         """A re-plan follows the sustained slowdown ``slow`` (:meth:`step`'s result) against ``ref`` (s, ``what``:

@@ -127,7 +127,8 @@ class RunEffects:
         rec, t_backward_done = self.fit.probe.take()
         if rec is None:
             return None
-        return self.fit.planning.keep_step(rec, self.fit.slot.engine.worker.last_round_busy_s, t_backward_done, t_step_end)
+        busy_s = self.fit.slot.engine.worker.last_round_busy_s
+        return self.fit.planning.keep_step(rec, busy_s, t_backward_done, t_step_end)
 
     def plan(self) -> tuple[list[Schedule], list[float]]:
         fit, slot, planning = self.fit, self.fit.slot, self.fit.planning

@@ -153,7 +153,8 @@ class PipeDAPFabricStrategy(RunResults, DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend,
-                         timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s), start_method=start_method)
+                         timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s),
+                         start_method=start_method)
         compat.set_backward_sync_control(self, _PipeDAPBackwardSyncControl(self))
         self._optimizers: list[Optimizer] = []
         self._step_open = False  # a grad-enabled forward ran since the last optimizer step

@@ -2,7 +2,9 @@
 
 Every method here is a Lightning hook or a public attribute; each delegates to the
 :class:`~lightning_pipedap.strategy.runtime.Runtime` of the current fit (engine, deferred updates,
-controller). Life of one training step ``t`` in deferred mode (phases TRIAL and RUN)::
+controller). The backward hooks (:class:`~lightning_pipedap.strategy.lightning_backward.BackwardHooks`), the flush
+points and the checkpoint hooks (:mod:`~lightning_pipedap.strategy.lightning_state`) are mixins of the strategy.
+Life of one training step ``t`` in deferred mode (phases TRIAL and RUN)::
 
     optimizer_step(t) ─ closure ─ training_step: root buckets of update t-1, then forward pre-hooks apply
                                   the others at their first consumer (each waits for its all-gather)
@@ -25,9 +27,9 @@ from __future__ import annotations
 
 import math
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from datetime import timedelta
-from typing import Any, Callable, Generator, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -50,13 +52,15 @@ from lightning_pipedap.strategy.deferred import intercept_clipping
 from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
+from lightning_pipedap.strategy.lightning_backward import BackwardHooks
 from lightning_pipedap.strategy.lightning_reads import trainer_of
+from lightning_pipedap.strategy.lightning_state import CheckpointHooks, FlushPoints
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.refusals import group_timeout, refuse_kwargs, refuse_self_communicating, register_names
-from lightning_pipedap.strategy.resume import ResumeState, add_to_checkpoint, install_plan
+from lightning_pipedap.strategy.resume import ResumeState, install_plan
 
 
-class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
+class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, CollectivesOffAfterFailure, DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 
     Each gradient bucket is reduce-scattered during backward and all-gathered later (for example
@@ -146,7 +150,8 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s), start_method=start_method)
+                         timeout=group_timeout(type(self).__name__, timeout, self.config.wait_timeout_s),
+                         start_method=start_method)
         self._resume = ResumeState()
         self._aborted = False
         self._orig_clip: Optional[Callable] = None
@@ -282,63 +287,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
             self._rt.no_buffer_sync_next()  # as DDP: a no-grad forward turns the next buffer sync off
         return super().validation_step(*args, **kwargs)
 
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulation micro-batches (all but the last) keep gradients local: no communication."""
-        rt = self._rt
-        if rt is None:
-            yield
-            return
-        if rt.handed_over:
-            with super().block_backward_sync():  # DDP's no_sync()
-                yield
-            return
-        with rt.local_gradients():
-            yield
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if self._rt is not None and self._rt.handed_over:
-            super().pre_backward(closure_loss)
-        elif self._rt is not None:
-            self._rt.before_backward()
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any) -> Tensor:
-        """Lightning's backward, with the gradient reduction finished *before* ``on_after_backward``.
-
-        In sync mode ``.grad`` holds the averaged gradients when ``on_after_backward`` runs, as with DDP
-        (whose reducer finishes inside backward). A forward that read a parameter before its pending update
-        landed is reported by name instead of autograd's in-place error.
-        """
-        lm = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, lm)
-        try:
-            self.precision_plugin.backward(closure_loss, lm, optimizer, *args, **kwargs)
-        except RuntimeError as exc:
-            rt = self._rt
-            if rt is not None and rt.deferred is not None and rt.deferred.late_applied \
-                    and "modified by an inplace operation" in str(exc):
-                raise RuntimeError(rt.deferred.stale_message()) from exc
-            why = rt.stalled_elsewhere() if rt is not None else None
-            if why:  # (DDP's bucket all-reduces failed because another rank's reduction stalled)
-                raise RuntimeError(why) from exc
-            raise
-        if self._rt is not None and not self._rt.handed_over:
-            self._rt.finish_backward()
-            self._rt.nonfinite.raise_if_bad()  # (nonfinite="raise": every rank, the same step)
-        elif self._rt is not None:
-            self._rt.after_ddp_backward()  # (a stalled DDP reduction is finished before on_after_backward)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, lm)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        """Nothing: the reduction is finished in :meth:`backward`, before ``on_after_backward``."""
-
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union[Any, torch.nn.Module]] = None, **kwargs: Any) -> Any:
@@ -365,71 +313,6 @@ class PipeDAPStrategy(RunResults, CollectivesOffAfterFailure, DDPStrategy):
         lm = self.lightning_module
         return rt.deferred.run_step(optimizer, lambda stand_in: self.precision_plugin.optimizer_step(
             stand_in, model=model or lm, closure=closure, **kwargs), lambda: lm.global_step)
-
-    # ------------------------------------------------------------------ flush points
-    def flush(self) -> None:
-        """Apply every pending update now (all ranks must call it). No-op after an exception."""
-        rt = self._rt
-        if self._aborted or rt is None:
-            return
-        trainer = trainer_of(self.lightning_module)
-        if trainer is not None and trainer.interrupted:
-            return
-        rt.flush()
-
-    @override
-    def on_validation_start(self) -> None:
-        self.flush()
-        if self._rt is not None and self._rt.deferred is not None:
-            self._rt.deferred.forget_unwritten()  # Lightning cleared .grad for validation, as under DDP
-        super().on_validation_start()
-
-    @override
-    def on_train_end(self) -> None:
-        self.flush()
-        super().on_train_end()
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        self.flush()
-        return super().lightning_module_state_dict()
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        self.flush()
-        return super().optimizer_state(optimizer)
-
-    # ------------------------------------------------------------------ checkpoints: plan and compression state
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Add the final schedule and every rank's compression state (:func:`.resume.add_to_checkpoint`: one
-        ``all_gather_object``, so every rank must call it, as ``Trainer.save_checkpoint`` does), then let rank 0
-        write. After a failure with an update still pending, nothing is written (the parameters would not match
-        the step count).
-        """
-        if self._aborted:
-            if self.updates_pending:  # the parameters miss the update of the last step, which its global_step counts
-                M.warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
-                               "still being communicated, so the parameters would not match the step count")
-                return
-        elif self._rt is not None:
-            add_to_checkpoint(self._rt, checkpoint)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Load as Lightning does, and keep this rank's compression state and the plan for set-up.
-
-        Lightning loads the checkpoint before ``setup`` (``configure_ddp``), so the plan is installed there
-        directly and the compression state is applied when compression starts. A checkpoint of another
-        compressor or world size gives a warning naming both values, and compression starts with fresh state.
-        """
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        cfg = self.config
-        for note in self._resume.load_state_dict(checkpoint, cfg.compression, cfg.compression_kwargs,
-                                                 self.world_size, self.global_rank):
-            (M.warn if "fresh" in note else M.info)(note)
-        return checkpoint
 
     # ------------------------------------------------------------------ teardown
     @override

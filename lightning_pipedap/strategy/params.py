@@ -47,7 +47,8 @@ class TrainableSet:
         """
         named = [(n, p) for n, p in self.module.named_parameters() if self.requires_grad(p)]
         if not named:
-            raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters (all requires_grad=False)")
+            raise ValueError(f"pipedap: {type(self.module).__name__} has no trainable parameters "
+                             "(all requires_grad=False)")
         sparse = sparse_gradient_params(self.module)
         same_on_every_rank([(n, tuple(p.shape), str(p.dtype)) + ((sparse[id(p)],) if id(p) in sparse else ())
                             for n, p in named], "trainable parameters",

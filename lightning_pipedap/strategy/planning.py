@@ -104,7 +104,8 @@ class Planning:
                 self.cost_model_origin = "α-β model given as cost_model="
             else:
                 largest = max(p.numel() * p.element_size() for p in params)
-                self.cost_model = measure_cost_model(self.comm, self.device, max_bytes=min(64 << 20, max(largest, 16 << 20)),
+                self.cost_model = measure_cost_model(self.comm, self.device,
+                                                     max_bytes=min(64 << 20, max(largest, 16 << 20)),
                                                      use_cache=cfg.cost_model_cache, wire_dtype=cfg.wire_dtype,
                                                      job=self.job)
                 self.cost_model_origin = describe_origin(self.cost_model.meta)
@@ -201,7 +202,7 @@ class Planning:
         if self.rank == 0:
             self.predictions = {}
             self._calibrate(engine)
-            layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in l) for l in self.layers]
+            layer_bytes = [sum(params[i].numel() * params[i].element_size() for i in layer) for layer in self.layers]
             passes = self.passes_per_step
             profile = merge_steps(model_name, layer_names, layer_bytes, self._profiled, self._t_updates,
                                   meta={"passes_per_step": passes} if passes > 1 else None)
@@ -219,8 +220,9 @@ class Planning:
             candidates, no_overlap, self.profile, self.cost_model, maps = C.broadcast_object(plan, src=0)
         except RuntimeError as exc:
             raise RuntimeError(
-                f"pipedap: rank {self.rank}: no plan from rank 0 after {time.perf_counter() - t0:.0f} s (phase profile, "
-                f"broadcast of the plan): rank 0 planned longer than wait_timeout_s={cfg.wait_timeout_s:g} s or failed; "
+                f"pipedap: rank {self.rank}: no plan from rank 0 after {time.perf_counter() - t0:.0f} s "
+                "(phase profile, broadcast of the plan): rank 0 planned longer than "
+                f"wait_timeout_s={cfg.wait_timeout_s:g} s or failed; "
                 "see rank 0's log, and raise wait_timeout_s or partition_mb (fewer pieces to plan)") from exc
         keys = [(p.dtype, p.device) for p in params]
         numels = [p.numel() for p in params]
@@ -272,11 +274,14 @@ def describe_contention(c: Any) -> str:
     for name, what in (("comm_slowdown", "communication"), ("compute_slowdown", "compute")):
         v = getattr(c, name)
         if name in clamped:
-            parts.append(f"{what} {'not measurably slowed' if v == 0 else f'stalled while the other ran (the model uses its cap, {v:g})'}")
+            how = ("not measurably slowed" if v == 0
+                   else f"stalled while the other ran (the model uses its cap, {v:g})")
+            parts.append(f"{what} {how}")
         else:
             parts.append(f"{what} +{v:.0%}")
     times = ""
     if all(k in m for k in ("alone_comm_s", "loaded_comm_s", "alone_compute_s", "loaded_compute_s")):
-        times = (f" (alone: communication {m['alone_comm_s'] * 1e3:.1f} ms, compute {m['alone_compute_s'] * 1e3:.1f} ms;"
+        times = (f" (alone: communication {m['alone_comm_s'] * 1e3:.1f} ms, "
+                 f"compute {m['alone_compute_s'] * 1e3:.1f} ms;"
                  f" together: {m['loaded_comm_s'] * 1e3:.1f} ms and {m['loaded_compute_s'] * 1e3:.1f} ms)")
     return "pipedap: contention while communication and compute overlap: " + ", ".join(parts) + times

@@ -143,7 +143,8 @@ class RunResults(compat.SpawnLauncherHook):
                              "across a re-plan the fit did not finish): one dict per candidate (name, describe, "
                              "steps_s, predicted_s, measured_s, deciding_s, decided_in, chosen, predictions).")
     predictions = _FromRun("predictions", {}, "Rank 0: every prediction of each planned candidate, by name (s).")
-    predicted_iteration_s = _FromRun("predicted_iteration_s", None, "The installed plan's predicted iteration time (s).")
+    predicted_iteration_s = _FromRun("predicted_iteration_s", None,
+                                     "The installed plan's predicted iteration time (s).")
     measured_iteration_s = _FromRun("measured_iteration_s", None, "Median measured iteration time of the last drift "
                                     "window (s, refreshed every 5 deferred steps).")
     no_overlap_time_s = _FromRun("no_overlap_time_s", None, "Compute + update + all-reduce of every bucket (s).")
@@ -229,7 +230,7 @@ class RunResults(compat.SpawnLauncherHook):
         profile = getattr(getattr(rt, "planning", None), "profile", None) if rt is not None else None
         compute = None
         if isinstance(profile, dict) and profile.get("layers"):
-            compute = sum(float(l.get("t_f", 0.0)) + float(l.get("t_b", 0.0)) for l in profile["layers"]) \
+            compute = sum(float(layer.get("t_f", 0.0)) + float(layer.get("t_b", 0.0)) for layer in profile["layers"]) \
                 + float(profile.get("t_update", 0.0))
         c = self._measured.contention
         return {"no_overlap_time_s": self.no_overlap_time_s, "profiled_compute_s": compute,
@@ -284,7 +285,8 @@ class RunResults(compat.SpawnLauncherHook):
         return self._measured.calibration_ratio
 
     def compression_stats(self) -> dict[int, Any]:
-        """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not compressing)."""
+        """Per-bucket :class:`~lightning_pipedap.engine.compressed.CompressionStats` of the last round ({} when not
+        compressing)."""
         engine = self._rt.engine if self._rt is not None else None
         transport = engine.transport if engine is not None else None
         return dict(transport.stats) if transport is not None else {}

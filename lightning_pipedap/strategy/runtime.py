@@ -188,7 +188,8 @@ class Runtime:
         #: ``dear`` schedule with ``bucket_cap_mb`` fusion runs instead of a plan that depends on measured times
         self.timing_free = timing_free_reason(config, world_size)
         if self.timing_free:
-            info(f"pipedap: torch.use_deterministic_algorithms is on (Trainer(deterministic=True)) and {self.timing_free}, "
+            info("pipedap: torch.use_deterministic_algorithms is on (Trainer(deterministic=True)) and "
+                 f"{self.timing_free}, "
                  f"so which schedule runs must not depend on timing: schedule {config.schedule!r} runs as the fixed "
                  f"'dear' schedule with bucket_cap_mb={config.bucket_cap_mb:g} fusion (no profiling, trials or "
                  "re-plans); two identical runs then give identical bits")

@@ -246,6 +246,40 @@ class Selection:
         tr.order += list(tr.alive)  # (trial order again: a rerun interleaves alike)
         return True
 
+    def window_over(self, tr: Trial, now: float, over: bool) -> bool:
+        """A step of ``tr``'s current window starts at ``now`` (s). Returns whether the window is over (its settling
+        interval and :attr:`window_steps` measured ones, or ``over``: the start-up budget is spent); its step
+        intervals are then kept in ``tr.gaps_s`` (a window cut by the budget when it measured a step after
+        settling)."""
+        tr.starts.append(now)
+        if len(tr.starts) < self.window_steps + 2 and not over:  # the first interval after a switch settles
+            return False
+        if len(tr.starts) >= 3:  # (a window cut by the budget counts if it measured a step after settling)
+            tr.gaps_s[tr.order[tr.window]].append([b - a for a, b in zip(tr.starts[:-1], tr.starts[1:])])
+        return True
+
+    def next_window(self, tr: Trial, over: bool) -> bool:
+        """After a window is over (and the pending updates were applied): move on; returns whether another window
+        follows (``over``: the start-up budget is spent, none does; after a round, :meth:`race`)."""
+        tr.window += 1
+        return not over and (tr.window < len(tr.order) or (tr.confirm is None and self.race(tr)))
+
+    def finish(self, tr: Trial, over: bool,
+               budget_text: str) -> tuple[Optional[Choice], list[list[float]], Optional[str]]:
+        """After the last window of ``tr``: rank 0's lower-quartile step of each window per candidate and the
+        physical floor (one ``agree``), and :meth:`choose` on them. ``over``: the start-up budget stopped the
+        selection (``budget_text``: :meth:`StartupLedger.budget_text`), said in a note. Returns ``(choice or None
+        (confirmation windows appended), the windows, the budget note or None)``."""
+        windows = [[lower_quartile(g[1:]) for g in per] for per in tr.gaps_s]
+        windows, floor = self.effects.agree((windows, self.effects.comm_floor_s()))
+        note = None
+        if over:
+            measured_k = sum(1 for w in windows if w)
+            note = (f"{budget_text} ran out after {tr.window} of {self.planned_windows(tr)} windows ({measured_k} "
+                    f"of {len(tr.schedules)} candidates measured): the fastest measured so far is installed")
+            self.effects.info(f"pipedap: {note}")
+        return self.choose(tr, windows, floor, over, tr.order[tr.window - 1]), windows, note
+
     # ------------------------------------------------------------------ the choice
     def choose(self, tr: Trial, windows: list[list[float]], floor: Optional[float], over: bool,
                installed: int) -> Optional[Choice]:

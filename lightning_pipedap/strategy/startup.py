@@ -98,6 +98,15 @@ class StartupLedger:
             return None
         return max(1, math.floor(self.startup_budget * self.total_steps))
 
+    def steps_left(self) -> Optional[int]:
+        """Optimizer steps of the fit still to come (:attr:`total_steps` - :attr:`steps_done`), None when unknown."""
+        return None if self.total_steps is None else self.total_steps - self.steps_done
+
+    def selection_left(self) -> Optional[int]:
+        """Steps of its start-up budget this selection has left (may be negative), None without a budget."""
+        budget = self.budget_steps
+        return None if budget is None else budget - self.selection_steps
+
     def over_budget(self) -> bool:
         """Whether this selection has taken every step of its budget."""
         budget = self.budget_steps

@@ -59,7 +59,8 @@ def owner_modules(owner_names: list[Optional[str]], root: torch.nn.Module) -> li
 
 @contextmanager
 def consumer_mode(stack: ModuleStack, params: list[Tensor], optimizers: list[Any],
-                  on_consume: Optional[Callable[[int, bool], None]], track: bool) -> Generator[ConsumerTrace, None, None]:
+                  on_consume: Optional[Callable[[int, bool], None]],
+                  track: bool) -> Generator[ConsumerTrace, None, None]:
     """A :class:`~lightning_pipedap.probe.consumers.ConsumerTrace` over ``params`` for one
     ``training_step``. With ``on_consume``, a read of a parameter's optimizer state (a tensor in
     ``optimizer.state[p]``) counts as a read of ``p``. ``track``: with the module stack recording which

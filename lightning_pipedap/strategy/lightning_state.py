@@ -1,0 +1,104 @@
+"""Where :class:`~lightning_pipedap.strategy.lightning.PipeDAPStrategy` brings the parameters up to date and saves
+or restores the run-time's state (mixins of it): :class:`FlushPoints` (pending updates applied before validation,
+the end of training, a state dict) and :class:`CheckpointHooks` (the final schedule and the compression state in
+a checkpoint, and back at resume).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning_pipedap.strategy.messages as M
+from lightning_pipedap.strategy.lightning_reads import trainer_of
+from lightning_pipedap.strategy.resume import add_to_checkpoint
+
+
+class FlushPoints:
+    """The flush points: every pending update is applied before Lightning reads or replaces the parameters
+    (validation, the end of training, ``lightning_module_state_dict``, ``optimizer_state``). Mixed into
+    :class:`~lightning_pipedap.strategy.lightning.PipeDAPStrategy` ahead of ``DDPStrategy``."""
+
+    _rt: Any
+    _aborted: bool
+    lightning_module: Any
+
+    def flush(self) -> None:
+        """Apply every pending update now (all ranks must call it). No-op after an exception."""
+        rt = self._rt
+        if self._aborted or rt is None:
+            return
+        trainer = trainer_of(self.lightning_module)
+        if trainer is not None and trainer.interrupted:
+            return
+        rt.flush()
+
+    @override
+    def on_validation_start(self) -> None:
+        self.flush()
+        if self._rt is not None and self._rt.deferred is not None:
+            self._rt.deferred.forget_unwritten()  # Lightning cleared .grad for validation, as under DDP
+        super().on_validation_start()
+
+    @override
+    def on_train_end(self) -> None:
+        self.flush()
+        super().on_train_end()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self.flush()
+        return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        self.flush()
+        return super().optimizer_state(optimizer)
+
+
+class CheckpointHooks:
+    """The final schedule and every rank's compression state in a checkpoint (:func:`.resume.add_to_checkpoint`),
+    and back into the resume state at load (:class:`~lightning_pipedap.strategy.resume.ResumeState`). Mixed into
+    :class:`~lightning_pipedap.strategy.lightning.PipeDAPStrategy` ahead of ``DDPStrategy``."""
+
+    _rt: Any
+    _aborted: bool
+    _resume: Any
+    config: Any
+    updates_pending: bool
+    world_size: int
+    global_rank: int
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Add the final schedule and every rank's compression state (:func:`.resume.add_to_checkpoint`: one
+        ``all_gather_object``, so every rank must call it, as ``Trainer.save_checkpoint`` does), then let rank 0
+        write. After a failure with an update still pending, nothing is written (the parameters would not match
+        the step count).
+        """
+        if self._aborted:
+            if self.updates_pending:  # the parameters miss the update of the last step, which its global_step counts
+                M.warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
+                               "still being communicated, so the parameters would not match the step count")
+                return
+        elif self._rt is not None:
+            add_to_checkpoint(self._rt, checkpoint)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Load as Lightning does, and keep this rank's compression state and the plan for set-up.
+
+        Lightning loads the checkpoint before ``setup`` (``configure_ddp``), so the plan is installed there
+        directly and the compression state is applied when compression starts. A checkpoint of another
+        compressor or world size gives a warning naming both values, and compression starts with fresh state.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        cfg = self.config
+        for note in self._resume.load_state_dict(checkpoint, cfg.compression, cfg.compression_kwargs,
+                                                 self.world_size, self.global_rank):
+            (M.warn if "fresh" in note else M.info)(note)
+        return checkpoint
