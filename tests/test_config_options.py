@@ -156,3 +156,29 @@ def test_lightning_cli_reads_the_signature_and_the_config_groups(monkeypatch):
         "--trainer.strategy.config.safety.nonfinite=skip"])
     cfg = cli.trainer.strategy.config
     assert (cfg.schedule, cfg.bucket_cap_mb, cfg.torch_ddp_margin, cfg.nonfinite) == ("dear", 1.0, 0.05, "skip")
+
+
+def test_deferrable_optimizers_take_classes_or_dotted_names_and_refuse_the_rest():
+    """Found by a new user: strings and numbers were accepted, then the fit crashed at set-up on every rank."""
+    import pytest
+    import torch
+
+    from lightning_pipedap.strategy.config import PipeDAPConfig
+
+    assert PipeDAPConfig(deferrable_optimizers=["torch.optim.SGD"]).deferrable_optimizers == (torch.optim.SGD,)
+    assert PipeDAPConfig(deferrable_optimizers=(torch.optim.Adam,)).deferrable_optimizers == (torch.optim.Adam,)
+    for bad, match in [([3], "3 is not a torch.optim.Optimizer subclass"),
+                       (["torch.optim.NoSuchOpt"], "cannot import 'torch.optim.NoSuchOpt'"),
+                       (["torch.nn.Linear"], "'torch.nn.Linear' is not a torch.optim.Optimizer subclass"),
+                       (torch.optim.SGD, "must be a list"), ("torch.optim.SGD", "must be a list")]:
+        with pytest.raises(ValueError, match=match):
+            PipeDAPConfig(deferrable_optimizers=bad)
+
+
+def test_an_infinite_size_is_refused():
+    import pytest
+
+    from lightning_pipedap.strategy.config import PipeDAPConfig
+
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive finite number, got inf"):
+        PipeDAPConfig(bucket_cap_mb=float("inf"))

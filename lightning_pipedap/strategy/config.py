@@ -12,6 +12,7 @@ defaults' test and docs/OPTIONS.md (``python -m lightning_pipedap.docs_options``
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 from dataclasses import dataclass, field
@@ -49,6 +50,37 @@ def valid_schedule_names() -> tuple[str, ...]:
 def _positive(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ValueError(f"{name} must be a positive number, got {value!r}")
+    if value == math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def _optimizer_classes(value: Any) -> tuple[type, ...]:
+    """``deferrable_optimizers`` as a tuple of ``torch.optim.Optimizer`` subclasses (dotted names imported).
+
+    Raises:
+        ValueError: a value that is not a list of optimizer classes or dotted names of such classes, naming it.
+    """
+    import importlib  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    if isinstance(value, (str, type)) or not isinstance(value, (list, tuple)):
+        raise ValueError(f"deferrable_optimizers must be a list of torch.optim.Optimizer subclasses (or their dotted "
+                         f"names), got {value!r}")
+    out = []
+    for item in value:
+        cls = item
+        if isinstance(item, str):
+            module, _, name = item.rpartition(".")
+            try:
+                cls = getattr(importlib.import_module(module), name) if module else None
+            except (ImportError, AttributeError) as exc:
+                raise ValueError(f"deferrable_optimizers: cannot import {item!r} ({exc})") from exc
+        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+            raise ValueError(f"deferrable_optimizers: {item!r} is not a torch.optim.Optimizer subclass (give the "
+                             "class, or its dotted name such as 'torch.optim.SGD')")
+        out.append(cls)
+    return tuple(out)
 
 
 def _integer(name: str, value: Any, low: int, high: Optional[int] = None, note: str = "") -> None:
@@ -100,8 +132,9 @@ class ScheduleOptions:
     """piece size of the pipelined gloo ring reduce-scatter/all-gather, in MiB."""
 
     deferrable_optimizers: tuple[type, ...] = ()
-    """extra optimizer classes whose ``step`` is per-parameter (safe to split by bucket); torch's SGD, Adam, AdamW,
-    ... are known already."""
+    """extra optimizer classes whose ``step`` is per-parameter (safe to split by bucket), each a subclass of
+    ``torch.optim.Optimizer`` or its dotted name (``"mypackage.optim.Lion"``, imported at construction); torch's
+    SGD, Adam, AdamW, ... are known already."""
 
     wire_dtype: WireDtype = "fp32"
     """element format of fp32 gradients on the wire of the engine's dense reduce-scatter and all-gather:
@@ -145,7 +178,7 @@ class ScheduleOptions:
                              f"got {self.wire_dtype!r}")
         if self.defer_update not in ("auto", True, False) or type(self.defer_update) is int:
             raise ValueError(f"defer_update must be 'auto', True or False, got {self.defer_update!r}")
-        object.__setattr__(self, "deferrable_optimizers", tuple(self.deferrable_optimizers))
+        object.__setattr__(self, "deferrable_optimizers", _optimizer_classes(self.deferrable_optimizers))
         object.__setattr__(self, "bucket_cap_mb", float(self.bucket_cap_mb))
         object.__setattr__(self, "ring_chunk_mb", float(self.ring_chunk_mb))
 
@@ -307,7 +340,8 @@ class TrialOptions:
     """fraction in (0, 1] of the fit's optimizer steps (Lightning's ``Trainer.estimated_stepping_batches``) that one
     selection may take: trace, profiling and measured plan selection, and again each drift re-plan. Trial windows
     are shortened to fit it (at least 2 measured steps each); when it runs out, the fastest candidate measured so
-    far is installed, and the log and the summary say so. 0.1 (default): at most 10% of a short fit is start-up.
+    far is installed, and the log and the summary say so. 0.1 (default): trials cut to 10% of a short fit (the
+    trace and profile steps are not cut: a fit of a few dozen steps spends more).
     None: no budget (also when the fit's length is unknown, e.g. ``max_epochs=-1`` or Fabric)."""
 
     torch_ddp_candidate: bool = True
