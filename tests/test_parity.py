@@ -96,7 +96,10 @@ def test_measured_plan_selection_keeps_parity(parity_results):
     # window; never DDP's reducer); a first-pass winner over torch_ddp is confirmed in two more rounds of the two
     confirmed = [t for t in trials if len(t["windows_s"]) == 4]
     assert all(len(t["windows_s"]) in (1, 2, 4) and t["measured_s"] > 0 for t in trials)
-    assert len(trials[-1]["windows_s"]) in (2, 4)  # (torch_ddp: every round)
+    # (torch_ddp: every round; one window only when racing dropped every other candidate after round 1, which
+    # ends the race: a loaded machine measured torch_ddp > 25% faster than all of them in CI, stop 33)
+    alone = all(len(t["windows_s"]) == 1 for t in trials[:-1])
+    assert len(trials[-1]["windows_s"]) in ((1, 2, 4) if alone else (2, 4)), trials
     assert confirmed == [] or (len(confirmed) == 2 and confirmed[-1]["name"] == "torch_ddp")
     chosen = [t for t in trials if t["chosen"]]
     assert len(chosen) == 1
