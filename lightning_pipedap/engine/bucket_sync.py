@@ -23,7 +23,8 @@ goes through the same states every round, each transition made by one verb on on
 - LANDED: its share of the deferred optimizer step was applied (DeAR ICDCS 2023 §III-B); ``.grad`` does
   not show the averaged gradients yet (written when read). DROPPED: a skipped non-finite step: clipped
   for ``.grad`` but not stepped. WRITTEN: ``.grad`` shows the averaged gradients (sync mode, or read).
-- FAILED: the worker failed; every wait wakes up and the engine raises.
+- FAILED: the worker failed; every wait wakes up and the engine raises. A FAILED bucket is still in flight:
+  its update is owed, and applying it raises.
 
 An illegal transition raises :class:`BucketStateError` naming the bucket and both states. The state is
 written by the thread making the transition and handed over with an event set *after* it, so a thread
@@ -78,8 +79,10 @@ TRANSITIONS: dict[BucketState, frozenset[BucketState]] = {
     S.WRITTEN: frozenset({S.COLLECTING}),
     S.FAILED: frozenset(),
 }
-#: states in which the bucket's round is communicated but its update is not applied yet (deferred mode)
-IN_FLIGHT = frozenset({S.COLLECTING, S.READY, S.REDUCING, S.REDUCED, S.STEPPED, S.GATHERING, S.GATHERED})
+#: states in which the bucket's round is communicated but its update is not applied yet (deferred mode); FAILED
+#: counts: an update the worker could not finish is still owed, and applying it raises the worker's error
+#: (never "nothing left to apply", which would let a checkpoint after the failure miss the update)
+IN_FLIGHT = frozenset({S.COLLECTING, S.READY, S.REDUCING, S.REDUCED, S.STEPPED, S.GATHERING, S.GATHERED, S.FAILED})
 #: states whose averaged gradients a ``.grad`` read must still get written (:meth:`BucketSync.write`)
 UNWRITTEN = frozenset({S.LANDED, S.DROPPED})
 
