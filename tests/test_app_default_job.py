@@ -31,7 +31,9 @@ def test_the_default_job_finishes_its_selection_within_the_startup_budget(tmp_pa
     assert ran["schedule"] == "optimal" and ran["plan_selection_status"] == "finished", ran["plan_selection"]
     steps = res["iteration_from_step"] + res["iteration_steps"]
     startup = ran["startup"]["total_steps"]
-    assert startup <= 0.1 * steps + 1, (startup, steps)  # startup_budget 0.1 (one step of rounding)
+    # startup_budget 0.1; a trial window is never shorter than one settling and 2 measured steps, so the last window
+    # may overrun the budget by up to that (CI, stop 33: 37 steps of 353 under load)
+    assert startup <= 0.1 * steps + 3, (startup, steps)
     assert res["iteration_steps"] >= 0.7 * steps  # the goal: >= 70% of the steps in steady state
     assert ran["installed"]["name"] in {c["name"] for c in ran["candidates"] if c["chosen"]}
     summary = proc.stdout

@@ -34,6 +34,16 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
+def _fresh_signals() -> None:
+    """In a rank, before exec: the signal state a shell gives a new job (default SIGINT/SIGTERM dispositions, no
+    signal blocked). Both are inherited across fork and exec, so without this a rank started from a pytest process
+    that an earlier test left with SIGINT ignored or blocked never sees the SIGINT this file sends (seen in the full
+    suite only: both ranks finished the fit and exited 0)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 class Job:
     """The ranks of one run, their output files and their exit codes."""
 
@@ -51,11 +61,12 @@ class Job:
                 renv = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
                         "RANK": str(r), "LOCAL_RANK": str(r), "NODE_RANK": "0"}
                 with open(self.logs[r], "w") as f:
-                    self.procs.append(subprocess.Popen(args, env=renv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp))
+                    self.procs.append(subprocess.Popen(args, env=renv, stdout=f, stderr=subprocess.STDOUT, cwd=tmp,
+                                                       preexec_fn=_fresh_signals))
         else:
             with open(self.logs[0], "w") as f:
                 self.procs.append(subprocess.Popen(args, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=tmp,
-                                                   start_new_session=True))
+                                                   start_new_session=True, preexec_fn=_fresh_signals))
 
     def pid_at_step(self, rank: int, step: int, timeout_s: float = 120.0) -> int:
         """The pid of ``rank`` once it has started step ``step``."""
