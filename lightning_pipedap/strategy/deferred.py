@@ -349,7 +349,7 @@ class DeferredUpdates:
                         self._apply_one(pending, b, where, write_grads or where == "observe")
         finally:
             self.applying = False
-        if not self.remaining():
+        if not any(s.in_flight for s in self.engine.syncs):  # (stops at the first bucket still owed)
             self.pending = None
 
     def apply_all(self, where: str) -> None:
