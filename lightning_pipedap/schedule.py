@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping, Sequence
 
 #: ``format`` tag of :meth:`Schedule.to_dict`
@@ -378,6 +378,22 @@ def _flags_from(value: Any, key: str = "compressed") -> tuple[bool, ...] | None:
         if not isinstance(f, bool):
             raise ValueError(f"{key}[{b}] must be true or false, got {f!r}")
     return tuple(value)
+
+
+def sharded_ops(schedule: Schedule, compressed: bool = True) -> Schedule:
+    """``schedule`` for the sharded optimizer step (``shard_optimizer``): every gradient op in its place, an
+    uncompressed bucket's ``AR`` turned into an ``RS`` (each rank steps its shard), then one ``AG`` per
+    uncompressed bucket in forward order (the order of first use in the next forward). The step of a shard needs
+    the whole step's used flags, clip factor and non-finite verdict, so every gradient op comes before the first
+    ``AG``. ``compressed``: whether the flagged buckets are compressed (they keep their single reduction op).
+    Pure: the fusion and the flags are kept."""
+    def kept(b: int) -> bool:
+        return compressed and schedule.is_compressed(b)
+
+    grads = [Op(OpKind.REDUCE_SCATTER, op.bucket) if op.kind is OpKind.ALL_REDUCE and not kept(op.bucket) else op
+             for op in schedule.ops if op.kind is not OpKind.ALL_GATHER]
+    gathers = [Op(OpKind.ALL_GATHER, b) for b in range(len(schedule.buckets)) if not kept(b)]
+    return replace(schedule, ops=tuple(grads + gathers))
 
 
 def allreduce_ops(num_buckets: int) -> tuple[Op, ...]:

@@ -17,8 +17,8 @@ goes through the same states every round, each transition made by one verb on on
     LANDED, DROPPED ─retire─▶ IDLE;  GATHERED, LANDED, DROPPED, WRITTEN, IDLE ─start_collect─▶ COLLECTING
 
 - REDUCED: after a reduce-scatter this rank's shard holds the averaged gradients (only the shard).
-- STEPPED: reserved for a sharded optimizer step (ZeRO-style: the owner steps its shard between the
-  reduce-scatter and an all-gather of parameters); nothing enters it yet.
+- STEPPED: the sharded optimizer step (``shard_optimizer``, :mod:`.shard_step`) updated this rank's slices of
+  the bucket's parameters; the all-gather that follows gathers parameters (:attr:`BucketSync.params_gathered`).
 - GATHERED: every rank holds the whole averaged bucket (after the all-gather, or an all-reduce).
 - LANDED: its share of the deferred optimizer step was applied (DeAR ICDCS 2023 §III-B); ``.grad`` does
   not show the averaged gradients yet (written when read). DROPPED: a skipped non-finite step: clipped
@@ -111,6 +111,8 @@ class BucketSync:
         self.index = flat.index
         self.state = S.IDLE
         self.missing = 0
+        #: the buffer holds gathered *parameters* (a sharded step's all-gather), not averaged gradients
+        self.params_gathered = False
         self._ready, self._reduced, self._gathered = threading.Event(), threading.Event(), threading.Event()
         self._cuda = cuda
         if cuda:
@@ -133,6 +135,7 @@ class BucketSync:
         self._to(S.COLLECTING)
         self.flat.flags.zero_()
         self.missing = len(self.flat.params)
+        self.params_gathered = False
         self._ready.clear()
         self._reduced.clear()
         self._gathered.clear()
@@ -180,13 +183,19 @@ class BucketSync:
         if done is not OpKind.REDUCE_SCATTER:
             self._gathered_done(stream)
 
+    def step(self) -> None:
+        """REDUCED -> STEPPED: this rank's slices of the bucket's parameters were stepped (sharded step)."""
+        self._to(S.STEPPED)
+
     def start_param_sync(self) -> None:
         """REDUCED (or STEPPED) -> GATHERING: the all-gather starts."""
         self._to(S.GATHERING)
 
-    def finish_param_sync(self, stream: Optional[torch.cuda.Stream] = None) -> None:
-        """GATHERING -> GATHERED: every rank holds the whole averaged bucket."""
+    def finish_param_sync(self, stream: Optional[torch.cuda.Stream] = None, params: bool = False) -> None:
+        """GATHERING -> GATHERED: every rank holds the whole averaged bucket, or (``params``: a sharded step) the
+        bucket's updated parameters."""
         self._to(S.GATHERED)
+        self.params_gathered = params
         self._gathered_done(stream)
 
     def _gathered_done(self, stream: Optional[torch.cuda.Stream]) -> None:

@@ -27,6 +27,7 @@ split) nothing of this costs anything per step.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -35,12 +36,13 @@ from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
 from lightning_pipedap.engine.buckets import FlatBucket, allocate_buckets, param_places
 from lightning_pipedap.engine.carry import GradientCarry
-from lightning_pipedap.engine.transport import bucket_transports
+from lightning_pipedap.engine.shard_step import ShardedStep, ShardRound
+from lightning_pipedap.engine.transport import DenseTransport, bucket_transports
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.engine.views import BucketViews, view_refusal
 from lightning_pipedap.engine.worker import EngineError, OpWorker
 from lightning_pipedap.measure.timeline import OpTiming
-from lightning_pipedap.schedule import Schedule
+from lightning_pipedap.schedule import OpKind, Schedule, sharded_ops
 
 __all__ = ["BucketState", "CommEngine", "EngineError", "OpTiming", "view_refusal"]
 
@@ -68,16 +70,25 @@ class CommEngine:
         bucket_view: ``gradient_as_bucket_view`` (:mod:`.views`): every ``.grad`` is its view of the bucket
             where :func:`view_refusal` allows it; :attr:`view_refusals` says why not elsewhere.
         param_names: the parameters' names in ``params`` order, for messages (optional).
+        shard: the sharded optimizer step (``shard_optimizer``, :mod:`.shard_step`): the op list becomes
+            :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule``; in a round armed by a deferred step
+            (``shard.armed``) each uncompressed bucket's shard is stepped by its rank and its parameters gathered.
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
-            ``wire16`` buckets while ``wire_dtype`` is ``"fp32"`` (the message names the choices).
+            ``wire16`` buckets while ``wire_dtype`` is ``"fp32"`` (the message names the choices), or both
+            ``shard`` and ``bucket_view``.
     """
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
                  transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False,
-                 param_names: Optional[Sequence[str]] = None) -> None:
+                 param_names: Optional[Sequence[str]] = None, shard: bool = False) -> None:
         schedule.validate(len(params), [p.numel() for p in params])
+        if shard and bucket_view:
+            raise ValueError("shard_optimizer=True and gradient_as_bucket_view=True exclude each other: after a "
+                             "sharded step the bucket holds parameters, not gradients; choose one")
+        if shard:  # (every gradient op before the first all-gather of parameters: see sharded_ops)
+            schedule = sharded_ops(schedule, compressed=transport_factory is not None)
         if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
             raise ValueError(f"schedule {schedule.name!r} sends {schedule.num_wire16} bucket(s) in the 16-bit wire "
                              f"format but wire_dtype={wire_dtype!r}; valid: {', '.join(map(repr, C.WIRE_DTYPES))}")
@@ -118,6 +129,14 @@ class CommEngine:
         self.peers: Optional[Callable[[float], str]] = None
         #: the communication worker (its op timings: ``timeline_enabled``, ``take_timings()``, ``last_round_busy_s``)
         self.worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
+        #: the sharded optimizer step (``shard``; :class:`~.shard_step.ShardedStep`), or None
+        self.shard: Optional[ShardedStep] = None
+        if shard:
+            kinds = {op.bucket: op.kind for op in schedule.ops if op.kind is not OpKind.ALL_GATHER}
+            sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER
+                       and not (self.transport is not None and schedule.is_compressed(b))]
+            self.shard = ShardedStep(self.buckets, sharded, comm, self._params)
+            self.worker.shard, self.worker.param_transport = self.shard, DenseTransport(comm)
 
     # ------------------------------------------------------------------ trainer side
     @property
@@ -154,6 +173,8 @@ class CommEngine:
         self._got = [False] * len(self._got)
         self.iteration += 1
         self.collecting = True
+        if self.shard is not None:
+            self.shard.begin_round()
         self.worker.start(self.iteration if label is None else label)
 
     def grad_ready(self, param_index: int, grad: torch.Tensor) -> None:
@@ -309,6 +330,34 @@ class CommEngine:
         self.syncs[b].write()
         return bucket
 
+    def wait_prepared(self) -> "ShardRound":
+        """Sharded round: block until the worker's preparation ran (used flags, clip factor, non-finite verdict
+        known); return the round.
+
+        Raises:
+            EngineError: on timeout (naming the operation) or if the worker failed.
+        """
+        r = self.shard.round if self.shard is not None else None
+        if r is None:
+            raise EngineError(f"pipedap: no sharded round to wait for{self._where()}")
+        deadline = time.monotonic() + self.wait_timeout_s
+        while not r.prepared.wait(0.1):
+            self._check()
+            if time.monotonic() > deadline:
+                raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the sharded step's "
+                                  f"preparation (one all-reduce of used flags, norms and NaN counts){self._where()}")
+        return r
+
+    def gather_grads(self, b: int) -> float:
+        """Sharded bucket ``b`` has landed and ``.grad`` is read: all-gather its averaged gradients back into the
+        buffer (a collective on the engine's group, after the round's ops). Returns the seconds it took.
+
+        Raises:
+            EngineError: the round does not finish within the timeout, or the worker failed.
+        """
+        self.wait_idle()
+        return self.shard.gather_grads(b, self.syncs[b])
+
     def wait_idle(self) -> None:
         """Block until the worker finished the current round."""
         if not self.worker.wait_idle(self.wait_timeout_s):
@@ -343,5 +392,7 @@ class CommEngine:
         return f" ({'; '.join(p for p in parts if p)})"
 
     def _mark_ready(self, b: int) -> None:
+        if self.shard is not None:
+            self.shard.mark_ready(b)
         self._transports[b].ready(self.buckets[b])
         self.syncs[b].mark_ready()

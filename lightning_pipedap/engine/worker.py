@@ -56,6 +56,10 @@ class OpWorker:
         self.error: Optional[BaseException] = None
         self.closed = False
         self._timings: list[OpTiming] = []
+        #: the engine's sharded step (``shard_optimizer``; :class:`~.shard_step.ShardedStep`), or None
+        self.shard: Any = None
+        #: how a sharded bucket's parameters are all-gathered (their own dtype, never the 16-bit wire)
+        self.param_transport: Optional[Transport] = None
         self._idle = threading.Event()
         self._idle.set()
         self._jobs: "queue.Queue[object]" = queue.Queue()
@@ -112,9 +116,15 @@ class OpWorker:
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for op in self.schedule.ops:
                 sync = self.syncs[op.bucket]
+                transport, params = self.transports[op.bucket], False
                 if op.kind is OpKind.ALL_GATHER:
                     if sync.gathered:  # (a compressed bucket: its reduction did everything; it may have landed since)
                         continue
+                    shard = self.shard
+                    if shard is not None and shard.round is not None and op.bucket in shard.slices:
+                        if not self._shard_step(op):
+                            return
+                        transport, params = self.param_transport, True
                     sync.start_param_sync()
                 else:
                     if not sync.wait_ready(self.wait_timeout_s, stream):
@@ -125,7 +135,7 @@ class OpWorker:
                     sync.start_grad_sync()
                 record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
                 t0 = time.perf_counter()
-                done = self.transports[op.bucket].run(op.kind, sync.flat)
+                done = transport.run(op.kind, sync.flat)
                 t1 = time.perf_counter()
                 busy += t1 - t0
                 if done is None:
@@ -133,7 +143,27 @@ class OpWorker:
                 if record:
                     self._timings.append(OpTiming(op if done is op.kind else Op(done, op.bucket), t0, t1, label))
                 if done is OpKind.ALL_GATHER:
-                    sync.finish_param_sync(stream)
+                    sync.finish_param_sync(stream, params)
                 else:
                     sync.finish_grad_sync(done, stream)
         self.last_round_busy_s = busy
+
+    def _shard_step(self, op: Op) -> bool:
+        """Before a sharded bucket's all-gather: wait until the round's optimizer step was recorded, prepare the
+        round once (one all-reduce: used flags, clip factor, non-finite verdict), then step this rank's slices
+        (REDUCED -> STEPPED). Returns False when the engine closed meanwhile.
+
+        Raises:
+            EngineError: the optimizer step was not recorded within the timeout.
+        """
+        shard, sync = self.shard, self.syncs[op.bucket]
+        if not shard.round.prepared.is_set():
+            if not shard.wait_go(self.wait_timeout_s, lambda: self.closed):
+                if self.closed:
+                    return False
+                raise EngineError(f"timed out after {self.wait_timeout_s} s waiting for the optimizer step to be "
+                                  f"recorded before the sharded step of bucket {op.bucket} ({op}; shard_optimizer)")
+            shard.prepare()
+        if shard.step_bucket(op.bucket):
+            sync.step()
+        return True

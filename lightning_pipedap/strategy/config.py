@@ -156,6 +156,16 @@ class ScheduleOptions:
     (:func:`~lightning_pipedap.engine.engine.view_refusal`: a compressed or 16-bit wire bucket, a non-contiguous
     parameter). Values in ``.grad`` are the same either way."""
 
+    shard_optimizer: bool = False
+    """``False`` (default): every rank all-gathers the averaged gradients and runs the whole optimizer step, as
+    DDP. ``True`` (ZeRO stage 2, as Megatron-Core's distributed optimizer and FSDP2 without resharding): each rank
+    steps only the shard of each bucket its reduce-scatter left it, holding optimizer state for that shard only
+    (Adam: 1/N of its two moment tensors), and the updated *parameters* are all-gathered before their first use in
+    the next forward; same bytes on the wire. Deferred steps only (``defer_update`` not False), element-wise
+    optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD); a compressed
+    bucket is stepped unsharded. ``optimizer.state`` is empty while sharded: checkpoints and
+    ``trainer.strategy.optimizer_state`` gather the full state. Not with ``gradient_as_bucket_view``."""
+
     train_thread_nice: int = 0
     """CPU training on Linux: nice-value increment (0..19) for the training thread once the communication threads
     exist, so the communication worker, gloo's I/O threads and the kernel's TCP work get the cores first when
@@ -173,6 +183,13 @@ class ScheduleOptions:
         _integer("warmup_steps", self.warmup_steps, 1)
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
         _boolean("gradient_as_bucket_view", self.gradient_as_bucket_view)
+        _boolean("shard_optimizer", self.shard_optimizer)
+        if self.shard_optimizer and self.gradient_as_bucket_view:
+            raise ValueError("shard_optimizer=True and gradient_as_bucket_view=True exclude each other (after a "
+                             "sharded step the bucket holds parameters, not gradients); set one of them to False")
+        if self.shard_optimizer and self.defer_update is False:
+            raise ValueError("shard_optimizer=True needs deferred steps (each rank steps its shard between the "
+                             "reduce-scatter and the all-gather); got defer_update=False: use 'auto' or True")
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ValueError(f"wire_dtype must be one of {', '.join(map(repr, WIRE_DTYPE_CHOICES))}, "
                              f"got {self.wire_dtype!r}")

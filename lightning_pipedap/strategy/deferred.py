@@ -43,11 +43,12 @@ from torch.optim import Optimizer
 
 from lightning_pipedap.compat import disable_torch_function
 from lightning_pipedap.engine.engine import CommEngine
+from lightning_pipedap.engine.shard_step import land_params
 from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, averaged_grads, clip_norm_coefficient,
                                              snapshot_hparams, write_back_grads)
 from lightning_pipedap.measure.timeline import OpRecord
 from lightning_pipedap.probe.consumers import transform_active
-from lightning_pipedap.strategy.numerics import NonFiniteCheck
+from lightning_pipedap.strategy.numerics import Finding, NonFiniteCheck, first_nonfinite
 
 #: where a bucket update was applied (``PipeDAPStrategy.update_counts``): in the next forward, at the
 #: start of backward (module not called), at a flush point, before an observing hook, by the guard
@@ -66,6 +67,8 @@ class Pending:
         clip_ready: whether ``coef`` was computed.
         step: the optimizer step it belongs to (Lightning's ``global_step`` then), for messages.
         decided: whether the non-finite check that must come before the first bucket has run.
+        sharded: the step's buckets are stepped sharded by the worker (``shard_optimizer``; the clip factor
+            and the non-finite verdict come from the worker's preparation).
     """
 
     hparams: list[dict[str, Any]]
@@ -74,6 +77,7 @@ class Pending:
     step: int = -1
     decided: bool = False
     clip_ready: bool = False
+    sharded: bool = False
 
     def clip_coefficient(self, engine: CommEngine, updater: Optional[BucketOptimizer]) -> None:
         """Clip-by-norm exactly as ``clip_grad_norm_`` computes it under DDP (:func:`clip_norm_coefficient`): wait
@@ -82,6 +86,10 @@ class Pending:
         collective. The cost: the first bucket of a clipped step lands only after the last all-gather (the
         all-gathers overlap the gap between steps, no longer the next forward)."""
         if self.clip is None or self.clip.algorithm != "norm" or self.clip_ready:
+            return
+        if self.sharded:  # (the worker computed it from the shards' sums of squares: ShardedStep.prepare)
+            self.coef = engine.wait_prepared().coef
+            self.clip_ready = True
             return
         assert updater is not None
         with disable_torch_function(), torch.no_grad():
@@ -202,6 +210,11 @@ class DeferredUpdates:
             syncs = self.engine.syncs
             self.updater = BucketOptimizer(optimizer, self.engine.buckets, lambda b: syncs[b].landed)
         self.pending = Pending(snapshot_hparams(optimizer), clip, step=step)
+        shard = self.engine.shard
+        if shard is not None and shard.round is not None:
+            check = self.nonfinite
+            shard.go(optimizer, self.pending.hparams, clip, check.mode if check is not None and check.active else None)
+            self.pending.sharded = True
 
     def remaining(self) -> list[int]:
         """The buckets of the pending step not applied yet (their state is before LANDED: :class:`BucketSync`)."""
@@ -216,10 +229,14 @@ class DeferredUpdates:
         engine = self.engine
         rounds_before = engine.iteration
         self.deferring = True
+        if engine.shard is not None:
+            engine.shard.armed = True  # (this step's round is stepped sharded by the worker)
         try:
             out = call(stand_in)
         finally:
             self.deferring = False
+            if engine.shard is not None:
+                engine.shard.armed = False
         if engine.collecting:  # backward did not run (e.g. training_step returned None)
             engine.finish_backward()
         if engine.iteration != rounds_before:  # this step's gradients are being reduced
@@ -363,17 +380,19 @@ class DeferredUpdates:
         pending.clip_coefficient(self.engine, self.updater)
         bucket = engine.wait_done(b)
         t1 = time.perf_counter()
-        if self.nonfinite is not None and self.nonfinite.mode == "warn":
+        sync = engine.syncs[b]
+        if self.nonfinite is not None and self.nonfinite.mode == "warn" and not sync.params_gathered:
             self.nonfinite.scan([bucket], pending.step)  # (logs the first finding of the fit; DDP's update)
         used = engine.used_flags(b)
         if self.track_use and not self.saw_partial_use:
             self.saw_partial_use = bucket.some_rank_unused(engine.comm.world_size)
-        self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
-        sync = engine.syncs[b]
+        if sync.params_gathered:  # (stepped sharded: the bucket holds the updated parameters)
+            land_params(bucket)
+        else:
+            self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
         sync.land()
         if write_grads:
-            write_back_grads(bucket, used)
-            sync.write()
+            self._write_grads(b)
         if self.timeline():
             it = pending.step if pending.step >= 0 else None
             self.records.append(OpRecord(f"wait{b}", "wait", b, t0, t1, "compute", it))
@@ -395,6 +414,19 @@ class DeferredUpdates:
         if pending.decided:
             return
         pending.decided = True
+        if pending.sharded and check is not None and check.active:
+            found = self._sharded_finding(pending)
+            if found is None or not check.decides_first:
+                if found is not None:
+                    check.report(found)  # (warn: logged once per fit; the update is applied as DDP's)
+                return
+            for b in range(self.engine.num_buckets):
+                self.engine.wait_done(b)
+            if check.mode == "raise":
+                raise check.error(found)
+            self._skip(pending)
+            check.skip(found)
+            return
         if check is None or not check.decides_first:
             return
         engine = self.engine
@@ -408,6 +440,19 @@ class DeferredUpdates:
         self._skip(pending)
         check.skip(found)
 
+    def _sharded_finding(self, pending: Pending) -> Optional[Finding]:
+        """The worker's non-finite verdict of a sharded step (identical on every rank), as a :class:`Finding`;
+        an unsharded (compressed) bucket of the step is scanned here as in an unsharded step."""
+        engine = self.engine
+        hit = engine.wait_prepared().finding
+        if hit is not None:
+            b, slot, nan, inf, numel = hit
+            return Finding(pending.step, b, self.name_of(engine.buckets[b].params[slot]), nan, inf, numel)
+        rest = [b for b in range(engine.num_buckets) if b not in engine.shard.slices]
+        for b in rest:
+            engine.wait_done(b)
+        return first_nonfinite([engine.buckets[b] for b in rest], self.name_of, pending.step) if rest else None
+
     def _skip(self, pending: Pending) -> None:
         """Drop the pending step: no bucket is stepped. ``.grad`` still shows the averaged (clipped)
         gradients when read, as DDP shows them after a skipped ``optimizer.step``."""
@@ -415,6 +460,9 @@ class DeferredUpdates:
         with torch.inference_mode(False), torch.no_grad(), disable_torch_function():
             for b in self.remaining():
                 bucket = self.engine.buckets[b]
+                if self.engine.syncs[b].params_gathered:  # (the worker clipped the kept shards; nothing stepped)
+                    self.engine.syncs[b].drop()
+                    continue
                 for slot, used in enumerate(self.engine.used_flags(b)):
                     if used and pending.clip is not None:
                         g = bucket.grad_view(slot)
@@ -426,9 +474,15 @@ class DeferredUpdates:
         self.pending = None
 
     def _write_grads(self, b: int) -> None:
+        engine = self.engine
+        if engine.syncs[b].params_gathered:  # (a sharded step: its averaged gradients exist as shards only)
+            seconds = engine.gather_grads(b)
+            self.say("shard-grad-gather", f"pipedap: shard_optimizer: .grad of bucket {b} was read after its sharded "
+                     f"step, so its averaged gradients were all-gathered ({engine.buckets[b].nbytes} bytes, "
+                     f"{seconds * 1e3:.1f} ms; said once): every such read costs one all-gather of the bucket")
         with torch.no_grad(), disable_torch_function():
-            write_back_grads(self.engine.buckets[b], self.engine.used_flags(b))
-        self.engine.syncs[b].write()
+            write_back_grads(engine.buckets[b], engine.used_flags(b))
+        engine.syncs[b].write()
 
     def write_unwritten(self) -> None:
         """Write every applied bucket's averaged gradients to ``.grad`` now (before the engine is replaced)."""

@@ -170,7 +170,8 @@ class EngineSlot:
         factory = self._compression_factory() if final and cfg.compression else None
         self.engine = engine = CommEngine(ctx.comm, params, schedule, cfg.wait_timeout_s, transport_factory=factory,
                                           wire_dtype=cfg.wire_dtype, bucket_view=cfg.gradient_as_bucket_view,
-                                          param_names=[self.tset.name_of(p) for p in params])
+                                          param_names=[self.tset.name_of(p) for p in params],
+                                          shard=cfg.shard_optimizer and final)
         for b, reason in sorted(engine.view_refusals.items()):
             names = ", ".join(self.tset.name_of(p) for p in engine.buckets[b].params[:3])
             ctx.say(f"view:{reason}", f"pipedap: gradient_as_bucket_view: bucket {b} ({names}, ...) keeps the copy "
@@ -231,6 +232,8 @@ class EngineSlot:
             self.engine.wait_idle()
             if self.deferred is not None:
                 self.deferred.write_unwritten()  # .grad shows the averaged gradients, as under DDP
+            if self.engine.shard is not None:
+                self.engine.shard.consolidate()  # (the optimizer's own state again, for the next engine or DDP)
             if self.carry is not None:
                 self.carry.keep(self.engine)
             self.engine.close()
@@ -241,6 +244,28 @@ class EngineSlot:
         if self.deferred is not None:
             self.deferred.apply_all("flush")
 
+    @property
+    def state_sharded(self) -> bool:
+        """Whether the optimizer state is held in shards by the engine (``shard_optimizer``) right now."""
+        shard = self.engine.shard if self.engine is not None else None
+        return shard is not None and shard.optimizer is not None and shard.optimizer.absorbed
+
+    def consolidate(self) -> None:
+        """The sharded optimizer state back into ``optimizer.state`` (a collective: every rank at the same point;
+        after the round's ops). No-op when the state is not sharded."""
+        if self.state_sharded:
+            self.engine.wait_idle()
+            self.engine.shard.consolidate()
+
+    def state_nbytes(self, optimizer: Any) -> int:
+        """Bytes of ``optimizer``'s state this rank holds: its own ``state`` plus the engine's shards."""
+        own = sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                  if torch.is_tensor(v))
+        shard = self.engine.shard if self.engine is not None else None
+        if shard is not None and shard.optimizer is not None and shard.optimizer.optimizer is optimizer:
+            own += shard.optimizer.state_nbytes()
+        return own
+
     def close(self, abort: bool) -> None:
         """At the end of the fit: leave DDP's reducer (local), remove the hooks and the ``train()`` wrappers, close
         the engine (``abort``: without waiting for its work)."""
@@ -248,6 +273,8 @@ class EngineSlot:
             self.handover.leave(rehook=False)  # (local: unwrapping communicates nothing)
         self.hooks.close()
         if self.engine is not None:
+            if not abort:
+                self.consolidate()  # (after the fit, optimizer.state is the full state, as under DDP)
             self.engine.close(abort=abort)
 
     def _compression_factory(self) -> Callable[[list], Any]:

@@ -56,7 +56,8 @@ from lightning_pipedap.strategy.lightning_backward import BackwardHooks
 from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.lightning_state import CheckpointHooks, FlushPoints
 from lightning_pipedap.strategy.results import RunResults
-from lightning_pipedap.strategy.refusals import group_timeout, refuse_kwargs, refuse_self_communicating, register_names
+from lightning_pipedap.strategy.refusals import (group_timeout, refuse_kwargs, refuse_self_communicating,
+                                                 refuse_unshardable, register_names)
 from lightning_pipedap.strategy.resume import ResumeState, install_plan
 
 
@@ -192,6 +193,9 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
             return
         refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
+        if self.config.shard_optimizer:
+            refuse_unshardable(self.optimizers, lm.automatic_optimization,
+                               getattr(self.precision_plugin, "scaler", None))
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")
@@ -301,6 +305,12 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.no_update_time()
+                if rt.slot.state_sharded:
+                    rt.slot.consolidate()  # (a sync step runs the whole optimizer: its full state, every rank)
+                if self.config.shard_optimizer and rt.controller.phase.deferrable and not rt.handed_over:
+                    rt.ctx.say("shard-sync", "pipedap: shard_optimizer: this step runs in sync mode, unsharded (a "
+                               "hook reads the gradients: defer_update='auto' keeps such steps in sync mode; "
+                               "defer_update=True defers and shards them)")
             skip = rt is not None and rt.nonfinite.decides_first
             with skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -55,8 +55,22 @@ class FlushPoints:
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The optimizer's state dict as DDP's: pending updates applied, and with ``shard_optimizer`` the state
+        gathered from every rank's shards first (a collective: every rank calls it, as Lightning's checkpointing
+        does; not after a failure, when :meth:`save_checkpoint` then writes nothing)."""
         self.flush()
+        rt = self._rt
+        if rt is not None and not self._aborted:
+            rt.slot.consolidate()
         return super().optimizer_state(optimizer)
+
+    def optimizer_state_nbytes(self, optimizer: Optimizer) -> int:
+        """Bytes of ``optimizer``'s state held by this rank (with ``shard_optimizer``: its shards, about 1/N)."""
+        rt = self._rt
+        if rt is not None:
+            return rt.slot.state_nbytes(optimizer)
+        return sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
+                   if isinstance(v, Tensor))
 
 
 class CheckpointHooks:
@@ -83,6 +97,10 @@ class CheckpointHooks:
             if self.updates_pending:  # the parameters miss the update of the last step, which its global_step counts
                 M.warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
                                "still being communicated, so the parameters would not match the step count")
+                return
+            if self._rt is not None and self._rt.slot.state_sharded:
+                M.warn(f"pipedap: not writing {filepath} after the failure: the optimizer state is sharded over the "
+                       "ranks (shard_optimizer) and gathering it needs every rank")
                 return
         elif self._rt is not None:
             add_to_checkpoint(self._rt, checkpoint)

@@ -157,6 +157,11 @@ class NonFiniteCheck:
         hit = reducer.first_nonfinite()
         return None if hit is None else self._found(Finding(self.step_of(), -1, *hit))
 
+    def report(self, found: Finding) -> None:
+        """A finding made elsewhere (a sharded step's verdict): logged as :meth:`scan` logs its first one."""
+        if self.active and not (self.mode == "warn" and self._warned):
+            self._found(found)
+
     def _found(self, found: Optional[Finding]) -> Optional[Finding]:
         """``found``; in ``"warn"`` mode the first finding of the fit is logged."""
         if found is not None and self.mode == "warn":

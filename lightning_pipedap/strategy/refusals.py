@@ -95,6 +95,32 @@ def refuse_self_communicating(optimizers: list) -> None:
                              "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
 
 
+def refuse_unshardable(optimizers: list, automatic: bool, scaler: Any) -> None:
+    """``shard_optimizer=True``: the fit must be one the sharded step can run (checked at set-up, once per rank).
+
+    Raises:
+        ValueError: manual optimization or several optimizers (their steps run in sync mode), the fp16 grad scaler
+            (it unscales and checks the whole gradient), or an optimizer that is not element-wise (named, with the
+            valid classes).
+    """
+    from lightning_pipedap.engine.shard_step import ELEMENTWISE_OPTIMIZERS  # noqa: PLC0415
+
+    if not automatic or len(optimizers) != 1:
+        raise ValueError(f"pipedap: shard_optimizer=True needs automatic optimization with one optimizer (got "
+                         f"{'manual optimization' if not automatic else f'{len(optimizers)} optimizers'}: their "
+                         "steps run in sync mode, unsharded); set shard_optimizer=False")
+    if scaler is not None:
+        raise ValueError("pipedap: shard_optimizer=True does not run under the fp16 grad scaler (precision='16-mixed' "
+                         "unscales and checks the whole gradient on every rank); use precision='bf16-mixed' or "
+                         "shard_optimizer=False")
+    for opt in optimizers:
+        if not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
+            valid = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+            raise ValueError(f"pipedap: shard_optimizer=True steps slices of parameters, which needs an element-wise "
+                             f"optimizer; got {type(opt).__name__}. Valid: {valid}. Whole-tensor optimizers (Muon, "
+                             "Adafactor, LAMB/LARS trust ratios) are not sharded: use shard_optimizer=False")
+
+
 def register_names(registry: Any, cls: type, description: str) -> None:
     """Register ``cls`` as ``"pipedap"`` (popen launcher) and ``"pipedap_spawn"`` (spawn launcher) in a
     Lightning or Fabric strategy registry, each described as ``description`` plus its start method; idempotent."""

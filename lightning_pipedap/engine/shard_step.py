@@ -1,0 +1,533 @@
+"""The sharded optimizer step (``shard_optimizer``): each rank steps the shard its reduce-scatter left it.
+
+ZeRO-style data parallelism (Rajbhandari et al., SC 2020, stages 1-2; Megatron-Core's distributed optimizer;
+FSDP2 with ``reshard_after_forward=False``) with pipedap's planned fusion and order. A sharded bucket's round::
+
+    backward: RS(b) ─▶ REDUCED (this rank's shard of the averaged gradients, elements [r·S, (r+1)·S))
+    after the optimizer step is recorded (hyper-parameters, clip request: ``go``), at the first AG of the round:
+        prepare: one all-reduce of [used flags | per-parameter sums of squares | per-slot NaN/inf counts]
+                 -> used flags, the clip-by-norm factor and the non-finite verdict, identical on every rank
+    at AG(b):  step this rank's slices of the bucket's parameters (optimizer state only for them) ─▶ STEPPED
+               write the updated parameter slices into the shard, all-gather (own dtype) ─▶ GATHERED
+    next forward, before the bucket's first consumer: copy the gathered parameters into the model ─▶ LANDED
+
+Only *element-wise* optimizers are sharded (:data:`ELEMENTWISE_OPTIMIZERS`: the update of an element depends on
+that element's gradient and state and on per-parameter scalars such as the step count), so stepping a slice of a
+parameter equals that slice of the full step. Optimizer state lives in :attr:`ShardedOptimizer.state`, keyed by
+each slice's tensor; :meth:`ShardedOptimizer.consolidate` gathers it back into the optimizer's own ``state`` (full
+tensors shaped like the parameters) for checkpoints, a step in sync mode or another engine, and
+:meth:`ShardedOptimizer.absorb` moves it back into the slices at the next sharded round.
+
+The rank's averaged (clipped) gradient shard is kept (:attr:`ShardedStep.keep`, ``S`` elements per bucket) so a
+later read of ``.grad`` can be served by an all-gather of the gradients (:meth:`ShardedStep.gather_grads`).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.engine.buckets import FlatBucket
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer", "ShardedStep", "land_params",
+           "shard_slices"]
+
+#: torch optimizers whose update of one element depends only on that element's gradient and state and on
+#: per-parameter scalars (step count, hyper-parameters): a slice of a parameter can be stepped on its own
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+
+@dataclass
+class ShardSlice:
+    """The part of one bucket slot that lies in this rank's shard.
+
+    Attributes:
+        bucket: bucket index.
+        slot: slot of the bucket.
+        param_index: the parameter's engine index.
+        param: the parameter.
+        lo, hi: element range ``[lo, hi)`` of the bucket buffer (inside this rank's shard).
+        p_lo, p_hi: the same elements as a range of the parameter flattened (row-major).
+        tensor: what the optimizer steps: a 1-D view of the parameter's storage (contiguous parameter) or a copy
+            refreshed from the parameter before each step (:attr:`master`).
+        master: whether :attr:`tensor` is a copy (a non-contiguous parameter).
+    """
+
+    bucket: int
+    slot: int
+    param_index: int
+    param: torch.Tensor
+    lo: int
+    hi: int
+    p_lo: int
+    p_hi: int
+    tensor: torch.Tensor
+    master: bool
+
+
+def shard_slices(bucket: FlatBucket, rank: int) -> list[ShardSlice]:
+    """The slots' element ranges inside ``rank``'s shard of ``bucket`` (``[rank·S, (rank+1)·S)``), slot order."""
+    start, end = bucket.own_data_range(rank)
+    out = []
+    for slot, p in enumerate(bucket.params):
+        off, (a, b) = bucket.offsets[slot], bucket.ranges[slot]
+        lo, hi = max(start, off), min(end, off + b - a)
+        if lo >= hi:
+            continue
+        p_lo, p_hi = a + lo - off, a + hi - off
+        master = not p.is_contiguous()
+        t = p.detach().reshape(-1)[p_lo:p_hi].clone() if master else p.detach().view(-1)[p_lo:p_hi]
+        out.append(ShardSlice(bucket.index, slot, bucket.param_indices[slot], p, lo, hi, p_lo, p_hi, t, master))
+    return out
+
+
+def land_params(bucket: FlatBucket) -> None:
+    """Copy the gathered parameters of ``bucket`` (its buffer holds parameters, not gradients) into the model
+    (call under ``torch.no_grad``): a whole parameter from its view, a piece into its element range."""
+    for slot, p in enumerate(bucket.params):
+        v = bucket.grad_view(slot)
+        if bucket.pieces[slot]:
+            start, stop = bucket.ranges[slot]
+            if p.is_contiguous():
+                p.view(-1)[start:stop].copy_(v)
+            else:
+                flat = p.reshape(-1).clone()
+                flat[start:stop].copy_(v)
+                p.copy_(flat.view(p.shape))
+        else:
+            p.copy_(v)
+
+
+class ShardRound:
+    """One sharded round: what the worker waits for and what its preparation decided.
+
+    Attributes:
+        go: set when the optimizer step was recorded (:meth:`ShardedStep.go`).
+        prepared: set when the preparation all-reduce has run (used flags, clip factor, verdict known).
+        hparams: the step's hyper-parameters per param group (``snapshot_hparams``).
+        clip: the step's :class:`~lightning_pipedap.engine.update.ClipRequest`, or None.
+        nonfinite: the non-finite check's mode when it is active (``"warn"``, ``"raise"``, ``"skip"``), or None.
+        coef: the clip-by-norm factor (0-dim tensor) or None.
+        finding: ``(bucket, slot, nan, inf, numel)`` of the first slot with non-finite averaged gradients, or None.
+        stepped: whether the shards were stepped (False: a non-finite step under ``raise``/``skip``).
+    """
+
+    def __init__(self) -> None:
+        self.go, self.prepared = threading.Event(), threading.Event()
+        self.hparams: Optional[list[dict[str, Any]]] = None
+        self.clip: Any = None
+        self.nonfinite: Optional[str] = None
+        self.coef: Optional[torch.Tensor] = None
+        self.finding: Optional[tuple[int, int, int, int, int]] = None
+        self.stepped = True
+        self.error: Optional[BaseException] = None
+
+
+class ShardedOptimizer:
+    """An element-wise optimizer's step on this rank's slices, with optimizer state only for them.
+
+    Args:
+        optimizer: the user's optimizer (one of :data:`ELEMENTWISE_OPTIMIZERS` or a declared element-wise class).
+        slices: per sharded bucket index, this rank's :class:`ShardSlice` list.
+        params: the engine's parameters (engine order).
+
+    Attributes:
+        state: slice tensor -> its optimizer state (tensors of the slice's length where the full state is shaped
+            like the parameter; scalars such as Adam's ``step`` as they are).
+        absorbed: whether the state is here (True) or in ``optimizer.state`` (False).
+    """
+
+    def __init__(self, optimizer: Optimizer, slices: dict[int, list[ShardSlice]], params: Sequence[torch.Tensor]):
+        self.optimizer = optimizer
+        self.slices = slices
+        self.params = list(params)
+        group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        #: per bucket: [(group index, [slices])] of the slices whose parameter is in a param group
+        self.by_group: dict[int, list[tuple[int, list[ShardSlice]]]] = {}
+        for b, sl in slices.items():
+            groups: dict[int, list[ShardSlice]] = {}
+            for s in sl:
+                gi = group_of.get(id(s.param))
+                if gi is not None:
+                    groups.setdefault(gi, []).append(s)
+            self.by_group[b] = sorted(groups.items())
+        #: engine indices of the parameters whose every element lives in a sharded bucket
+        self.sharded_params = sorted({s.param_index for sl in slices.values() for s in sl})
+        self.state: dict[torch.Tensor, dict[str, Any]] = collections.defaultdict(dict)
+        self.absorbed = False
+
+    def state_nbytes(self) -> int:
+        """Bytes of the sharded optimizer state this rank holds."""
+        return sum(v.numel() * v.element_size() for st in self.state.values() for v in st.values()
+                   if torch.is_tensor(v))
+
+    # ------------------------------------------------------------------ moving the state
+    def absorb(self, owned: Sequence[int]) -> None:
+        """Move the optimizer's own state of the sharded parameters (``owned``: their engine indices, every rank's)
+        into the slices: element-wise entries (shaped like the parameter) are sliced, others copied; then the
+        full entries are dropped from ``optimizer.state`` (this rank keeps 1/N). Local, no collective."""
+        if self.absorbed:
+            return
+        full = self.optimizer.state
+        for sl in self.slices.values():
+            for s in sl:
+                st = full.get(s.param)
+                if not st:
+                    continue
+                mine = self.state[s.tensor]
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.shape == s.param.shape:
+                        mine[k] = v.detach().reshape(-1)[s.p_lo:s.p_hi].clone()
+                    else:
+                        mine[k] = v.clone() if torch.is_tensor(v) else v
+        for i in owned:
+            full.pop(self.params[i], None)
+        self.absorbed = True
+
+    def consolidate(self, comm: C.CommGroup, buckets: Sequence[FlatBucket]) -> None:
+        """Gather the sliced state back into ``optimizer.state`` (full tensors shaped like the parameters), on every
+        rank: one ``all_gather_object`` of the entries' kinds and scalars, then one all-gather of the bucket's
+        layout per (bucket, entry, dtype). A collective: every rank calls it at the same point. No-op when the
+        state is not here."""
+        if not self.absorbed:
+            return
+        info: dict[int, dict[str, Any]] = {}
+        for sl in self.slices.values():
+            for s in sl:
+                st = self.state.get(s.tensor)
+                if not st:
+                    continue
+                mine = info.setdefault(s.param_index, {})
+                for k, v in st.items():
+                    if torch.is_tensor(v) and v.dim() == 1 and v.numel() == s.hi - s.lo:
+                        mine[k] = ("elem", str(v.dtype).replace("torch.", ""))
+                    elif s.p_lo == 0:  # (scalars from the rank holding the parameter's first element)
+                        mine[k] = ("value", v.cpu(), str(v.device)) if torch.is_tensor(v) else ("value", v, None)
+        merged: dict[int, dict[str, Any]] = {}
+        for part in C.all_gather_object(info):
+            for i, entries in part.items():
+                merged.setdefault(i, {}).update(entries)
+        full: dict[int, dict[str, torch.Tensor]] = {}
+        for bucket in buckets:
+            if bucket.index not in self.slices:
+                continue
+            keys = sorted({(k, kind[1]) for i in dict.fromkeys(bucket.param_indices) for k, kind in
+                           merged.get(i, {}).items() if kind[0] == "elem"})
+            mine = self.slices[bucket.index]
+            for k, dtype_name in keys:
+                dtype = getattr(torch, dtype_name)
+                buf = torch.zeros(bucket.buffer.numel(), dtype=dtype, device=bucket.buffer.device)
+                for s in mine:
+                    v = self.state.get(s.tensor, {}).get(k)
+                    if v is not None:
+                        buf[s.lo:s.hi].copy_(v.reshape(-1))
+                C.all_gather_(buf, comm)
+                for slot, i in enumerate(bucket.param_indices):
+                    if merged.get(i, {}).get(k, ("",))[0] != "elem":
+                        continue
+                    p = self.params[i]
+                    t = full.setdefault(i, {}).get(k)
+                    if t is None:
+                        t = full[i][k] = torch.zeros(p.numel(), dtype=dtype, device=p.device)
+                    a, b = bucket.ranges[slot]
+                    off = bucket.offsets[slot]
+                    t[a:b].copy_(buf[off:off + b - a])
+        for i, entries in merged.items():
+            p = self.params[i]
+            st: dict[str, Any] = {}
+            for k, kind in entries.items():
+                if kind[0] == "elem":
+                    st[k] = full[i][k].view(p.shape)
+                else:
+                    st[k] = kind[1].to(kind[2]) if torch.is_tensor(kind[1]) else kind[1]
+            self.optimizer.state[p] = st
+        self.state.clear()
+        self.absorbed = False
+
+    # ------------------------------------------------------------------ the step
+    def step(self, b: int, buffer: torch.Tensor, used: Sequence[bool], hparams: list[dict[str, Any]]) -> None:
+        """Step this rank's slices of bucket ``b`` (worker thread): a slice of a parameter some rank produced a
+        gradient for is stepped with the averaged (clipped) gradient in ``buffer[lo:hi]``; one no rank did is
+        stepped with its own ``.grad`` where that is not None (as DDP), and skipped otherwise. Runs the optimizer
+        class's ``step`` on a shallow view of ``optimizer`` whose ``param_groups`` hold the slices (hyper-parameters
+        ``hparams``) and whose ``state`` is :attr:`state`."""
+        per_group: list[dict[str, Any]] = []
+        stepped: list[ShardSlice] = []
+        for gi, sl in self.by_group.get(b, []):
+            plist = []
+            for s in sl:
+                if used[s.slot]:
+                    g = buffer[s.lo:s.hi]
+                elif s.param.grad is not None:
+                    g = s.param.grad.detach().reshape(-1)[s.p_lo:s.p_hi]
+                else:
+                    continue
+                s.tensor.grad = g
+                plist.append(s.tensor)
+                stepped.append(s)
+            if plist:
+                per_group.append(dict(hparams[gi], params=plist))
+        if not per_group:
+            return
+        view = object.__new__(type(self.optimizer))
+        view.__dict__.update(self.optimizer.__dict__)
+        view.param_groups = per_group
+        view.state = self.state
+        try:
+            with torch.no_grad():
+                type(self.optimizer).step(view)
+        finally:
+            for s in stepped:
+                s.tensor.grad = None
+
+
+class ShardedStep:
+    """The engine's side of ``shard_optimizer``: the slices, the kept gradient shards, the round's preparation and
+    the step of each bucket before its all-gather (module docstring).
+
+    Args:
+        buckets: the engine's buckets.
+        sharded: indices of the buckets stepped sharded (the uncompressed ones).
+        comm: the engine's group.
+        params: the engine's parameters (engine order).
+
+    Attributes:
+        round: the current :class:`ShardRound`, or None when this round gathers gradients (sync mode).
+        optimizer: the :class:`ShardedOptimizer`, from the first sharded step on.
+        grad_gathers: all-gathers of gradients run for ``.grad`` reads, and their seconds (``grad_gather_s``).
+    """
+
+    def __init__(self, buckets: Sequence[FlatBucket], sharded: Sequence[int], comm: C.CommGroup,
+                 params: Sequence[torch.Tensor]) -> None:
+        self.buckets, self.comm, self.params = list(buckets), comm, list(params)
+        self.sharded = sorted(sharded)
+        self.slices = {b: shard_slices(self.buckets[b], comm.rank) for b in self.sharded}
+        self.keep = {b: torch.empty(max(0, hi - lo), dtype=self.buckets[b].buffer.dtype,
+                                    device=self.buckets[b].buffer.device)
+                     for b in self.sharded for lo, hi in [self.buckets[b].own_data_range(comm.rank)]}
+        self.local_flags = {b: torch.zeros_like(self.buckets[b].flags) for b in self.sharded}
+        self.reduced_flags = {b: torch.zeros_like(self.buckets[b].flags) for b in self.sharded}
+        self.used: dict[int, list[bool]] = {}
+        self.round: Optional[ShardRound] = None
+        self.optimizer: Optional[ShardedOptimizer] = None
+        self.armed = False
+        self.grad_gathers = 0
+        self.grad_gather_s = 0.0
+        #: engine indices of the parameters held by sharded buckets
+        self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
+
+    # ------------------------------------------------------------------ trainer side
+    def attach(self, optimizer: Optimizer) -> ShardedOptimizer:
+        """The optimizer the sharded steps run (built once; a different optimizer object is refused).
+
+        Raises:
+            RuntimeError: if another optimizer was attached before.
+        """
+        if self.optimizer is None:
+            self.optimizer = ShardedOptimizer(optimizer, self.slices, self.params)
+        elif self.optimizer.optimizer is not optimizer:
+            raise RuntimeError("pipedap: shard_optimizer steps one optimizer per engine; a second one was given")
+        return self.optimizer
+
+    def begin_round(self) -> None:
+        """A reduction round starts: sharded (:attr:`armed`, a deferred step) or gathering gradients."""
+        self.round = ShardRound() if self.armed else None
+
+    def mark_ready(self, b: int) -> None:
+        """Bucket ``b``'s gradients are complete: keep its local used flags (the reduce-scatter overwrites them)."""
+        if b in self.local_flags:
+            self.local_flags[b].copy_(self.buckets[b].flags)
+
+    def go(self, optimizer: Optimizer, hparams: list[dict[str, Any]], clip: Any, nonfinite: Optional[str]) -> None:
+        """The round's optimizer step was recorded: move the optimizer state into the slices and let the worker
+        step (main thread)."""
+        r = self.round
+        if r is None:
+            return
+        self.attach(optimizer).absorb(self.params_sharded)
+        r.hparams, r.clip, r.nonfinite = hparams, clip, nonfinite
+        r.go.set()
+
+    def consolidate(self) -> None:
+        """The optimizer state back into ``optimizer.state`` (a collective; worker idle)."""
+        if self.optimizer is not None:
+            self.optimizer.consolidate(self.comm, self.buckets)
+
+    def gather_grads(self, b: int, sync: Any) -> float:
+        """The averaged gradients of bucket ``b`` back into its buffer (its parameters have landed): this rank's
+        kept shard, then an all-gather (main thread, worker idle; a collective). Returns the seconds it took."""
+        t0 = time.perf_counter()
+        bucket = self.buckets[b]
+        lo, hi = bucket.own_data_range(self.comm.rank)
+        bucket.buffer[lo:hi].copy_(self.keep[b])
+        bucket.flags.copy_(self.reduced_flags[b])
+        C.all_gather_(bucket.buffer, self.comm)
+        bucket.flags.copy_(self.reduced_flags[b])
+        sync.params_gathered = False
+        dt = time.perf_counter() - t0
+        self.grad_gathers += 1
+        self.grad_gather_s += dt
+        return dt
+
+    # ------------------------------------------------------------------ worker side
+    def wait_go(self, timeout_s: float, closed: Callable[[], bool]) -> bool:
+        """Worker: wait until the step was recorded (False on timeout or when the engine closes)."""
+        r = self.round
+        deadline = time.monotonic() + timeout_s
+        while not r.go.wait(0.1):
+            if closed() or time.monotonic() > deadline:
+                return False
+        return True
+
+    def prepare(self, nonfinite_active: bool = True) -> None:
+        """Worker, once per sharded round after every reduce-scatter: one all-reduce (float64) of every sharded
+        bucket's local used flags, each parameter's sum of squares over this rank's slices (clip by norm) and each
+        slot's NaN/inf counts in this rank's shard (non-finite check); then the clip factor, the verdict, and the
+        clipped shards kept for ``.grad``."""
+        r = self.round
+        clip = r.clip
+        by_norm = clip is not None and clip.algorithm == "norm"
+        check = r.nonfinite is not None
+        parts: list[torch.Tensor] = [self.local_flags[b].to(torch.float64) for b in self.sharded]
+        index = {i: k for k, i in enumerate(self.params_sharded)}
+        if by_norm:
+            sq = torch.zeros(len(self.params_sharded), dtype=torch.float64)
+            for b in self.sharded:
+                buf = self.buckets[b].buffer
+                for s in self.slices[b]:
+                    sq[index[s.param_index]] += buf[s.lo:s.hi].to(torch.float64).square().sum()
+            parts.append(sq)
+        if check:
+            counts = []
+            for b in self.sharded:
+                bucket = self.buckets[b]
+                c = torch.zeros(2 * len(bucket.params), dtype=torch.float64)
+                lo, hi = bucket.own_data_range(self.comm.rank)
+                if hi > lo and not bool(bucket.buffer[lo:hi].isfinite().all()):
+                    for s in self.slices[b]:
+                        g = bucket.buffer[s.lo:s.hi]
+                        c[2 * s.slot] += int(g.isnan().sum())
+                        c[2 * s.slot + 1] += int(g.isinf().sum())
+                counts.append(c)
+            parts.extend(counts)
+        vec = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        if vec.numel():
+            C.all_reduce_(vec, self.comm)
+        pos = 0
+        for b in self.sharded:
+            k = len(self.buckets[b].params)
+            self.reduced_flags[b].copy_(vec[pos:pos + k])
+            self.used[b] = (vec[pos:pos + k] > 0.5).tolist()
+            pos += k
+        sums = None
+        if by_norm:
+            sums = vec[pos:pos + len(self.params_sharded)]
+            pos += len(self.params_sharded)
+        if check:
+            for b in self.sharded:
+                k = len(self.buckets[b].params)
+                c = vec[pos:pos + 2 * k]
+                pos += 2 * k
+                if r.finding is None and bool((c > 0).any()):
+                    slot = int((c.view(k, 2).sum(1) > 0).nonzero()[0, 0])
+                    bucket = self.buckets[b]
+                    a, z = bucket.ranges[slot]
+                    r.finding = (b, slot, int(c[2 * slot]), int(c[2 * slot + 1]), z - a)
+        if by_norm:
+            r.coef = self._clip_factor(sums, index, clip.value)
+        r.stepped = not (r.finding is not None and r.nonfinite in ("raise", "skip"))
+        self._clip_and_keep(clip, r.coef)
+        r.prepared.set()
+
+    def _clip_factor(self, sums: torch.Tensor, index: dict[int, int], max_norm: float) -> Optional[torch.Tensor]:
+        """``clip_grad_norm_``'s factor from the per-parameter norms in the optimizer's parameter order: a sharded
+        parameter some rank produced a gradient for: the square root of its all-reduced sum of squares; otherwise
+        the local ``.grad`` (skipped when None) or, in an unsharded (compressed) bucket, its averaged gradient."""
+        opt = self.optimizer.optimizer
+        engine_index = {id(p): i for i, p in enumerate(self.params)}
+        used_of: dict[int, bool] = {}
+        for b in self.sharded:
+            for slot, i in enumerate(self.buckets[b].param_indices):
+                used_of[i] = used_of.get(i, False) or self.used[b][slot]
+        full = self._unsharded_grads()
+        norms = []
+        for group in opt.param_groups:
+            for p in group["params"]:
+                i = engine_index.get(id(p))
+                if i is not None and i in index and used_of.get(i):
+                    norms.append(sums[index[i]].sqrt().to(p.dtype))
+                elif i is not None and i in full:
+                    norms.append(torch.linalg.vector_norm(full[i]))
+                elif p.grad is not None:
+                    norms.append(torch.linalg.vector_norm(p.grad.detach()))
+        if not norms:
+            return None
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+
+    def _unsharded_grads(self) -> dict[int, torch.Tensor]:
+        """Averaged gradients of the parameters in unsharded buckets some rank produced a gradient for (their
+        reduction finished before the round's first all-gather), engine index -> tensor shaped like it."""
+        out: dict[int, torch.Tensor] = {}
+        for bucket in self.buckets:
+            if bucket.index in self.slices:
+                continue
+            used = (bucket.flags > 0).tolist()
+            for slot, i in enumerate(bucket.param_indices):
+                if used[slot]:
+                    out[i] = bucket.grad_view(slot)
+        return out
+
+    def _clip_and_keep(self, clip: Any, coef: Optional[torch.Tensor]) -> None:
+        """Clip this rank's shards (and, for a parameter no rank produced a gradient for, its own ``.grad`` in
+        place, as ``clip_grad_norm_`` does) and keep each shard for later ``.grad`` reads."""
+        for b in self.sharded:
+            bucket = self.buckets[b]
+            lo, hi = bucket.own_data_range(self.comm.rank)
+            shard = bucket.buffer[lo:hi]
+            if clip is not None and clip.algorithm == "value":
+                shard.clamp_(-clip.value, clip.value)
+            elif clip is not None and coef is not None:
+                shard.mul_(coef)
+            self.keep[b].copy_(shard)
+        if clip is None:
+            return
+        done: set[int] = set()
+        for b in self.sharded:
+            for slot, i in enumerate(self.buckets[b].param_indices):
+                p = self.params[i]
+                if self.used[b][slot] or i in done or p.grad is None:
+                    continue
+                done.add(i)
+                with torch.no_grad():
+                    if clip.algorithm == "value":
+                        p.grad.clamp_(-clip.value, clip.value)
+                    elif coef is not None:
+                        p.grad.mul_(coef)
+
+    def step_bucket(self, b: int) -> bool:
+        """Worker, before AG(b): step this rank's slices (unless the round's verdict forbids it) and write the
+        parameter slices and the reduced used flags into the buffer, so the all-gather gathers parameters.
+        Returns whether the shard was stepped."""
+        r = self.round
+        bucket = self.buckets[b]
+        for s in self.slices[b]:
+            if s.master:  # (a non-contiguous parameter: its slice is a copy, refreshed here)
+                s.tensor.copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
+        if r.stepped and self.optimizer is not None:
+            self.optimizer.step(b, bucket.buffer, self.used[b], r.hparams)
+        for s in self.slices[b]:
+            bucket.buffer[s.lo:s.hi].copy_(s.tensor)
+        bucket.flags.copy_(self.reduced_flags[b])
+        return r.stepped
