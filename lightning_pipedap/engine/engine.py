@@ -27,7 +27,6 @@ split) nothing of this costs anything per step.
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -36,18 +35,19 @@ from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
 from lightning_pipedap.engine.buckets import FlatBucket, allocate_buckets, param_places
 from lightning_pipedap.engine.carry import GradientCarry
-from lightning_pipedap.engine.shard_step import ShardedStep, ShardRound
+from lightning_pipedap.engine.shard_step import ShardedStep
 from lightning_pipedap.engine.transport import DenseTransport, bucket_transports
 from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.engine.views import BucketViews, view_refusal
+from lightning_pipedap.engine.waits import EngineWaits
 from lightning_pipedap.engine.worker import EngineError, OpWorker
 from lightning_pipedap.measure.timeline import OpTiming
-from lightning_pipedap.schedule import OpKind, Schedule, sharded_ops
+from lightning_pipedap.schedule import Schedule, sharded_ops
 
 __all__ = ["BucketState", "CommEngine", "EngineError", "OpTiming", "view_refusal"]
 
 
-class CommEngine:
+class CommEngine(EngineWaits):
     """Executes a :class:`~lightning_pipedap.schedule.Schedule` on the dedicated process group.
 
     Args:
@@ -71,22 +71,18 @@ class CommEngine:
             where :func:`view_refusal` allows it; :attr:`view_refusals` says why not elsewhere.
         param_names: the parameters' names in ``params`` order, for messages (optional).
         shard: the sharded optimizer step (``shard_optimizer``, :mod:`.shard_step`): the op list becomes
-            :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule``; in a round armed by a deferred step
-            (``shard.armed``) each uncompressed bucket's shard is stepped by its rank and its parameters gathered.
+            :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule``.
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
             ``wire16`` buckets while ``wire_dtype`` is ``"fp32"`` (the message names the choices), or both
-            ``shard`` and ``bucket_view``.
+            ``shard`` and ``bucket_view`` (:meth:`ShardedStep.for_engine`).
     """
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
                  transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False,
                  param_names: Optional[Sequence[str]] = None, shard: bool = False) -> None:
         schedule.validate(len(params), [p.numel() for p in params])
-        if shard and bucket_view:
-            raise ValueError("shard_optimizer=True and gradient_as_bucket_view=True exclude each other: after a "
-                             "sharded step the bucket holds parameters, not gradients; choose one")
         if shard:  # (every gradient op before the first all-gather of parameters: see sharded_ops)
             schedule = sharded_ops(schedule, compressed=transport_factory is not None)
         if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
@@ -130,14 +126,7 @@ class CommEngine:
         #: the communication worker (its op timings: ``timeline_enabled``, ``take_timings()``, ``last_round_busy_s``)
         self.worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
         #: the sharded optimizer step (``shard``; :class:`~.shard_step.ShardedStep`), or None
-        self.shard: Optional[ShardedStep] = None
-        if shard:
-            kinds = {op.bucket: op.kind for op in schedule.ops if op.kind is not OpKind.ALL_GATHER}
-            sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER
-                       and not (self.transport is not None and schedule.is_compressed(b))]
-            self.shard = ShardedStep(self.buckets, sharded, comm, self._params)
-            self.worker.shard, self.worker.param_transport = self.shard, DenseTransport(comm)
-
+        self.shard = ShardedStep.for_engine(self, DenseTransport(comm), bucket_view) if shard else None
     # ------------------------------------------------------------------ trainer side
     @property
     def num_buckets(self) -> int:
@@ -284,22 +273,6 @@ class CommEngine:
                 self._mark_ready(b)
         self.collecting = False
 
-    def wait_done(self, b: int) -> FlatBucket:
-        """Block until bucket ``b`` is fully reduced (its AG or AR finished); return the bucket.
-
-        On CUDA this makes the current stream wait for the op instead of blocking the host.
-
-        Raises:
-            EngineError: on timeout (naming the op) or if the worker failed.
-        """
-        sync = self.syncs[b]
-        if not sync.wait_gathered(self.wait_timeout_s):
-            self._check()
-            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for all-gather/all-reduce "
-                              f"of bucket {b}{self._where()}")
-        self._check()
-        return self.buckets[b]
-
     def used_flags(self, b: int) -> list[bool]:
         """Per slot of bucket ``b``: whether its parameter got a gradient on *any* rank in this round (every
         piece of a split parameter alike).
@@ -330,42 +303,6 @@ class CommEngine:
         self.syncs[b].write()
         return bucket
 
-    def wait_prepared(self) -> "ShardRound":
-        """Sharded round: block until the worker's preparation ran (used flags, clip factor, non-finite verdict
-        known); return the round.
-
-        Raises:
-            EngineError: on timeout (naming the operation) or if the worker failed.
-        """
-        r = self.shard.round if self.shard is not None else None
-        if r is None:
-            raise EngineError(f"pipedap: no sharded round to wait for{self._where()}")
-        deadline = time.monotonic() + self.wait_timeout_s
-        while not r.prepared.wait(0.1):
-            self._check()
-            if time.monotonic() > deadline:
-                raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the sharded step's "
-                                  f"preparation (one all-reduce of used flags, norms and NaN counts){self._where()}")
-        return r
-
-    def gather_grads(self, b: int) -> float:
-        """Sharded bucket ``b`` has landed and ``.grad`` is read: all-gather its averaged gradients back into the
-        buffer (a collective on the engine's group, after the round's ops). Returns the seconds it took.
-
-        Raises:
-            EngineError: the round does not finish within the timeout, or the worker failed.
-        """
-        self.wait_idle()
-        return self.shard.gather_grads(b, self.syncs[b])
-
-    def wait_idle(self) -> None:
-        """Block until the worker finished the current round."""
-        if not self.worker.wait_idle(self.wait_timeout_s):
-            self._check()
-            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the end of the op list "
-                              f"({self.schedule.describe()[:200]}){self._where()}")
-        self._check()
-
     def close(self, abort: bool = False) -> None:
         """Stop the worker. With ``abort`` (after an exception) do not wait for a running op."""
         if self.worker.closed:
@@ -375,22 +312,6 @@ class CommEngine:
             self.transport.close()
 
     # ------------------------------------------------------------------ internals
-    def _check(self) -> None:
-        error = self.worker.error
-        if error is not None:
-            raise EngineError(f"pipedap: the communication worker failed: {error!r}{self._where()}") from error
-        if self.worker.closed:
-            raise EngineError("pipedap: the communication engine is closed")
-
-    def _where(self) -> str:
-        """`` (rank r, <context>; <peers>)`` for error messages: what this rank was doing and who did not answer."""
-        parts = [f"rank {self.comm.rank}"]
-        if self.context is not None:
-            parts.append(self.context())
-        if self.peers is not None:
-            parts.append(self.peers(3.0))
-        return f" ({'; '.join(p for p in parts if p)})"
-
     def _mark_ready(self, b: int) -> None:
         if self.shard is not None:
             self.shard.mark_ready(b)

@@ -35,6 +35,8 @@ from torch.optim import Optimizer
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.engine.worker import EngineError
+from lightning_pipedap.schedule import OpKind
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer", "ShardedStep", "land_params",
            "shard_slices"]
@@ -326,6 +328,45 @@ class ShardedStep:
         self.grad_gather_s = 0.0
         #: engine indices of the parameters held by sharded buckets
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
+
+    @classmethod
+    def for_engine(cls, engine: Any, param_transport: Any, bucket_view: bool = False) -> "ShardedStep":
+        """The sharded step of ``engine`` (a :class:`~.engine.CommEngine` built with ``shard``): its buckets whose
+        gradient op is a reduce-scatter of a dense bucket are sharded; its worker steps them before their
+        all-gather, which ``param_transport`` performs (the parameters' own dtype).
+
+        Raises:
+            ValueError: with ``bucket_view`` (``gradient_as_bucket_view``): after a sharded step the bucket holds
+                parameters, so ``.grad`` cannot be a view of it.
+        """
+        if bucket_view:
+            raise ValueError("shard_optimizer=True and gradient_as_bucket_view=True exclude each other: after a "
+                             "sharded step the bucket holds parameters, not gradients; choose one")
+        kinds = {op.bucket: op.kind for op in engine.schedule.ops if op.kind is not OpKind.ALL_GATHER}
+        compressed = engine.transport is not None
+        sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER
+                   and not (compressed and engine.schedule.is_compressed(b))]
+        step = cls(engine.buckets, sharded, engine.comm, engine.params)
+        engine.worker.shard, engine.worker.param_transport = step, param_transport
+        return step
+
+    def wait_prepared(self, timeout_s: float, check: Callable[[], None], where: Callable[[], str]) -> ShardRound:
+        """Main thread: block until the worker prepared the current round; return it.
+
+        Raises:
+            EngineError: the worker failed (raised by ``check``), or the timeout passed (naming the operation, the
+                rank and what it was doing: ``where()``).
+        """
+        r = self.round
+        if r is None:
+            raise EngineError(f"pipedap: no sharded round to wait for{where()}")
+        deadline = time.monotonic() + timeout_s
+        while not r.prepared.wait(0.1):
+            check()
+            if time.monotonic() > deadline:
+                raise EngineError(f"pipedap: timed out after {timeout_s} s waiting for the sharded step's preparation "
+                                   f"(one all-reduce of used flags, norms and NaN counts){where()}")
+        return r
 
     # ------------------------------------------------------------------ trainer side
     def attach(self, optimizer: Optimizer) -> ShardedOptimizer:

@@ -177,6 +177,7 @@ class DeferredUpdates:
                  say: Callable[[str, str], None], records: list[OpRecord], timeline: Callable[[], bool],
                  counts: dict[str, int], nonfinite: Optional[NonFiniteCheck] = None) -> None:
         self.nonfinite = nonfinite
+        self.verdict = StepVerdict(engine, nonfinite, name_of)
         self.engine = engine
         self.name_of, self.say, self.records, self.timeline, self.counts = name_of, say, records, timeline, counts
         self.pending: Optional[Pending] = None
@@ -403,55 +404,19 @@ class DeferredUpdates:
             self._forward_params.update(self.engine.buckets[b].param_indices)
 
     def _decide(self, pending: Pending) -> None:
-        """``nonfinite="raise"``/``"skip"``: before the first bucket of ``pending`` is applied, wait for every
-        bucket's all-gather and scan the averaged gradients (identical on every rank: every rank decides
-        alike, with no collective). A non-finite step raises, or is skipped as a whole.
+        """``nonfinite``: before the first bucket of ``pending`` is applied, the step's verdict
+        (:meth:`StepVerdict.decide`); a non-finite step under ``"skip"`` is dropped as a whole.
 
         Raises:
             NonFiniteGradientError: ``"raise"``, naming the step, the bucket and the first parameter.
         """
-        check = self.nonfinite
         if pending.decided:
             return
         pending.decided = True
-        if pending.sharded and check is not None and check.active:
-            found = self._sharded_finding(pending)
-            if found is None or not check.decides_first:
-                if found is not None:
-                    check.report(found)  # (warn: logged once per fit; the update is applied as DDP's)
-                return
-            for b in range(self.engine.num_buckets):
-                self.engine.wait_done(b)
-            if check.mode == "raise":
-                raise check.error(found)
+        found = self.verdict.decide(pending)
+        if found is not None:
             self._skip(pending)
-            check.skip(found)
-            return
-        if check is None or not check.decides_first:
-            return
-        engine = self.engine
-        for b in range(engine.num_buckets):
-            engine.wait_done(b)
-        found = check.scan(engine.buckets, pending.step)
-        if found is None:
-            return
-        if check.mode == "raise":
-            raise check.error(found)
-        self._skip(pending)
-        check.skip(found)
-
-    def _sharded_finding(self, pending: Pending) -> Optional[Finding]:
-        """The worker's non-finite verdict of a sharded step (identical on every rank), as a :class:`Finding`;
-        an unsharded (compressed) bucket of the step is scanned here as in an unsharded step."""
-        engine = self.engine
-        hit = engine.wait_prepared().finding
-        if hit is not None:
-            b, slot, nan, inf, numel = hit
-            return Finding(pending.step, b, self.name_of(engine.buckets[b].params[slot]), nan, inf, numel)
-        rest = [b for b in range(engine.num_buckets) if b not in engine.shard.slices]
-        for b in rest:
-            engine.wait_done(b)
-        return first_nonfinite([engine.buckets[b] for b in rest], self.name_of, pending.step) if rest else None
+            self.nonfinite.skip(found)
 
     def _skip(self, pending: Pending) -> None:
         """Drop the pending step: no bucket is stepped. ``.grad`` still shows the averaged (clipped)
@@ -477,9 +442,8 @@ class DeferredUpdates:
         engine = self.engine
         if engine.syncs[b].params_gathered:  # (a sharded step: its averaged gradients exist as shards only)
             seconds = engine.gather_grads(b)
-            self.say("shard-grad-gather", f"pipedap: shard_optimizer: .grad of bucket {b} was read after its sharded "
-                     f"step, so its averaged gradients were all-gathered ({engine.buckets[b].nbytes} bytes, "
-                     f"{seconds * 1e3:.1f} ms; said once): every such read costs one all-gather of the bucket")
+            self.say("shard-grad-gather", f"pipedap: shard_optimizer: a .grad read all-gathers the averaged gradients "
+                     f"(bucket {b}: {engine.buckets[b].nbytes} bytes, {seconds * 1e3:.1f} ms; said once)")
         with torch.no_grad(), disable_torch_function():
             write_back_grads(engine.buckets[b], engine.used_flags(b))
         engine.syncs[b].write()
@@ -495,6 +459,57 @@ class DeferredUpdates:
         overwritten), or Lightning set ``.grad`` to None (``on_validation_model_zero_grad``)."""
         for s in self.engine.syncs:
             s.retire()
+
+
+class StepVerdict:
+    """Whether a deferred step's averaged gradients are finite, decided before its first bucket lands
+    (``nonfinite="raise"``/``"skip"``), and its first finding logged (``"warn"``).
+
+    Args:
+        engine: the installed engine.
+        check: the fit's non-finite check (None: no check).
+        name_of: ``parameter -> name`` for messages.
+    """
+
+    def __init__(self, engine: CommEngine, check: Optional[NonFiniteCheck], name_of: Callable[[Tensor], str]) -> None:
+        self.engine, self.check, self.name_of = engine, check, name_of
+
+    def decide(self, pending: Pending) -> Optional[Finding]:
+        """The finding that makes ``pending`` skipped (``"skip"``), or None: apply it. An unsharded step waits for
+        every bucket's all-gather and scans the averaged gradients (identical on every rank: every rank decides
+        alike, with no collective); a sharded one takes the worker's verdict (:func:`sharded_finding`).
+
+        Raises:
+            NonFiniteGradientError: ``"raise"`` and a non-finite step.
+        """
+        check, engine = self.check, self.engine
+        found = None
+        if pending.sharded and check is not None and check.active:
+            found = sharded_finding(engine, self.name_of, pending.step)
+            if found is not None and not check.decides_first:
+                check.report(found)  # (warn: logged once per fit; the update is applied as DDP's)
+        if check is None or not check.decides_first or (pending.sharded and found is None):
+            return None
+        for b in range(engine.num_buckets):
+            engine.wait_done(b)
+        if not pending.sharded:
+            found = check.scan(engine.buckets, pending.step)
+        if found is not None and check.mode == "raise":
+            raise check.error(found)
+        return found
+
+
+def sharded_finding(engine: CommEngine, name_of: Callable[[Tensor], str], step: int) -> Optional[Finding]:
+    """The non-finite verdict of a sharded step (the worker's preparation: identical on every rank) as a
+    :class:`Finding`; the step's unsharded (compressed) buckets are scanned as in an unsharded step."""
+    hit = engine.wait_prepared().finding
+    if hit is not None:
+        b, slot, nan, inf, numel = hit
+        return Finding(step, b, name_of(engine.buckets[b].params[slot]), nan, inf, numel)
+    rest = [b for b in range(engine.num_buckets) if b not in engine.shard.slices]
+    for b in rest:
+        engine.wait_done(b)
+    return first_nonfinite([engine.buckets[b] for b in rest], name_of, step) if rest else None
 
 
 def intercept_clipping(plugin: Any) -> Callable[..., Any]:

@@ -1,0 +1,76 @@
+"""Every wait of the trainer on the communication engine: each has a timeout and, when it fails, names the
+operation, the rank, what the run-time was doing and which peers do not answer (:class:`EngineWaits`, a mixin
+of :class:`~lightning_pipedap.engine.engine.CommEngine`)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.engine.shard_step import ShardRound
+from lightning_pipedap.engine.worker import EngineError
+
+
+class EngineWaits:
+    """The engine's waits (mixed into :class:`~lightning_pipedap.engine.engine.CommEngine`, which provides the
+    attributes below)."""
+
+    syncs: list
+    buckets: list[FlatBucket]
+    wait_timeout_s: float
+    worker: Any
+    schedule: Any
+    comm: Any
+    shard: Any
+    context: Optional[Callable[[], str]]
+    peers: Optional[Callable[[float], str]]
+
+    def wait_done(self, b: int) -> FlatBucket:
+        """Block until bucket ``b`` is fully reduced (its AG or AR finished); return the bucket.
+
+        On CUDA this makes the current stream wait for the op instead of blocking the host.
+
+        Raises:
+            EngineError: on timeout (naming the op) or if the worker failed.
+        """
+        sync = self.syncs[b]
+        if not sync.wait_gathered(self.wait_timeout_s):
+            self._check()
+            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for all-gather/all-reduce "
+                              f"of bucket {b}{self._where()}")
+        self._check()
+        return self.buckets[b]
+
+    def wait_prepared(self) -> "ShardRound":
+        """Sharded round: block until the worker's preparation ran (:meth:`ShardedStep.wait_prepared`)."""
+        return self.shard.wait_prepared(self.wait_timeout_s, self._check, self._where)
+
+    def gather_grads(self, b: int) -> float:
+        """Sharded bucket ``b`` landed and ``.grad`` is read: all-gather its gradients (after the round's ops;
+        :meth:`ShardedStep.gather_grads`). Returns the seconds it took. Raises: EngineError (as :meth:`wait_idle`)."""
+        self.wait_idle()
+        return self.shard.gather_grads(b, self.syncs[b])
+
+    def wait_idle(self) -> None:
+        """Block until the worker finished the current round."""
+        if not self.worker.wait_idle(self.wait_timeout_s):
+            self._check()
+            raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the end of the op list "
+                              f"({self.schedule.describe()[:200]}){self._where()}")
+        self._check()
+
+    def _check(self) -> None:
+        error = self.worker.error
+        if error is not None:
+            raise EngineError(f"pipedap: the communication worker failed: {error!r}{self._where()}") from error
+        if self.worker.closed:
+            raise EngineError("pipedap: the communication engine is closed")
+
+    def _where(self) -> str:
+        """`` (rank r, <context>; <peers>)`` for error messages: what this rank was doing and who did not answer."""
+        parts = [f"rank {self.comm.rank}"]
+        if self.context is not None:
+            parts.append(self.context())
+        if self.peers is not None:
+            parts.append(self.peers(3.0))
+        return f" ({'; '.join(p for p in parts if p)})"
