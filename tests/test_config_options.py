@@ -17,7 +17,8 @@ from lightning_pipedap.strategy.config import (OPTION_GROUP, PipeDAPConfig, Sche
 from lightning_pipedap.strategy.fabric import _TRAINER_ONLY
 
 #: a value other than the default for each option (None: the option takes no cheap non-default value here)
-CHANGED = {"schedule": "dear", "bucket_cap_mb": 4.0, "defer_update": False, "warmup_steps": 2, "ring_chunk_mb": 1.0,
+CHANGED = {"schedule": "dear", "bucket_cap_mb": 4.0, "defer_update": True, "shard_optimizer": True, "warmup_steps": 2,
+           "ring_chunk_mb": 1.0,
            "deferrable_optimizers": (), "wire_dtype": "bf16", "gradient_as_bucket_view": True, "train_thread_nice": 3,
            "profile_steps": 2, "cost_model": None, "cost_model_cache": False, "calibrate_cost_model": False,
            "model_contention": False, "partition_mb": 4.0, "plan_cache": False, "replan_margin": 0.3,
@@ -131,6 +132,7 @@ def test_unknown_keywords_are_refused_naming_every_valid_option():
 
 def test_fabric_takes_its_options_by_keyword_or_config():
     fabric_options = {k: v for k, v in CHANGED.items() if k not in _TRAINER_ONLY}
+    fabric_options["defer_update"] = False  # (Fabric's only value other than the default)
     assert PipeDAPFabricStrategy(**fabric_options).config == PipeDAPConfig(**fabric_options)
     s = PipeDAPFabricStrategy(config=PipeDAPConfig(schedule="dear", trial_steps=5), bucket_cap_mb=2)
     assert (s.config.schedule, s.config.trial_steps, s.config.bucket_cap_mb) == ("dear", 5, 2.0)

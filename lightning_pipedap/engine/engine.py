@@ -75,8 +75,7 @@ class CommEngine(EngineWaits):
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
-            ``wire16`` buckets while ``wire_dtype`` is ``"fp32"`` (the message names the choices), or both
-            ``shard`` and ``bucket_view`` (:meth:`ShardedStep.for_engine`).
+            ``wire16`` buckets while ``wire_dtype`` is ``"fp32"`` (the message names the choices).
     """
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
@@ -101,7 +100,7 @@ class CommEngine(EngineWaits):
                                                              C.WIRE_DTYPES.get(wire_dtype))
         self._views = BucketViews(self.buckets if bucket_view else [], lambda b: view_refusal(
             b, compressed=self.transport is not None and schedule.is_compressed(b.index),
-            wire16=schedule.is_wire16(b.index), buckets_of=self.split, names=param_names))
+            wire16=schedule.is_wire16(b.index), buckets_of=self.split, names=param_names, sharded=shard))
         #: bucket index -> why it keeps the copy path under ``bucket_view`` (:func:`view_refusal`)
         self.view_refusals = self._views.refusals
         #: gradients copied into a bucket by :meth:`grad_ready` or :meth:`attach_views` (on the view path only
@@ -126,7 +125,7 @@ class CommEngine(EngineWaits):
         #: the communication worker (its op timings: ``timeline_enabled``, ``take_timings()``, ``last_round_busy_s``)
         self.worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
         #: the sharded optimizer step (``shard``; :class:`~.shard_step.ShardedStep`), or None
-        self.shard = ShardedStep.for_engine(self, DenseTransport(comm), bucket_view) if shard else None
+        self.shard = ShardedStep.for_engine(self, DenseTransport(comm)) if shard else None
     # ------------------------------------------------------------------ trainer side
     @property
     def num_buckets(self) -> int:

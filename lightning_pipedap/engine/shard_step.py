@@ -330,18 +330,10 @@ class ShardedStep:
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
 
     @classmethod
-    def for_engine(cls, engine: Any, param_transport: Any, bucket_view: bool = False) -> "ShardedStep":
+    def for_engine(cls, engine: Any, param_transport: Any) -> "ShardedStep":
         """The sharded step of ``engine`` (a :class:`~.engine.CommEngine` built with ``shard``): its buckets whose
         gradient op is a reduce-scatter of a dense bucket are sharded; its worker steps them before their
-        all-gather, which ``param_transport`` performs (the parameters' own dtype).
-
-        Raises:
-            ValueError: with ``bucket_view`` (``gradient_as_bucket_view``): after a sharded step the bucket holds
-                parameters, so ``.grad`` cannot be a view of it.
-        """
-        if bucket_view:
-            raise ValueError("shard_optimizer=True and gradient_as_bucket_view=True exclude each other: after a "
-                             "sharded step the bucket holds parameters, not gradients; choose one")
+        all-gather, which ``param_transport`` performs (the parameters' own dtype)."""
         kinds = {op.bucket: op.kind for op in engine.schedule.ops if op.kind is not OpKind.ALL_GATHER}
         compressed = engine.transport is not None
         sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER

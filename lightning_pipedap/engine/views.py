@@ -19,13 +19,14 @@ __all__ = ["BucketViews", "view_refusal"]
 
 def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = False,
                  buckets_of: Optional[dict[int, Sequence[int]]] = None,
-                 names: Optional[Sequence[str]] = None) -> Optional[str]:
+                 names: Optional[Sequence[str]] = None, sharded: bool = False) -> Optional[str]:
     """Why ``bucket`` cannot hold its parameters' ``.grad`` as views of its buffer, or None when it can.
 
     ``gradient_as_bucket_view`` makes each parameter's ``.grad`` a view into the bucket, so the bucket's
     contents must be the gradient itself at every point user code can see it. That fails when
 
     - the bucket is ``compressed``: the compressor reads the bucket and writes its own reconstruction;
+    - it is stepped sharded (``sharded``, ``shard_optimizer``): after its step it holds parameters;
     - it travels in the 16-bit wire format (``wire16``): the owner rounds its reduced shard in place;
     - it holds a piece of a split parameter (tensor partitioning): that parameter's ``.grad`` spans
       several buckets, so it cannot be one view of one buffer;
@@ -37,6 +38,7 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
     Args:
         bucket: the bucket (its parameters are read, not changed).
         compressed: whether the schedule compresses this bucket.
+        sharded: whether the bucket is stepped sharded (``shard_optimizer``).
         wire16: whether the schedule sends this bucket in the 16-bit wire format.
         buckets_of: split parameter index -> the buckets holding its pieces (for the message; optional).
         names: the parameters' names by engine index (for the message; optional: ``"parameter <index>"``).
@@ -49,6 +51,8 @@ def view_refusal(bucket: FlatBucket, compressed: bool = False, wire16: bool = Fa
 
     if compressed:
         return "it is compressed (the compressor rewrites the bucket)"
+    if sharded:
+        return "it is stepped sharded (shard_optimizer: after the step the bucket holds the gathered parameters)"
     if wire16:
         return "it travels in the 16-bit wire format (its reduced shard is rounded in the buffer)"
     for slot, p in enumerate(bucket.params):

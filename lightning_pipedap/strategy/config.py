@@ -164,7 +164,8 @@ class ScheduleOptions:
     the next forward; same bytes on the wire. Deferred steps only (``defer_update`` not False), element-wise
     optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD); a compressed
     bucket is stepped unsharded. ``optimizer.state`` is empty while sharded: checkpoints and
-    ``trainer.strategy.optimizer_state`` gather the full state. Not with ``gradient_as_bucket_view``."""
+    ``trainer.strategy.optimizer_state`` gather the full state. With ``gradient_as_bucket_view`` a sharded bucket
+    keeps the copy path (after its step it holds parameters), logged once. Trainer only (Fabric runs sync mode)."""
 
     train_thread_nice: int = 0
     """CPU training on Linux: nice-value increment (0..19) for the training thread once the communication threads
@@ -184,9 +185,6 @@ class ScheduleOptions:
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
         _boolean("gradient_as_bucket_view", self.gradient_as_bucket_view)
         _boolean("shard_optimizer", self.shard_optimizer)
-        if self.shard_optimizer and self.gradient_as_bucket_view:
-            raise ValueError("shard_optimizer=True and gradient_as_bucket_view=True exclude each other (after a "
-                             "sharded step the bucket holds parameters, not gradients); set one of them to False")
         if self.shard_optimizer and self.defer_update is False:
             raise ValueError("shard_optimizer=True needs deferred steps (each rank steps its shard between the "
                              "reduce-scatter and the all-gather); got defer_update=False: use 'auto' or True")

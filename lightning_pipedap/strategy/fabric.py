@@ -348,6 +348,8 @@ _TRAINER_ONLY["precision_plugin"] = _TRAINER_ONLY["compression_mode"] + " (Fabri
 _TRAINER_ONLY.update({k: "an option of the Trainer strategy PipeDAPStrategy: its measured plan selection also tries "
                          "DDP's own reducer (the torch_ddp candidate), which Fabric's does not"
                       for k in ("torch_ddp_candidate", "torch_ddp_margin", "find_unused_parameters")})
+_TRAINER_ONLY["shard_optimizer"] = ("an option of the Trainer strategy PipeDAPStrategy: the sharded optimizer step "
+                                    "runs in deferred steps, which Fabric's sync mode does not have")
 _TRAINER_ONLY["startup_budget"] = ("an option of the Trainer strategy PipeDAPStrategy: a fraction of the fit's steps, "
                                    "which the Trainer knows and Fabric does not")
 _TRAINER_ONLY.update({k: "an option of the Trainer strategy PipeDAPStrategy, whose own reduction paths it needs; "
