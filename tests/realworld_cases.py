@@ -91,6 +91,10 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     # gradient_as_bucket_view: every .grad a view into its bucket (REALWORLD_VARIANTS=dear_view,default_view)
     "dear_view": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002, gradient_as_bucket_view=True),
     "default_view": lambda: _pipedap(gradient_as_bucket_view=True),
+    # shard_optimizer (issue 30): each rank steps its reduce-scatter shard; the optimizer state compared is the
+    # consolidated one (optimizer.state after the fit, ``opt/...`` keys: see _optimizer_state)
+    "dear_shard": lambda: _pipedap(schedule="dear", bucket_cap_mb=0.002, shard_optimizer=True),
+    "switching_shard": lambda: _pipedap(shard_optimizer=True, **SWITCHING),
     "ddp": lambda: "ddp",
     "ddp_find_unused_parameters_true": lambda: "ddp_find_unused_parameters_true",
 }
@@ -249,6 +253,7 @@ def fit(c: Case, strategy_name: str) -> dict[str, Any]:
                 trainer.fit(spec.model, train, spec.val)
         state = {k: v.detach().clone() for k, v in spec.model.state_dict().items()}
         state.update(_records(spec))
+        state.update(_optimizer_state(trainer))
         if spec.extra is not None:
             state.update(spec.extra(spec))
         out["state"] = state
@@ -267,6 +272,18 @@ def fit(c: Case, strategy_name: str) -> dict[str, Any]:
         except Exception as exc:  # (reported; the test then says what is missing)
             out["selection"] = {"error": f"{type(exc).__name__}: {exc}"}
         torch.use_deterministic_algorithms(False)  # Trainer(deterministic=None) leaves the last fit's setting
+    return out
+
+
+def _optimizer_state(trainer: Any) -> dict[str, torch.Tensor]:
+    """Every optimizer's state after the fit, flat: ``opt<i>/<param index>/<key>`` -> tensor (scalars as 0-dim
+    tensors), from ``optimizer.state_dict()`` (pipedap's sharded state is gathered back at the end of the fit)."""
+    out: dict[str, torch.Tensor] = {}
+    for i, opt in enumerate(trainer.optimizers):
+        for j, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                if torch.is_tensor(v) or isinstance(v, (int, float)):
+                    out[f"opt{i}/{j}/{k}"] = torch.as_tensor(v).detach().clone().reshape(-1).float()
     return out
 
 

@@ -1,0 +1,217 @@
+"""The sharded optimizer step (``shard_optimizer``, issue 30) at the engine level: each rank steps the slices its
+reduce-scatter left it and all-gathers parameters (``lightning_pipedap.engine.shard_step``).
+
+Pure parts (no processes): the op list (every gradient op before the first all-gather, AR -> RS), the slices (every
+element of every bucket owned by exactly one rank), landing gathered parameters (whole, pieces, non-contiguous).
+At 2 and 3 gloo ranks: several rounds of a model with a parameter split over buckets, a non-contiguous parameter,
+a scalar parameter and one no rank uses, against the whole optimizer stepped on the averaged gradients (Adam, AdamW
+with a no-decay group, SGD with momentum; clip by norm and by value): parameters within 1e-6, the consolidated
+optimizer state within 1e-6 with the same keys, state bytes about 1/N. A mutation (slices shifted by one element)
+must be caught by the same comparison.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_pipedap.engine import shard_step as SS
+from lightning_pipedap.engine.buckets import allocate_buckets
+from lightning_pipedap.schedule import Op, OpKind, Schedule, allreduce_ops, dear_ops, sharded_ops
+from tests._dist_util import run_ranks
+
+TOL = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------- pure parts
+def test_sharded_ops_put_every_gradient_op_before_the_first_all_gather():
+    s = Schedule(((0,), (1,), (2,)), (Op(OpKind.REDUCE_SCATTER, 2), Op(OpKind.ALL_GATHER, 2), Op(OpKind.ALL_REDUCE, 1),
+                                      Op(OpKind.REDUCE_SCATTER, 0), Op(OpKind.ALL_GATHER, 0)), "x")
+    got = [str(op) for op in sharded_ops(s).ops]
+    assert got == ["RS2", "RS1", "RS0", "AG0", "AG1", "AG2"]
+    sharded_ops(s).validate(3)
+    comp = Schedule(((0,), (1,)), allreduce_ops(2), "c", compressed=(True, False))
+    assert [str(op) for op in sharded_ops(comp).ops] == ["RS1", "AR0", "AG1"]  # (compressed bucket 0 keeps its AR)
+    assert [str(op) for op in sharded_ops(comp, compressed=False).ops] == ["RS1", "RS0", "AG0", "AG1"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_slices_cover_every_element_exactly_once(world):
+    params = [torch.zeros(7, 5), torch.zeros(11), torch.zeros(()), torch.zeros(3, 4).t()]
+    pieces = ((0, 0, 13), (0, 13, 35), (1, 0, 11), (2, 0, 1), (3, 0, 12))
+    sched = Schedule(((0,), (1, 2), (3, 4)), dear_ops(3), "d", pieces=pieces)
+    buckets = allocate_buckets(sched, params, world)
+    seen = [torch.zeros(p.numel(), dtype=torch.int64) for p in params]
+    for rank in range(world):
+        for b in buckets:
+            start, end = b.own_data_range(rank)
+            for s in SS.shard_slices(b, rank):
+                assert start <= s.lo < s.hi <= end and s.tensor.numel() == s.hi - s.lo
+                assert s.master == (not s.param.is_contiguous())
+                seen[s.param_index][s.p_lo:s.p_hi] += 1
+    assert all(bool((c == 1).all()) for c in seen)
+
+
+def test_land_params_writes_whole_parameters_pieces_and_non_contiguous_ones():
+    params = [torch.zeros(4, 3), torch.zeros(3, 4).t(), torch.zeros(5)]
+    sched = Schedule(((0, 1), (2,), (3,)), dear_ops(3), "d", pieces=((0, 0, 12), (1, 0, 12), (2, 0, 2), (2, 2, 5)))
+    buckets = allocate_buckets(sched, params, 2)
+    for b in buckets:
+        b.buffer[: b.numel].copy_(torch.arange(b.numel, dtype=torch.float32) + 100 * b.index)
+        SS.land_params(b)
+    assert torch.equal(params[0].reshape(-1), torch.arange(12.0))
+    assert torch.equal(params[1].reshape(-1), torch.arange(12.0, 24.0))  # (row-major order of the transposed view)
+    assert torch.equal(params[2], torch.tensor([100.0, 101.0, 200.0, 201.0, 202.0]))
+
+
+def test_refusals_name_the_bad_value_and_the_choices():
+    from lightning_pipedap.strategy.config import PipeDAPConfig
+    from lightning_pipedap.strategy.refusals import refuse_unshardable
+
+    with pytest.raises(ValueError, match="defer_update=False"):
+        PipeDAPConfig(shard_optimizer=True, defer_update=False)
+    with pytest.raises(ValueError, match="shard_optimizer must be"):
+        PipeDAPConfig(shard_optimizer="auto")
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match=r"got Adafactor\. Valid: SGD, Adam, AdamW"):
+        refuse_unshardable([torch.optim.Adafactor(p)], True, None)
+    with pytest.raises(ValueError, match="manual optimization"):
+        refuse_unshardable([torch.optim.SGD(p, lr=0.1)], False, None)
+    with pytest.raises(ValueError, match="2 optimizers"):
+        refuse_unshardable([torch.optim.SGD(p, lr=0.1)] * 2, True, None)
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        refuse_unshardable([torch.optim.SGD(p, lr=0.1)], True, object())
+    refuse_unshardable([torch.optim.AdamW(p)], True, None)
+
+
+# ----------------------------------------------------------------------------------------------- gloo ranks
+def _params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(9, 7, generator=g)),  # split over buckets 0 and 1
+            torch.nn.Parameter(torch.randn(13, generator=g)),
+            torch.nn.Parameter(torch.randn(5, 4, generator=g).t()),  # non-contiguous (a transposed view)
+            torch.nn.Parameter(torch.randn((), generator=g)),  # a scalar
+            torch.nn.Parameter(torch.randn(6, generator=g))]  # no rank produces a gradient for it
+
+
+PIECES = ((0, 0, 40), (0, 40, 63), (1, 0, 13), (2, 0, 20), (3, 0, 1), (4, 0, 6))
+BUCKETS = ((0,), (1, 2), (3, 4, 5))
+ROUNDS = 4
+
+
+def _grad(rank: int, k: int, i: int, p: torch.Tensor) -> torch.Tensor:
+    g = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * k + 10 * rank + i))
+    return g * (40.0 if i == 1 else 1.0)  # (a large one: clip by norm bites)
+
+
+def _optimizer(name: str, params: list) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=0.01)
+    if name == "adamw_groups":  # (a no-decay group, as Hugging Face's Trainer builds them)
+        return torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1},
+                                  {"params": params[2:], "weight_decay": 0.0}], lr=1e-2)
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def _reference(world: int, opt_name: str, clip):
+    """The whole optimizer on the averaged gradients, as DDP steps it (every rank the same)."""
+    params = _params()
+    opt = _optimizer(opt_name, params)
+    for k in range(ROUNDS):
+        for i, p in enumerate(params):
+            if i == 4:
+                continue
+            p.grad = sum(_grad(r, k, i, p) * (1.0 / world) for r in range(world))
+        if clip is not None and clip.algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], clip.value)
+        elif clip is not None:
+            torch.nn.utils.clip_grad_value_([p for p in params if p.grad is not None], clip.value)
+        opt.step()
+    return params, opt
+
+
+def _rank(rank: int, world: int, opt_name: str, clip_spec, mutate: bool):
+    from lightning_pipedap.engine import collectives as C
+    from lightning_pipedap.engine.engine import CommEngine
+    from lightning_pipedap.engine.update import ClipRequest, snapshot_hparams
+
+    clip = ClipRequest(*clip_spec) if clip_spec else None
+    if mutate:  # (a wrong shard offset: every multi-element slice one element off)
+        real = SS.shard_slices
+
+        def shifted(bucket, r):
+            out = real(bucket, r)
+            for s in out:
+                if s.p_hi < s.param.numel() and not s.master:
+                    s.p_lo, s.p_hi = s.p_lo + 1, s.p_hi + 1
+                    s.tensor = s.param.detach().view(-1)[s.p_lo:s.p_hi]
+            return out
+
+        SS.shard_slices = shifted
+    comm = C.new_comm_group(timeout_s=30, chunk_bytes=64)
+    params = _params()
+    opt = _optimizer(opt_name, params)
+    engine = CommEngine(comm, params, Schedule(BUCKETS, dear_ops(3), "dear", pieces=PIECES), wait_timeout_s=30,
+                        shard=True)
+    assert [str(op) for op in engine.schedule.ops] == ["RS2", "RS1", "RS0", "AG0", "AG1", "AG2"]
+    for k in range(ROUNDS):
+        engine.shard.armed = True
+        engine.begin_iteration()
+        engine.shard.armed = False
+        for i in range(4):  # (parameter 4: no gradient on any rank)
+            engine.grad_ready(i, _grad(rank, k, i, params[i]))
+        engine.finish_backward()
+        engine.shard.go(opt, snapshot_hparams(opt), clip, None)
+        with torch.no_grad():
+            for b in range(engine.num_buckets):
+                bucket = engine.wait_done(b)
+                assert engine.syncs[b].params_gathered
+                SS.land_params(bucket)
+                engine.syncs[b].land()
+    engine.wait_idle()
+    nbytes = engine.shard.optimizer.state_nbytes()
+    assert not opt.state  # (the full state was moved into the slices)
+    engine.shard.consolidate()
+    engine.close()
+    C.destroy_comm_group(comm)
+    state = {f"{i}/{k}": torch.as_tensor(v).numpy().copy() for i, st in opt.state_dict()["state"].items()
+             for k, v in st.items()}  # (numpy: tensors would travel through shared memory the rank then frees)
+    return [p.detach().numpy().copy() for p in params], state, nbytes
+
+
+def _compare(world: int, opt_name: str, clip_spec, mutate: bool = False) -> float:
+    from lightning_pipedap.engine.update import ClipRequest
+
+    out = run_ranks(_rank, world, opt_name, clip_spec, mutate, timeout_s=120)
+    out = {r: ([torch.from_numpy(p) for p in ps], {k: torch.from_numpy(v) for k, v in st.items()}, n)
+           for r, (ps, st, n) in out.items()}
+    ref_params, ref_opt = _reference(world, opt_name, ClipRequest(*clip_spec) if clip_spec else None)
+    ref_state = {f"{i}/{k}": torch.as_tensor(v) for i, st in ref_opt.state_dict()["state"].items()
+                 for k, v in st.items()}
+    worst = 0.0
+    for rank, (params, state, nbytes) in out.items():
+        for p, q in zip(params, ref_params):
+            worst = max(worst, float((p - q.detach()).abs().max()))
+        if set(state) != set(ref_state):  # (a state entry missing or extra: as far off as can be)
+            return float("inf")
+        for key, v in ref_state.items():
+            if state[key].shape != v.shape:
+                return float("inf")
+            worst = max(worst, float((state[key].double() - v.double()).abs().max()))
+        full = sum(v.numel() * v.element_size() for k, v in ref_state.items() if v.dim() > 0 or "step" not in k)
+        if not mutate and opt_name != "sgd":  # (1/N of the moments, plus a step count per slice)
+            assert nbytes <= full / world + 64 * 4 * 3, (rank, nbytes, full)
+    for p in range(len(ref_params)):  # replicas equal
+        assert all(torch.equal(out[0][0][p], out[r][0][p]) for r in out)
+    return worst
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("opt_name,clip_spec", [("adam", None), ("adamw_groups", (1.0, "norm")),
+                                                ("sgd", (0.5, "value"))])
+def test_sharded_step_equals_the_whole_step(world, opt_name, clip_spec):
+    assert _compare(world, opt_name, clip_spec) <= TOL
+
+
+def test_the_comparison_catches_a_wrong_shard_offset():
+    assert _compare(2, "adam", None, mutate=True) > 1e-3
