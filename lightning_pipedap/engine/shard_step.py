@@ -5,8 +5,9 @@ FSDP2 with ``reshard_after_forward=False``) with pipedap's planned fusion and or
 
     backward: RS(b) ─▶ REDUCED (this rank's shard of the averaged gradients, elements [r·S, (r+1)·S))
     after the optimizer step is recorded (hyper-parameters, clip request: ``go``), at the first AG of the round:
-        prepare: one all-reduce of [used flags | per-parameter sums of squares | per-slot NaN/inf counts]
-                 -> used flags, the clip-by-norm factor and the non-finite verdict, identical on every rank
+        prepare: one all-reduce of [used flags | per-slot NaN/inf counts] -> used flags and the non-finite
+                 verdict, identical on every rank; with clip by norm the gradients are all-gathered first
+                 (the factor bit for bit as DDP's)
     at AG(b):  step this rank's slices of the bucket's parameters (optimizer state only for them) ─▶ STEPPED
                write the updated parameter slices into the shard, all-gather (own dtype) ─▶ GATHERED
     next forward, before the bucket's first consumer: copy the gathered parameters into the model ─▶ LANDED
@@ -35,6 +36,7 @@ from torch.optim import Optimizer
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient
 from lightning_pipedap.engine.worker import EngineError
 from lightning_pipedap.schedule import OpKind
 
@@ -303,6 +305,8 @@ class ShardedStep:
         sharded: indices of the buckets stepped sharded (the uncompressed ones).
         comm: the engine's group.
         params: the engine's parameters (engine order).
+        averaged_grads: ``optimizer -> the averaged gradients clip_grad_norm_ sees under DDP`` once every bucket
+            holds its whole averaged gradients (:func:`~lightning_pipedap.engine.update.averaged_grads`).
 
     Attributes:
         round: the current :class:`ShardRound`, or None when this round gathers gradients (sync mode).
@@ -311,8 +315,10 @@ class ShardedStep:
     """
 
     def __init__(self, buckets: Sequence[FlatBucket], sharded: Sequence[int], comm: C.CommGroup,
-                 params: Sequence[torch.Tensor]) -> None:
+                 params: Sequence[torch.Tensor],
+                 averaged_grads: Callable[[Optimizer], list[torch.Tensor]] = lambda opt: []) -> None:
         self.buckets, self.comm, self.params = list(buckets), comm, list(params)
+        self.averaged_grads = averaged_grads
         self.sharded = sorted(sharded)
         self.slices = {b: shard_slices(self.buckets[b], comm.rank) for b in self.sharded}
         self.keep = {b: torch.empty(max(0, hi - lo), dtype=self.buckets[b].buffer.dtype,
@@ -338,7 +344,7 @@ class ShardedStep:
         compressed = engine.transport is not None
         sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER
                    and not (compressed and engine.schedule.is_compressed(b))]
-        step = cls(engine.buckets, sharded, engine.comm, engine.params)
+        step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(engine, opt))
         engine.worker.shard, engine.worker.param_transport = step, param_transport
         return step
 
@@ -425,22 +431,22 @@ class ShardedStep:
 
     def prepare(self, nonfinite_active: bool = True) -> None:
         """Worker, once per sharded round after every reduce-scatter: one all-reduce (float64) of every sharded
-        bucket's local used flags, each parameter's sum of squares over this rank's slices (clip by norm) and each
-        slot's NaN/inf counts in this rank's shard (non-finite check); then the clip factor, the verdict, and the
-        clipped shards kept for ``.grad``."""
+        bucket's local used flags and each slot's NaN/inf counts in this rank's shard (non-finite check); then the
+        verdict and the clipped shards kept for ``.grad``.
+
+        Clip by norm needs ``clip_grad_norm_``'s factor bit for bit (per-tensor norms of the whole averaged
+        gradients: a factor one ulp off is amplified by Adam on parameters whose true gradient is zero, issue 26),
+        so every sharded bucket's gradients are all-gathered first and the factor is computed as in an unsharded
+        step (:func:`~lightning_pipedap.engine.update.clip_norm_coefficient`): one more all-gather per bucket.
+        """
         r = self.round
         clip = r.clip
         by_norm = clip is not None and clip.algorithm == "norm"
         check = r.nonfinite is not None
         parts: list[torch.Tensor] = [self.local_flags[b].to(torch.float64) for b in self.sharded]
-        index = {i: k for k, i in enumerate(self.params_sharded)}
-        if by_norm:
-            sq = torch.zeros(len(self.params_sharded), dtype=torch.float64)
+        if by_norm:  # (the whole averaged gradients on every rank: the clip factor exactly as DDP's, see below)
             for b in self.sharded:
-                buf = self.buckets[b].buffer
-                for s in self.slices[b]:
-                    sq[index[s.param_index]] += buf[s.lo:s.hi].to(torch.float64).square().sum()
-            parts.append(sq)
+                C.all_gather_(self.buckets[b].buffer, self.comm)
         if check:
             counts = []
             for b in self.sharded:
@@ -463,10 +469,6 @@ class ShardedStep:
             self.reduced_flags[b].copy_(vec[pos:pos + k])
             self.used[b] = (vec[pos:pos + k] > 0.5).tolist()
             pos += k
-        sums = None
-        if by_norm:
-            sums = vec[pos:pos + len(self.params_sharded)]
-            pos += len(self.params_sharded)
         if check:
             for b in self.sharded:
                 k = len(self.buckets[b].params)
@@ -478,49 +480,10 @@ class ShardedStep:
                     a, z = bucket.ranges[slot]
                     r.finding = (b, slot, int(c[2 * slot]), int(c[2 * slot + 1]), z - a)
         if by_norm:
-            r.coef = self._clip_factor(sums, index, clip.value)
+            r.coef = clip_norm_coefficient(self.averaged_grads(self.optimizer.optimizer), clip.value)
         r.stepped = not (r.finding is not None and r.nonfinite in ("raise", "skip"))
         self._clip_and_keep(clip, r.coef)
         r.prepared.set()
-
-    def _clip_factor(self, sums: torch.Tensor, index: dict[int, int], max_norm: float) -> Optional[torch.Tensor]:
-        """``clip_grad_norm_``'s factor from the per-parameter norms in the optimizer's parameter order: a sharded
-        parameter some rank produced a gradient for: the square root of its all-reduced sum of squares; otherwise
-        the local ``.grad`` (skipped when None) or, in an unsharded (compressed) bucket, its averaged gradient."""
-        opt = self.optimizer.optimizer
-        engine_index = {id(p): i for i, p in enumerate(self.params)}
-        used_of: dict[int, bool] = {}
-        for b in self.sharded:
-            for slot, i in enumerate(self.buckets[b].param_indices):
-                used_of[i] = used_of.get(i, False) or self.used[b][slot]
-        full = self._unsharded_grads()
-        norms = []
-        for group in opt.param_groups:
-            for p in group["params"]:
-                i = engine_index.get(id(p))
-                if i is not None and i in index and used_of.get(i):
-                    norms.append(sums[index[i]].sqrt().to(p.dtype))
-                elif i is not None and i in full:
-                    norms.append(torch.linalg.vector_norm(full[i]))
-                elif p.grad is not None:
-                    norms.append(torch.linalg.vector_norm(p.grad.detach()))
-        if not norms:
-            return None
-        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-        return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-
-    def _unsharded_grads(self) -> dict[int, torch.Tensor]:
-        """Averaged gradients of the parameters in unsharded buckets some rank produced a gradient for (their
-        reduction finished before the round's first all-gather), engine index -> tensor shaped like it."""
-        out: dict[int, torch.Tensor] = {}
-        for bucket in self.buckets:
-            if bucket.index in self.slices:
-                continue
-            used = (bucket.flags > 0).tolist()
-            for slot, i in enumerate(bucket.param_indices):
-                if used[slot]:
-                    out[i] = bucket.grad_view(slot)
-        return out
 
     def _clip_and_keep(self, clip: Any, coef: Optional[torch.Tensor]) -> None:
         """Clip this rank's shards (and, for a parameter no rank produced a gradient for, its own ``.grad`` in
