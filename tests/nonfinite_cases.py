@@ -84,8 +84,9 @@ def compare(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str,
             "ref_nonfinite": int(sum((~b[k].isfinite()).sum() for k in b))}
 
 
-def pipedap(nonfinite: str, defer: Any) -> PipeDAPStrategy:
-    return PipeDAPStrategy(schedule="dear", bucket_cap_mb=0.002, defer_update=defer, nonfinite=nonfinite)
+def pipedap(nonfinite: str, defer: Any, shard: bool = False) -> PipeDAPStrategy:
+    return PipeDAPStrategy(schedule="dear", bucket_cap_mb=0.002, defer_update=defer, nonfinite=nonfinite,
+                           shard_optimizer=shard)
 
 
 #: variant -> (reference, strategy factory, trainer kwargs)
@@ -97,6 +98,11 @@ VARIANTS = {
     "skip_deferred": ("ddp_skip", lambda: pipedap("skip", True), {}),
     "skip_sync": ("ddp_skip", lambda: pipedap("skip", False), {}),
     "skip_clip_deferred": ("ddp_skip_clip", lambda: pipedap("skip", True), {"gradient_clip_val": 1.0}),
+    # shard_optimizer (issue 30): the verdict comes from the worker's NaN/inf counts of every rank's shards
+    "warn_shard": ("ddp", lambda: pipedap("warn", True, shard=True), {}),
+    "warn_clip_shard": ("ddp_clip", lambda: pipedap("warn", True, shard=True), {"gradient_clip_val": 1.0}),
+    "skip_shard": ("ddp_skip", lambda: pipedap("skip", True, shard=True), {}),
+    "skip_clip_shard": ("ddp_skip_clip", lambda: pipedap("skip", True, shard=True), {"gradient_clip_val": 1.0}),
 }
 
 

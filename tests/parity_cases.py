@@ -291,7 +291,12 @@ def train(model_name: str, model_kw: dict, trainer_kw: dict, strategy: Any, epoc
     has_val = "val_check_interval" in kw
     trainer = pl.Trainer(strategy=strategy, callbacks=callbacks or [], **kw)
     trainer.fit(model, train_dl, val_dl if has_val or callbacks else None, ckpt_path=ckpt_path)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for i, opt in enumerate(trainer.optimizers):  # (the optimizer state too: pipedap's sharded state gathered)
+        for j, st in opt.state_dict()["state"].items():
+            out.update({f"opt{i}/{j}/{k}": torch.as_tensor(v).detach().clone().reshape(-1).float()
+                        for k, v in st.items() if torch.is_tensor(v) or isinstance(v, (int, float))})
+    return out
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -320,6 +325,12 @@ def run_case(name: str) -> dict[str, float]:
             out = train(model_name, model_kw, trainer_kw, strategy)
             res[f"{sched}_{suffix}"] = max_diff(out, ref)
             res[f"{sched}_{suffix}_updates_in_forward"] = strategy.update_counts["forward"]
+        if sched in SHARD_SCHEDULES and name not in NO_SHARD:  # shard_optimizer (issue 30)
+            strategy = PipeDAPStrategy(schedule=sched, bucket_cap_mb=0.002, shard_optimizer=True,
+                                       **SHARD_OPTIONS.get(name, {}))
+            out = train(model_name, model_kw, trainer_kw, strategy)
+            res[f"{sched}_shard"] = max_diff(out, ref)
+            res[f"{sched}_shard_updates_in_forward"] = strategy.update_counts["forward"]
     return res
 
 
@@ -358,9 +369,28 @@ def _resume(strategy_factory: Callable[[], Any], at: int = 8) -> float:
     return max_diff(resumed, full)
 
 
+def _resume_across(first: Callable[[], Any], then: Callable[[], Any], at: int = 8) -> float:
+    """Save at step ``at`` under ``first``, resume under ``then``; max |Δ| (parameters and optimizer state) from the
+    uninterrupted ``ddp`` run."""
+    kw = {"opt": "adamw", "sched": "step"}
+    full = train("mlp", kw, {}, "ddp")
+    with tempfile.TemporaryDirectory() as d:
+        d = _shared_dir(d)
+        cb = ModelCheckpoint(dirpath=d, every_n_train_steps=at, save_top_k=-1, filename="mid-{step}")
+        train("mlp", kw, {}, first(), callbacks=[cb], max_steps=at, root_dir=d)
+        resumed = train("mlp", kw, {}, then(), ckpt_path=os.path.join(d, f"mid-step={at}.ckpt"), root_dir=d)
+    return max_diff(resumed, full)
+
+
 def run_resume_case() -> dict[str, float]:
-    """Stop mid-epoch (step 8 of 18) with a checkpoint, resume, compare with the uninterrupted run."""
-    return {"ddp": _resume(lambda: "ddp"), "dear": _resume(lambda: PipeDAPStrategy(bucket_cap_mb=0.002))}
+    """Stop mid-epoch (step 8 of 18) with a checkpoint, resume, compare with the uninterrupted run; with
+    shard_optimizer, also across strategies: a sharded run's checkpoint resumed by ``ddp`` and back."""
+    def shard() -> PipeDAPStrategy:
+        return PipeDAPStrategy(bucket_cap_mb=0.002, schedule="dear", shard_optimizer=True)
+
+    return {"ddp": _resume(lambda: "ddp"), "dear": _resume(lambda: PipeDAPStrategy(bucket_cap_mb=0.002)),
+            "shard": _resume(shard), "shard_to_ddp": _resume_across(shard, lambda: "ddp"),
+            "ddp_to_shard": _resume_across(lambda: "ddp", shard)}
 
 
 def _shared_dir(local: str) -> str:
@@ -442,6 +472,13 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
     "tied_root_twice": {"view": _VIEW},
     "manual_optimization": {"view": _VIEW},
 }
+
+
+#: shard_optimizer=True is run with these schedules for every case but ``NO_SHARD`` (manual optimization, LBFGS and
+#: two optimizers are refused at set-up: their steps run in sync mode), with the case's ``SHARD_OPTIONS``
+SHARD_SCHEDULES = ("dear", "optimal")
+NO_SHARD = {"manual_optimization", "lbfgs_closure", "manual_two_optimizers"}
+SHARD_OPTIONS = {"unused_zero_grad_keep": {"defer_update": True}}  # ("auto": its zero_grad override -> sync mode)
 
 
 #: cases re-run with DDP's reducer forced as the trial's choice (``run_torch_ddp_case``)

@@ -86,6 +86,7 @@ STRATEGIES: dict[str, Callable[[], Any]] = {
     "switching_keep_ddp": lambda: _pipedap(**SWITCHING),
     # pipedap's default under Trainer(deterministic=True) (VARIANT_TRAINER_KW): at >= 3 ranks the fixed dear schedule
     "default_deterministic": lambda: _pipedap(),
+    "shard_deterministic": lambda: _pipedap(shard_optimizer=True),
     "ddp_small_buckets": lambda: DDPStrategy(bucket_cap_mb=0.002),
     "ddp_tiny_buckets": lambda: DDPStrategy(bucket_cap_mb=0.0002),
     # gradient_as_bucket_view: every .grad a view into its bucket (REALWORLD_VARIANTS=dear_view,default_view)
@@ -126,7 +127,8 @@ def _choice_for(strategy_name: str):
 
 
 #: Trainer keyword arguments of a variant (on top of the case's)
-VARIANT_TRAINER_KW: dict[str, dict[str, Any]] = {"default_deterministic": {"deterministic": True}}
+VARIANT_TRAINER_KW: dict[str, dict[str, Any]] = {"default_deterministic": {"deterministic": True},
+                                                 "shard_deterministic": {"deterministic": True}}
 
 
 # ------------------------------------------------------------------------------------------------ what selection did
@@ -408,6 +410,11 @@ def run_case(c: Case, xchg: Exchange) -> dict[str, Any]:
                                                           for step in zip(*(i["called"] for i in info)))
 
     variants = (c.variants if c.variants is not None else PIPEDAP_VARIANTS) + c.extra_variants
+    no_shard = c.no_shard or ("" if c.build().model.automatic_optimization else "manual optimization: "
+                              "shard_optimizer is refused at set-up (tests/test_shard_step.py)")
+    if no_shard and any("shard" in v for v in variants):
+        res["no_shard"] = no_shard
+        variants = [v for v in variants if "shard" not in v]
     all_variants = [(v, RUNS) for v in variants] + [(v, 1) for v in c.info_variants]
     res["variants"] = {}
     for v, runs in all_variants:

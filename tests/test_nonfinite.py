@@ -143,12 +143,13 @@ def test_the_skip_reference_differs_from_ddp(results):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["warn_deferred", "warn_sync", "ignore_deferred", "warn_clip_deferred"])
+@pytest.mark.parametrize("variant", ["warn_deferred", "warn_sync", "ignore_deferred", "warn_clip_deferred", "warn_shard",
+                                     "warn_clip_shard"])
 def test_warn_and_ignore_equal_ddp_bit_for_bit_nan_included(results, variant):
     res = results[variant]
     assert res["bit_equal"] and res["same_nonfinite"], res
     assert res["nonfinite"] >= 3, res  # extra[1:] (every parameter after the NaN norm when clipping)
-    if variant.endswith("deferred"):
+    if variant.endswith(("deferred", "shard")):
         assert res["forward_updates"] > 0, res  # the updates were really deferred
     if variant.startswith("warn"):
         assert len(res["warnings"]) == 1 and "step 4: the averaged gradients are not finite (first: 'extra'" \
@@ -158,12 +159,12 @@ def test_warn_and_ignore_equal_ddp_bit_for_bit_nan_included(results, variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["skip_deferred", "skip_sync", "skip_clip_deferred"])
+@pytest.mark.parametrize("variant", ["skip_deferred", "skip_sync", "skip_clip_deferred", "skip_shard", "skip_clip_shard"])
 def test_skip_equals_ddp_without_that_optimizer_step(results, variant):
     res = results[variant]
     assert res["bit_equal"] and res["nonfinite"] == 0 and res["steps"] == 12, res
     assert len(res["warnings"]) == 1 and "optimizer step is skipped on every rank" in res["warnings"][0], res
-    if variant.endswith("deferred"):
+    if variant.endswith(("deferred", "shard")):
         assert res["forward_updates"] > 0, res
 
 

@@ -1,4 +1,5 @@
-"""Parity with Lightning's ``"ddp"``: after 3 epochs on 2 gloo ranks every parameter agrees to 1e-6.
+"""Parity with Lightning's ``"ddp"``: after 3 epochs on 2 gloo ranks every parameter and every optimizer state
+tensor agrees to 1e-6 (also with ``shard_optimizer=True``: ``SHARD_SCHEDULES``).
 
 All cases run in one launch of 2 processes (``tests/parity_cases.py``); each case trains the same
 seeded model with ``ddp`` and with ``pipedap`` under both schedules and reports max |Δparam|.
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests._dist_util import run_lightning_ranks
-from tests.parity_cases import CASES, SPECIAL, VARIANTS
+from tests.parity_cases import CASES, NO_SHARD, SHARD_SCHEDULES, SPECIAL, VARIANTS
 
 TOL = 1e-6
 # manual optimization and closure-based optimizers run the synchronous path by design
@@ -38,6 +39,9 @@ def test_parity_with_ddp(parity_results, case):
         for suffix, options in VARIANTS.get(case, {}).items():
             key = f"{schedule}_{suffix}"
             assert res[key] <= TOL, f"{case}/{key} ({options}): max |param - ddp| = {res[key]:.3e}"
+        if schedule in SHARD_SCHEDULES and case not in NO_SHARD:
+            key = f"{schedule}_shard"
+            assert res[key] <= TOL, f"{case}/{key}: max |param or optimizer state - ddp| = {res[key]:.3e}"
             # a variant that defers must really defer; one in sync mode must not
             defers = options["defer_update"] is True if "defer_update" in options else case not in SYNC_PATH_CASES
             assert (res[f"{key}_updates_in_forward"] > 0) == defers, (key, res)
@@ -61,6 +65,8 @@ def test_resume_mid_epoch_equals_uninterrupted(parity_results):
     assert "error" not in res, res.get("error")
     assert res["ddp"] <= TOL  # the harness itself resumes exactly
     assert res["dear"] <= TOL
+    for key in ("shard", "shard_to_ddp", "ddp_to_shard"):  # (shard_optimizer: the checkpoint holds the full state)
+        assert res[key] <= TOL, f"{key}: max |Δ| = {res[key]:.3e}"
 
 
 @pytest.mark.multiprocess

@@ -64,17 +64,18 @@ def test_three_ranks(three_rank_results, case):
     assert float(res["ref_moved"]) > 1e-3, "the reference run must actually train"
     assert float(res["ddp_replicas"]) <= REPLICA_TOL, res
     bound = max(SPREAD_FACTOR * float(res["spread"]), FLOOR)
-    for variant in ("default_deterministic", "default"):
+    for variant in ("default_deterministic", "default", "shard_deterministic"):
         vr = res[variant]
         what = f"{case}/{variant}: {vr}; DDP spread {res['spread']} ({res['ddp_pairs']})"
         assert float(vr["vs_nearest_ddp"]) <= bound, f"{what}: farther than {bound:.3g} from every DDP run"
         assert float(vr["replicas"]) <= REPLICA_TOL, f"{what}: ranks differ"
         assert len(res["selection"][variant]) == 2, f"{what}: two runs expected"
-    det = res["default_deterministic"]
-    assert float(det["repro"]) == 0.0, f"{case}: deterministic=True, two runs differ by {det['repro']}"
-    for sel in res["selection"]["default_deterministic"]:  # the fixed dear schedule, nothing measured
-        assert sel["timing_free"] and sel["windows"] == {} and sel["selections"] == 0, sel
-        assert sel["installs"] and all(n.startswith("dear") for n in sel["installs"]), sel
+    for variant in ("default_deterministic", "shard_deterministic"):
+        det = res[variant]
+        assert float(det["repro"]) == 0.0, f"{case}/{variant}: deterministic=True, two runs differ by {det['repro']}"
+        for sel in res["selection"][variant]:  # the fixed dear schedule, nothing measured
+            assert sel["timing_free"] and sel["windows"] == {} and sel["selections"] == 0, sel
+            assert sel["installs"] and all(n.startswith("dear") for n in sel["installs"]), sel
 
 
 def _engine_vs_ddp(rank, world):

@@ -9,7 +9,10 @@ different bucket layouts: its *spread* is the largest difference between ``DDPSt
   ``dear`` schedule, ``strategy/runtime.py: timing_free_reason``), twice: ``repro``, the distance to the nearest DDP
   run (``vs_nearest_ddp``) and to the farthest (``vs_farthest_ddp``);
 - ``default``: ``PipeDAPStrategy()`` without it, twice: the same numbers (two runs identical or not is reported:
-  the plan comes from measured times, so the bucket layout, and with it the order of the sums, can differ).
+  the plan comes from measured times, so the bucket layout, and with it the order of the sums, can differ);
+- ``shard_deterministic``: ``PipeDAPStrategy(shard_optimizer=True)`` with ``deterministic=True`` (issue 30: each
+  rank steps its shard; optimizer state compared after it is gathered back), twice, judged as
+  ``default_deterministic``.
 
 Run as a script on every rank::
 
@@ -38,7 +41,7 @@ from tests.realworld_models import CASES
 THREE_RANK_CASES = ["mha", "nanogpt_tied", "clip_grad_norm_override", "resnet_batchnorm", "bert_finetune_clip_adamw",
                     "vqvae_ema_codebook"]
 DDP_RUNS = ("ddp", "ddp_small_buckets", "ddp_tiny_buckets")
-RUNS = {**dict.fromkeys(DDP_RUNS, 1), "default_deterministic": 2, "default": 2}
+RUNS = {**dict.fromkeys(DDP_RUNS, 1), "default_deterministic": 2, "default": 2, "shard_deterministic": 2}
 
 
 def _max_diff(a: list[dict], b: list[dict]) -> tuple[float, str]:
@@ -79,7 +82,7 @@ def run_case(name: str, xchg: rc.Exchange) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     init = {k: v.detach().clone() for k, v in c.build().model.state_dict().items()}
     res["ref_moved"] = rc._diff({k: v for k, v in ddp[0][0].items() if k in init}, init)[0]
-    for variant in ("default_deterministic", "default"):
+    for variant in ("default_deterministic", "default", "shard_deterministic"):
         runs = states.get(variant)
         if not runs:
             continue

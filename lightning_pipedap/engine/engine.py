@@ -89,6 +89,8 @@ class CommEngine(EngineWaits):
                              f"format but wire_dtype={wire_dtype!r}; valid: {', '.join(map(repr, C.WIRE_DTYPES))}")
         self.comm = comm
         self.schedule = schedule
+        #: the parameters' names (engine order) for messages; empty when not given
+        self.param_names = list(param_names) if param_names is not None else []
         self.wait_timeout_s = float(wait_timeout_s)
         self._params = list(params)
         self.buckets = allocate_buckets(schedule, params, comm.world_size)

@@ -40,8 +40,8 @@ from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficien
 from lightning_pipedap.engine.worker import EngineError
 from lightning_pipedap.schedule import OpKind
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer", "ShardedStep", "land_params",
-           "shard_slices"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer", "ShardedState",
+           "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
 
 #: torch optimizers whose update of one element depends only on that element's gradient and state and on
 #: per-parameter scalars (step count, hyper-parameters): a slice of a parameter can be stepped on its own
@@ -113,6 +113,61 @@ def land_params(bucket: FlatBucket) -> None:
             p.copy_(v)
 
 
+class ShardedStateError(RuntimeError):
+    """User code read the optimizer state of a parameter whose state is sharded over the ranks."""
+
+
+class ShardedState(collections.defaultdict):
+    """``optimizer.state`` while the sharded parameters' state lives in the ranks' shards: the unsharded
+    parameters' entries as usual (iteration sees only them, so Lightning's device moves work), and a
+    :class:`ShardedStateError` naming the parameter and the way out for any access to a sharded one.
+
+    Args:
+        unsharded: the entries kept (parameters of unsharded buckets).
+        sharded: ``id(parameter) -> name`` of the parameters whose state is sharded.
+        world_size: ranks sharing it (for the message).
+    """
+
+    def __init__(self, unsharded: dict, sharded: dict[int, str], world_size: int) -> None:
+        super().__init__(dict, unsharded)
+        self._sharded, self._world = sharded, world_size
+
+    def _check(self, p: Any) -> None:
+        name = self._sharded.get(id(p))
+        if name is not None:
+            raise ShardedStateError(
+                f"pipedap: the optimizer state of {name} is sharded over the {self._world} ranks "
+                "(shard_optimizer=True): each rank holds its part during the fit, so optimizer.state has no entry "
+                "for it. Read trainer.strategy.optimizer_state(optimizer) (the whole state dict, gathered: every "
+                "rank must call it), or pass shard_optimizer=False")
+
+    def __getitem__(self, p: Any) -> Any:
+        self._check(p)
+        return super().__getitem__(p)
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        self._check(p)
+        return super().get(p, default)
+
+    def __contains__(self, p: Any) -> bool:
+        self._check(p)
+        return super().__contains__(p)
+
+    def setdefault(self, p: Any, default: Any = None) -> Any:
+        self._check(p)
+        return super().setdefault(p, default)
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        self._check(p)
+        super().__setitem__(p, value)
+
+
+def _refuse_state_dict() -> None:
+    raise ShardedStateError("pipedap: optimizer.state_dict() during a sharded fit (shard_optimizer=True) would miss "
+                            "the sharded state; call trainer.strategy.optimizer_state(optimizer) instead (every rank: "
+                            "it gathers the state), or pass shard_optimizer=False")
+
+
 class ShardRound:
     """One sharded round: what the worker waits for and what its preparation decided.
 
@@ -145,6 +200,10 @@ class ShardedOptimizer:
         optimizer: the user's optimizer (one of :data:`ELEMENTWISE_OPTIMIZERS` or a declared element-wise class).
         slices: per sharded bucket index, this rank's :class:`ShardSlice` list.
         params: the engine's parameters (engine order).
+        names: their names (messages); world_size: ranks sharing the state (messages).
+
+    While the state is here, ``optimizer.state`` is a :class:`ShardedState` (a read of a sharded parameter's entry
+    raises, naming it) and ``optimizer.state_dict()`` raises; :meth:`consolidate` puts both back.
 
     Attributes:
         state: slice tensor -> its optimizer state (tensors of the slice's length where the full state is shaped
@@ -152,10 +211,12 @@ class ShardedOptimizer:
         absorbed: whether the state is here (True) or in ``optimizer.state`` (False).
     """
 
-    def __init__(self, optimizer: Optimizer, slices: dict[int, list[ShardSlice]], params: Sequence[torch.Tensor]):
+    def __init__(self, optimizer: Optimizer, slices: dict[int, list[ShardSlice]], params: Sequence[torch.Tensor],
+                 names: Sequence[str] = (), world_size: int = 1):
         self.optimizer = optimizer
         self.slices = slices
         self.params = list(params)
+        self.names, self.world_size = list(names), world_size
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         #: per bucket: [(group index, [slices])] of the slices whose parameter is in a param group
         self.by_group: dict[int, list[tuple[int, list[ShardSlice]]]] = {}
@@ -197,7 +258,19 @@ class ShardedOptimizer:
                         mine[k] = v.clone() if torch.is_tensor(v) else v
         for i in owned:
             full.pop(self.params[i], None)
+        names = {id(self.params[i]): self.names[i] if i < len(self.names) else f"parameter {i}" for i in owned}
+        self.optimizer.state = ShardedState(dict(full), names, self.world_size)
+        self.optimizer.state_dict = _refuse_state_dict  # (until consolidate: it would miss the sharded state)
         self.absorbed = True
+
+    def release(self) -> None:
+        """After a failure (no collective possible): the optimizer's own state object back, without the sharded
+        entries (they are lost with the fit), so teardown can move or drop it."""
+        if self.absorbed:
+            self.optimizer.state = collections.defaultdict(dict, dict(self.optimizer.state))
+            self.optimizer.__dict__.pop("state_dict", None)
+            self.state.clear()
+            self.absorbed = False
 
     def consolidate(self, comm: C.CommGroup, buckets: Sequence[FlatBucket]) -> None:
         """Gather the sliced state back into ``optimizer.state`` (full tensors shaped like the parameters), on every
@@ -247,6 +320,7 @@ class ShardedOptimizer:
                     a, b = bucket.ranges[slot]
                     off = bucket.offsets[slot]
                     t[a:b].copy_(buf[off:off + b - a])
+        out = collections.defaultdict(dict, dict(self.optimizer.state))  # (the unsharded entries, then the rest)
         for i, entries in merged.items():
             p = self.params[i]
             st: dict[str, Any] = {}
@@ -255,7 +329,9 @@ class ShardedOptimizer:
                     st[k] = full[i][k].view(p.shape)
                 else:
                     st[k] = kind[1].to(kind[2]) if torch.is_tensor(kind[1]) else kind[1]
-            self.optimizer.state[p] = st
+            out[p] = st
+        self.optimizer.state = out
+        self.optimizer.__dict__.pop("state_dict", None)
         self.state.clear()
         self.absorbed = False
 
@@ -307,6 +383,7 @@ class ShardedStep:
         params: the engine's parameters (engine order).
         averaged_grads: ``optimizer -> the averaged gradients clip_grad_norm_ sees under DDP`` once every bucket
             holds its whole averaged gradients (:func:`~lightning_pipedap.engine.update.averaged_grads`).
+        names: the parameters' names (engine order), for messages.
 
     Attributes:
         round: the current :class:`ShardRound`, or None when this round gathers gradients (sync mode).
@@ -316,8 +393,10 @@ class ShardedStep:
 
     def __init__(self, buckets: Sequence[FlatBucket], sharded: Sequence[int], comm: C.CommGroup,
                  params: Sequence[torch.Tensor],
-                 averaged_grads: Callable[[Optimizer], list[torch.Tensor]] = lambda opt: []) -> None:
+                 averaged_grads: Callable[[Optimizer], list[torch.Tensor]] = lambda opt: [],
+                 names: Sequence[str] = ()) -> None:
         self.buckets, self.comm, self.params = list(buckets), comm, list(params)
+        self.names = list(names)
         self.averaged_grads = averaged_grads
         self.sharded = sorted(sharded)
         self.slices = {b: shard_slices(self.buckets[b], comm.rank) for b in self.sharded}
@@ -344,7 +423,8 @@ class ShardedStep:
         compressed = engine.transport is not None
         sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER
                    and not (compressed and engine.schedule.is_compressed(b))]
-        step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(engine, opt))
+        step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(engine, opt),
+                   engine.param_names)
         engine.worker.shard, engine.worker.param_transport = step, param_transport
         return step
 
@@ -374,7 +454,7 @@ class ShardedStep:
             RuntimeError: if another optimizer was attached before.
         """
         if self.optimizer is None:
-            self.optimizer = ShardedOptimizer(optimizer, self.slices, self.params)
+            self.optimizer = ShardedOptimizer(optimizer, self.slices, self.params, self.names, self.comm.world_size)
         elif self.optimizer.optimizer is not optimizer:
             raise RuntimeError("pipedap: shard_optimizer steps one optimizer per engine; a second one was given")
         return self.optimizer
@@ -402,6 +482,11 @@ class ShardedStep:
         """The optimizer state back into ``optimizer.state`` (a collective; worker idle)."""
         if self.optimizer is not None:
             self.optimizer.consolidate(self.comm, self.buckets)
+
+    def release(self) -> None:
+        """After a failure: :meth:`ShardedOptimizer.release` (local; the sharded state is dropped)."""
+        if self.optimizer is not None:
+            self.optimizer.release()
 
     def gather_grads(self, b: int, sync: Any) -> float:
         """The averaged gradients of bucket ``b`` back into its buffer (its parameters have landed): this rank's

@@ -275,6 +275,8 @@ class EngineSlot:
         if self.engine is not None:
             if not abort:
                 self.consolidate()  # (after the fit, optimizer.state is the full state, as under DDP)
+            elif self.engine.shard is not None:
+                self.engine.shard.release()  # (no collective after a failure: the sharded state is lost)
             self.engine.close(abort=abort)
 
     def _compression_factory(self) -> Callable[[list], Any]:

@@ -60,7 +60,9 @@ class FlushPoints:
         does; not after a failure, when :meth:`save_checkpoint` then writes nothing)."""
         self.flush()
         rt = self._rt
-        if rt is not None and not self._aborted:
+        if rt is not None and rt.slot.state_sharded:
+            if self._aborted:
+                return {}  # (nothing to gather after a failure: save_checkpoint then writes nothing, and says why)
             rt.slot.consolidate()
         return super().optimizer_state(optimizer)
 
