@@ -143,8 +143,8 @@ def test_the_skip_reference_differs_from_ddp(results):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["warn_deferred", "warn_sync", "ignore_deferred", "warn_clip_deferred", "warn_shard",
-                                     "warn_clip_shard"])
+@pytest.mark.parametrize("variant", ["warn_deferred", "warn_sync", "ignore_deferred", "warn_clip_deferred",
+                                     "warn_shard", "warn_clip_shard"])
 def test_warn_and_ignore_equal_ddp_bit_for_bit_nan_included(results, variant):
     res = results[variant]
     assert res["bit_equal"] and res["same_nonfinite"], res
@@ -159,7 +159,8 @@ def test_warn_and_ignore_equal_ddp_bit_for_bit_nan_included(results, variant):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("variant", ["skip_deferred", "skip_sync", "skip_clip_deferred", "skip_shard", "skip_clip_shard"])
+@pytest.mark.parametrize("variant", ["skip_deferred", "skip_sync", "skip_clip_deferred", "skip_shard",
+                                     "skip_clip_shard"])
 def test_skip_equals_ddp_without_that_optimizer_step(results, variant):
     res = results[variant]
     assert res["bit_equal"] and res["nonfinite"] == 0 and res["steps"] == 12, res

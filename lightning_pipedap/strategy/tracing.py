@@ -69,7 +69,7 @@ def consumer_mode(stack: ModuleStack, params: list[Tensor], optimizers: list[Any
     if on_consume is not None:
         for opt in optimizers:
             for k, p in enumerate(params):
-                for v in opt.state.get(p, {}).values():
+                for v in dict.get(opt.state, p, {}).values():  # (dict.get: a sharded entry is simply absent)
                     if isinstance(v, Tensor):
                         aliases[id(v)] = k
     mode = ConsumerTrace(params, stack, on_consume, aliases)
