@@ -16,13 +16,20 @@ Variants (every one trains the matrix's bench MLP through ``lightning.pytorch.Tr
   for the backend (gloo in torch 2.13), it runs plain ZeRO-1 (``step()`` after backward, then a broadcast of each
   rank's updated parameters) and the note says why.
 
-Per rank and variant: the optimizer-state bytes this rank holds (sum of ``nbytes`` of every tensor in the
-optimizer's state, the local shard of a DTensor; ZeRO: its local optimizer; pipedap:
-``trainer.strategy.optimizer_state_nbytes(optimizer)`` where the strategy has it), peak RSS (``getrusage`` maxrss of
-the rank process, MiB), the median step time (start-to-start of ``on_train_batch_start``) in steady state (after
-``--warmup`` steps and, for pipedap, after its start-up, ``measure.speedup.steady_from_step``), the process CPU time
-per step over the same steps (every thread, ``time.process_time``), and the wall time of ``Trainer.fit``; each
-against ``ddp``'s rank of the same launch.
+Per rank and variant:
+
+- *optimizer state*: the bytes this rank holds, the sum of ``nbytes`` of every tensor in the optimizer's state (a
+  DTensor counts its local shard; ZeRO its local optimizer; pipedap ``trainer.strategy.optimizer_state_nbytes(
+  optimizer)`` where the strategy has that method);
+- *peak RSS*: ``getrusage`` maxrss of the rank process, MiB. About 480 MiB of it is torch and Lightning being
+  imported, so *peak - pre-fit* gives what the fit added (the peak minus the RSS just before ``Trainer.fit``, with
+  the data and the model built);
+- *step*: the median start-to-start time of ``on_train_batch_start`` in steady state, after ``--warmup`` steps and,
+  for pipedap, after its start-up (``measure.speedup.steady_from_step``);
+- *CPU/step*: the process CPU time (every thread, ``time.process_time``) over the same steps, per step;
+- *fit*: the wall time of ``Trainer.fit`` (start-up included);
+
+each with its ratio to ``ddp``'s same rank in the same launch.
 
 One launch per cell (link, ranks): one testbed (network namespaces, ``tc tbf`` on every host link:
 ``lightning_pipedap.testbed``); in it every variant and round starts fresh rank processes, so that a rank's peak RSS
@@ -268,6 +275,7 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
                          max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0,
                          use_distributed_sampler=False, callbacks=[clock])
+    pre_fit_rss = _rss_bytes()
     t0 = time.perf_counter()
     try:
         trainer.fit(module, loader)
@@ -294,10 +302,17 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
         notes.append(trainer.strategy.zero_mode)
     if getattr(trainer.strategy, "installed_schedule", None):
         notes.append(f"schedule {trainer.strategy.installed_schedule}")
-    out.update(params=sum(p.numel() for p in module.parameters()) * (world if variant == "fsdp2" else 1),
-               peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out.update(params=sum(p.numel() for p in module.parameters()),  # (a DTensor's numel is the global one)
+               peak_rss_mib=peak_kib / 1024, fit_rss_mib=(peak_kib * 1024 - pre_fit_rss) / MIB,
                step_ms=1e3 * statistics.median(gaps), cpu_ms=1e3 * (clock.cpu[-1] - clock.cpu[first]) / len(gaps),
                fit_s=fit_s, steps=len(gaps), first_step=first, note="; ".join(notes))
+
+
+def _rss_bytes() -> int:
+    """This process's resident set size now (``/proc/self/statm``), bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class _Cycle:
@@ -437,17 +452,19 @@ def best_round(rounds: list[list[dict]]) -> tuple[list[dict], list[float]]:
 
 
 def _ratio(x: float, ref: Optional[float]) -> str:
-    return f"{x / ref:.2f}" if ref else "–"
+    return f"{x / ref:.2f}" if ref is not None and ref > 0 else "–"
 
 
-HEADER = ("| ranks | variant | rank | optimizer state MiB | x ddp | peak RSS MiB | x ddp | step ms | x ddp "
-          "| CPU ms/step | x ddp | fit s | note |")
+HEADER = ("| ranks | variant | rank | optimizer state MiB | x ddp | peak RSS MiB | x ddp | peak - pre-fit MiB | x ddp "
+          "| step ms | x ddp | CPU ms/step | x ddp | fit s | note |")
+#: numeric columns of :data:`HEADER` (after ranks, variant, rank; before the note)
+NUMERIC_COLUMNS = 11
 
 
 def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
     """Markdown table: one row per ranks, variant and rank (one row with the error where a variant has none);
     ratios against ``ddp``'s same rank in the same launch."""
-    lines = [HEADER, "|---:|---|---:|" + "---:|" * 9 + "---|"]
+    lines = [HEADER, "|---:|---|---:|" + "---:|" * NUMERIC_COLUMNS + "---|"]
     for ranks, runs in cells.items():
         ref = best_round(runs[REFERENCE])[0] if REFERENCE in runs else None
         ref_ok = ref is not None and not any("error" in d for d in ref)
@@ -455,7 +472,7 @@ def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
             best, times = best_round(rounds)
             if any("error" in d for d in best):
                 err = next(d["error"] for d in best if "error" in d)
-                lines.append(f"| {ranks} | {v} | – | – | – | – | – | – | – | – | – | – | {err.replace('|', '/')} |")
+                lines.append(f"| {ranks} | {v} | – |" + " – |" * NUMERIC_COLUMNS + f" {err.replace('|', '/')} |")
                 continue
             for d in best:
                 r = ref[d["rank"]] if ref_ok else None
@@ -468,9 +485,10 @@ def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
                 lines.append(
                     f"| {ranks} | {v} | {d['rank']} | {d['state_bytes'] / MIB:.3f} | "
                     f"{_ratio(d['state_bytes'], r and r['state_bytes'])} | {d['peak_rss_mib']:.0f} | "
-                    f"{_ratio(d['peak_rss_mib'], r and r['peak_rss_mib'])} | {d['step_ms']:.1f} | "
+                    f"{_ratio(d['peak_rss_mib'], r and r['peak_rss_mib'])} | {d['fit_rss_mib']:.0f} | "
+                    f"{_ratio(d['fit_rss_mib'], r and r['fit_rss_mib'])} | {d['step_ms']:.1f} | "
                     f"{_ratio(d['step_ms'], r and r['step_ms'])} | {d['cpu_ms']:.1f} | "
-                    f"{_ratio(d['cpu_ms'], r and r['cpu_ms'])} | {d['fit_s']:.1f} | "
+                    f"{_ratio(d['cpu_ms'], r and r['cpu_ms'])} | {d['fit_s']:.2f} | "
                     f"{'; '.join(note).replace('|', '/')} |")
     return "\n".join(lines)
 
