@@ -292,7 +292,8 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
         out["state_source"] = "sum of optimizer.state nbytes"
     steady = steady_from_step(trainer.strategy)
     first = max(cfg["warmup"], steady if steady is not None else len(clock.starts))
-    gaps = [b - a for a, b in zip(clock.starts[first:-1], clock.starts[first + 1:])]
+    # the first --steps steady-state steps (a pipedap fit has room for a longer start-up than it may take)
+    gaps = [b - a for a, b in zip(clock.starts[first:-1], clock.starts[first + 1:])][:cfg["steps"]]
     if len(gaps) < max(2, cfg["steps"] // 2):
         out["error"] = (f"failed: {len(gaps)} steady-state steps of {len(clock.starts) - 1} (steady from step "
                         f"{steady}); raise --steps")
@@ -301,11 +302,14 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
     if variant == "zero":
         notes.append(trainer.strategy.zero_mode)
     if getattr(trainer.strategy, "installed_schedule", None):
-        notes.append(f"schedule {trainer.strategy.installed_schedule}")
+        # "optimal: 17 buckets: AR16 RS8 ... AG8" -> "optimal: 17 buckets" (the op order is in the JSON)
+        out["schedule"] = trainer.strategy.installed_schedule
+        notes.append("schedule " + ": ".join(out["schedule"].split(": ")[:2]))
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out.update(params=sum(p.numel() for p in module.parameters()),  # (a DTensor's numel is the global one)
                peak_rss_mib=peak_kib / 1024, fit_rss_mib=(peak_kib * 1024 - pre_fit_rss) / MIB,
-               step_ms=1e3 * statistics.median(gaps), cpu_ms=1e3 * (clock.cpu[-1] - clock.cpu[first]) / len(gaps),
+               step_ms=1e3 * statistics.median(gaps),
+               cpu_ms=1e3 * (clock.cpu[first + len(gaps)] - clock.cpu[first]) / len(gaps),
                fit_s=fit_s, steps=len(gaps), first_step=first, note="; ".join(notes))
 
 
