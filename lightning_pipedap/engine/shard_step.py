@@ -19,8 +19,11 @@ each slice's tensor; :meth:`ShardedOptimizer.consolidate` gathers it back into t
 tensors shaped like the parameters) for checkpoints, a step in sync mode or another engine, and
 :meth:`ShardedOptimizer.absorb` moves it back into the slices at the next sharded round.
 
-The rank's averaged (clipped) gradient shard is kept (:attr:`ShardedStep.keep`, ``S`` elements per bucket) so a
-later read of ``.grad`` can be served by an all-gather of the gradients (:meth:`ShardedStep.gather_grads`).
+The rank's averaged (clipped) gradient shard is kept so a later read of ``.grad`` can be served by an all-gather
+of the gradients (:meth:`ShardedStep.gather_grads`): in the same elements of the parameter's own ``.grad`` (after
+the reduce-scatter its local gradient is needed by nothing, and no read of ``.grad`` reaches it before that
+all-gather rewrites it), so keeping costs no memory; a slice whose ``.grad`` cannot hold it (None, not contiguous)
+gets a tensor of its own.
 """
 
 from __future__ import annotations
@@ -400,9 +403,9 @@ class ShardedStep:
         self.averaged_grads = averaged_grads
         self.sharded = sorted(sharded)
         self.slices = {b: shard_slices(self.buckets[b], comm.rank) for b in self.sharded}
-        self.keep = {b: torch.empty(max(0, hi - lo), dtype=self.buckets[b].buffer.dtype,
-                                    device=self.buckets[b].buffer.device)
-                     for b in self.sharded for lo, hi in [self.buckets[b].own_data_range(comm.rank)]}
+        #: (bucket, slot) -> where that slice's averaged gradient is kept this round (see the module docstring)
+        self.keep: dict[tuple[int, int], torch.Tensor] = {}
+        self._spare: dict[tuple[int, int], torch.Tensor] = {}
         self.local_flags = {b: torch.zeros_like(self.buckets[b].flags) for b in self.sharded}
         self.reduced_flags = {b: torch.zeros_like(self.buckets[b].flags) for b in self.sharded}
         self.used: dict[int, list[bool]] = {}
@@ -494,7 +497,11 @@ class ShardedStep:
         t0 = time.perf_counter()
         bucket = self.buckets[b]
         lo, hi = bucket.own_data_range(self.comm.rank)
-        bucket.buffer[lo:hi].copy_(self.keep[b])
+        bucket.buffer[lo:hi].zero_()  # (a slice no rank produced a gradient for: not shown, any value will do)
+        for s in self.slices[b]:
+            kept = self.keep.get((b, s.slot))
+            if kept is not None:
+                bucket.buffer[s.lo:s.hi].copy_(kept)
         bucket.flags.copy_(self.reduced_flags[b])
         C.all_gather_(bucket.buffer, self.comm)
         bucket.flags.copy_(self.reduced_flags[b])
@@ -572,7 +579,9 @@ class ShardedStep:
 
     def _clip_and_keep(self, clip: Any, coef: Optional[torch.Tensor]) -> None:
         """Clip this rank's shards (and, for a parameter no rank produced a gradient for, its own ``.grad`` in
-        place, as ``clip_grad_norm_`` does) and keep each shard for later ``.grad`` reads."""
+        place, as ``clip_grad_norm_`` does) and keep each used slice's averaged gradient for later ``.grad`` reads
+        (:meth:`_keep_view`)."""
+        self.keep.clear()
         for b in self.sharded:
             bucket = self.buckets[b]
             lo, hi = bucket.own_data_range(self.comm.rank)
@@ -581,7 +590,10 @@ class ShardedStep:
                 shard.clamp_(-clip.value, clip.value)
             elif clip is not None and coef is not None:
                 shard.mul_(coef)
-            self.keep[b].copy_(shard)
+            for s in self.slices[b]:
+                if self.used[b][s.slot]:
+                    kept = self.keep[(b, s.slot)] = self._keep_view(s, bucket.buffer.dtype)
+                    kept.copy_(bucket.buffer[s.lo:s.hi])
         if clip is None:
             return
         done: set[int] = set()
@@ -596,6 +608,17 @@ class ShardedStep:
                         p.grad.clamp_(-clip.value, clip.value)
                     elif coef is not None:
                         p.grad.mul_(coef)
+
+    def _keep_view(self, s: ShardSlice, dtype: torch.dtype) -> torch.Tensor:
+        """Where slice ``s``'s averaged gradient is kept: its elements of the parameter's ``.grad`` when that is a
+        contiguous tensor of the buffer's dtype (no memory), else a tensor of its own (allocated once)."""
+        g = s.param.grad
+        if g is not None and g.is_contiguous() and g.dtype == dtype and g.shape == s.param.shape:
+            return g.detach().view(-1)[s.p_lo:s.p_hi]
+        key = (s.bucket, s.slot)
+        if key not in self._spare:
+            self._spare[key] = torch.empty(s.hi - s.lo, dtype=dtype, device=s.tensor.device)
+        return self._spare[key]
 
     def step_bucket(self, b: int) -> bool:
         """Worker, before AG(b): step this rank's slices (unless the round's verdict forbids it) and write the
