@@ -55,7 +55,8 @@ PG_TIMEOUT_S = float(os.environ.get("REALWORLD_PG_TIMEOUT_S", "60"))
 WAIT_TIMEOUT_S = 60.0
 SWAP_TIMEOUT_S = 3 * PG_TIMEOUT_S + 120
 RUNS = int(os.environ.get("REALWORLD_RUNS", "2"))
-PIPEDAP_VARIANTS = [v for v in os.environ.get("REALWORLD_VARIANTS", "default,dear,switching").split(",") if v]
+PIPEDAP_VARIANTS = [v for v in os.environ.get("REALWORLD_VARIANTS",
+                                              "default,dear,switching,dear_shard,switching_shard").split(",") if v]
 RANK = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 
