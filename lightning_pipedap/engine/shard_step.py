@@ -543,7 +543,7 @@ class ShardedStep:
             counts = []
             for b in self.sharded:
                 bucket = self.buckets[b]
-                c = torch.zeros(2 * len(bucket.params), dtype=torch.float64)
+                c = torch.zeros(2 * len(bucket.params), dtype=torch.float64, device=bucket.buffer.device)
                 lo, hi = bucket.own_data_range(self.comm.rank)
                 if hi > lo and not bool(bucket.buffer[lo:hi].isfinite().all()):
                     for s in self.slices[b]:
@@ -552,7 +552,7 @@ class ShardedStep:
                         c[2 * s.slot + 1] += int(g.isinf().sum())
                 counts.append(c)
             parts.extend(counts)
-        vec = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        vec = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)  # (on the buckets' device)
         if vec.numel():
             C.all_reduce_(vec, self.comm)
         pos = 0
