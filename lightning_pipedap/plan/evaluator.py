@@ -382,9 +382,9 @@ class Evaluator:
         if ntail:
             ch = self.chan[K_AG]
             t = max(free[0], free[1], Tb)
-            for what, b, d in ([("prepare", None, self.prepare_s)]
-                               + [("gather_grads", b, self.cost_model.all_gather(self.nbytes[b]))
-                                  for b, _ in self.shard_tail if self.sharding.clip_norm]):
+            for what, b, d in ([("gather_grads", b, self.cost_model.all_gather(self.nbytes[b]))
+                                for b, _ in self.shard_tail if self.sharding.clip_norm]
+                               + [("prepare", None, self.prepare_s)]):  # (the engine's order: ShardedStep.prepare)
                 extra.append((what, b, t, t + d))
                 t += d
             for b, _ in self.shard_tail:

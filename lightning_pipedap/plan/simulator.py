@@ -47,9 +47,10 @@ when a backward starts, because every compression of an iteration precedes its b
 :func:`~lightning_pipedap.schedule.sharded_ops` of the schedule: every gradient op in list order (an uncompressed
 bucket's ``AR`` runs as its ``RS``), then ``AG(b)`` of every uncompressed ("sharded") bucket in forward order. After
 the last gradient op, and no earlier than the end of the backward (the step waits for its hyper-parameters, recorded
-once the backward is done), the channel of the all-gathers runs one preparation all-reduce of
-:data:`~lightning_pipedap.plan.sharding.PREPARE_BYTES_PER_LAYER` bytes per layer (used flags), with ``clip_norm`` one
-fp32 all-gather of every sharded bucket's gradients, and then per sharded bucket in forward order its *step*,
+once the backward is done), the channel of the all-gathers runs, with ``clip_norm``, one fp32 all-gather of every
+sharded bucket's gradients, then one preparation all-reduce of
+:data:`~lightning_pipedap.plan.sharding.PREPARE_BYTES_PER_LAYER` bytes per layer (used flags), and then per sharded
+bucket in forward order its *step*,
 ``t_update * bytes(b) / total / N`` seconds (this rank's ``1/N`` shard, N = ``world_size``), followed by ``AG(b)``
 (the updated parameters, fp32 bytes: a wire16 bucket's parameters travel in their own dtype). The next forward
 waits for ``AG(b)`` and pays, on the compute stream, only a *land* copy of ``land_s_per_byte * bytes(b)`` (default
