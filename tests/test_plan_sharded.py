@@ -305,3 +305,15 @@ def test_cli_sharded_options_need_sharded(capsys):
                    "--clip-norm"])
     assert rc == 2
     assert "--clip-norm" in capsys.readouterr().err
+
+
+def test_cli_saves_the_sharded_schedule_and_simulates_it_both_ways(tmp_path, capsys):
+    base = ["--profile", "resnet50", "--world-size", "4", "--alpha", "1e-4", "--beta", "1e-9"]
+    path = tmp_path / "s.json"
+    assert cli.main(base + ["--planner", "dear", "--sharded", "--save-schedule", str(path)]) == 0
+    assert "(schedule of dear+sharded)" in capsys.readouterr().out
+    saved = cli.read_schedule(str(path), cli.load_profile("resnet50"), None)
+    assert sharded_ops(saved) == saved
+    assert cli.main(base + ["--schedule", str(path), "--sharded", "--land-ns-per-byte", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "dear+sharded " in out and "sharded vs unsharded dear:" in out
