@@ -190,7 +190,8 @@ def _random_schedule(rng: random.Random, L: int, compressed: bool) -> Schedule:
         else:
             seq.append(Op(RS, b))
             state[b] = 1
-    return Schedule(buckets, tuple(seq), compressed=flags)
+    half = tuple(not (flags is not None and flags[b]) and rng.random() < 0.3 for b in range(B))
+    return Schedule(buckets, tuple(seq), compressed=flags, wire16=half if any(half) else None)
 
 
 def _random_compression(rng: random.Random) -> CompressionCost:
@@ -212,10 +213,12 @@ def test_sharded_bounds_hold_on_random_profiles(seed, L, N, channels, clip, land
     P = r.iteration_s
     slack = 1 + 1e-9
     assert r.bounds.best_s <= P * slack  # this schedule's bounds
-    assert lower_bounds(prof, cm, channels=channels, compression=comp, sharded=sh).best_s <= P * slack  # any schedule
+    if sched.wire16 is None:  # (the bound of every schedule does not cover 16-bit wire buckets: fewer bytes)
+        assert lower_bounds(prof, cm, channels=channels, compression=comp, sharded=sh).best_s <= P * slack
     assert r.compute_s <= P * slack and r.exposed_comm_s >= 0
     # the fast evaluation equals the recorded one, for the planned and for the executed op list
-    ev = Evaluator(prof, cm, sched.buckets, channels, compressed=sched.compressed, compression=comp, sharded=sh)
+    ev = Evaluator(prof, cm, sched.buckets, channels, compressed=sched.compressed, compression=comp, sharded=sh,
+                   wire16=sched.wire16)
     assert ev.period_codes([op_code(o) for o in sched.ops]) == pytest.approx(P, rel=1e-12)
     assert ev.period_codes([op_code(o) for o in r.schedule.ops]) == pytest.approx(P, rel=1e-12)
     assert r.schedule.ops == sharded_ops(sched).ops
