@@ -28,16 +28,19 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 if TYPE_CHECKING:
     from lightning_pipedap.schedule import Op
 
-KINDS = ("RS", "AG", "AR", "compress", "decompress", "forward", "backward", "update", "wait")
+KINDS = ("RS", "AG", "AR", "compress", "decompress", "forward", "backward", "update", "wait", "step")
 LANES = ("compute", "comm", "compress")
 COMM_KINDS = ("RS", "AG", "AR")
 COMPUTE_KINDS = ("forward", "backward", "update")
 COMPRESS_KINDS = ("compress", "decompress")
+#: the sharded optimizer step of one bucket's shard (``shard_optimizer``), run by the communication worker
+STEP_KIND = "step"
 #: the training thread blocked on communication (e.g. waiting for an all-gather in a forward pre-hook);
 #: subtracted from compute, because a stalled forward hides nothing
 WAIT_KIND = "wait"
 _LANE_OF_KIND = {**{k: "comm" for k in COMM_KINDS}, **{k: "compute" for k in COMPUTE_KINDS},
-                 **{k: "compress" for k in COMPRESS_KINDS}, WAIT_KIND: "compute"}
+                 **{k: "compress" for k in COMPRESS_KINDS}, WAIT_KIND: "compute",
+                 STEP_KIND: "comm"}
 
 Interval = tuple[float, float]
 
@@ -50,7 +53,7 @@ class OpRecord:
         name: display name, e.g. ``"RS3"``, ``"forward"``.
         kind: one of :data:`KINDS` (``"RS"``, ``"AG"``, ``"AR"``, ``"compress"``, ``"decompress"``,
             ``"forward"``, ``"backward"``, ``"update"``, ``"wait"``: the training thread blocked on
-            communication, which is not compute).
+            communication, which is not compute; ``"step"``: a sharded optimizer step on the communication lane).
         bucket: bucket index (forward order) for per-bucket operations, else ``None``.
         start_s, end_s: ``time.perf_counter()`` seconds; ``end_s >= start_s``.
         lane: ``"compute"``, ``"comm"`` or ``"compress"`` (see :func:`lane_of_kind` for the usual one).
@@ -95,7 +98,7 @@ def display_name(record: OpRecord) -> str:
 
 
 def lane_of_kind(kind: str) -> str:
-    """The usual lane of ``kind``: RS/AG/AR -> comm, compress/decompress -> compress, else compute
+    """The usual lane of ``kind``: RS/AG/AR and step -> comm, compress/decompress -> compress, else compute
     (forward, backward, update, wait).
 
     Raises:
@@ -321,7 +324,7 @@ def records_from_chrome_trace(trace: dict[str, Any]) -> list[OpRecord]:
 
 _COLORS = {"forward": "#4c72b0", "backward": "#55a868", "update": "#8172b2", "RS": "#dd8452",
            "AG": "#c44e52", "AR": "#937860", "compress": "#da8bc3", "decompress": "#8c8c8c",
-           "wait": "#ffffff"}
+           "wait": "#ffffff", "step": "#ccb974"}
 _EXPOSED_COLOR = "#d62728"
 #: hatch of the operations of odd iterations (even ones are plain), so that two consecutive iterations' operations
 #: are told apart where a bar is too narrow for its "it N: ..." label

@@ -22,11 +22,13 @@ from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import (
     LayerProfile, ModelProfile, load_profile, load_reference_profile, save_profile, shared_profiles_dir,
 )
+from lightning_pipedap.plan.sharding import Sharding
 from lightning_pipedap.plan.simulator import SimResult, simulate, to_op_records
 
 __all__ = [
     "AlphaBeta", "CompressionCost", "ContendedResult", "Contention", "CostModel", "Evaluator", "LayerProfile",
-    "LowerBounds", "ModelProfile", "PLANNERS", "SimResult", "contended_pair", "fit_alpha_beta", "fit_compression_cost",
-    "fit_contention", "fit_cost_model", "get_planner", "load_cost_model", "load_profile", "load_reference_profile",
-    "lower_bounds", "save_profile", "shared_profiles_dir", "simulate", "simulate_contended", "to_op_records",
+    "LowerBounds", "ModelProfile", "PLANNERS", "Sharding", "SimResult", "contended_pair", "fit_alpha_beta",
+    "fit_compression_cost", "fit_contention", "fit_cost_model", "get_planner", "load_cost_model", "load_profile",
+    "load_reference_profile", "lower_bounds", "save_profile", "shared_profiles_dir", "simulate", "simulate_contended",
+    "to_op_records",
 ]

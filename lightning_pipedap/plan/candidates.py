@@ -18,7 +18,8 @@ Candidate order (first ``k`` distinct schedules):
 
 Two schedules are the same candidate when their buckets, op lists, compression and 16-bit wire flags
 agree. With ``wire16`` the configured planner's schedule keeps its own per-bucket choice and every
-other candidate sends every uncompressed bucket 16-bit (:func:`wire16_everywhere`).
+other candidate sends every uncompressed bucket 16-bit (:func:`wire16_everywhere`). With ``sharded`` (the sharded
+optimizer step) every candidate is planned and predicted for it (its op list is the engine's sharded one).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners import get_planner
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg
 from lightning_pipedap.plan.simulator import simulate
 from lightning_pipedap.schedule import Schedule
 
@@ -44,18 +46,20 @@ def _key(s: Schedule) -> tuple:
 
 
 def wire16_everywhere(profile: ModelProfile, cost_model: CostModel, schedule: Schedule,
-                      compression: CompressionCost | None = None) -> Schedule:
+                      compression: CompressionCost | None = None, sharded: ShardingArg = False) -> Schedule:
     """``schedule`` with every uncompressed bucket in the 16-bit wire format, re-predicted by the simulator
-    (the fixed-idea planners' way of using the wire format, as they compress every bucket)."""
+    (the fixed-idea planners' way of using the wire format, as they compress every bucket); ``sharded``: with
+    the sharded step's model."""
     flags = tuple(not schedule.is_compressed(b) for b in range(len(schedule.buckets)))
     out = dataclasses.replace(schedule, wire16=flags if any(flags) else None)
-    return dataclasses.replace(out, predicted_iteration_s=simulate(profile, cost_model, out,
-                                                                   compression=compression).iteration_s)
+    return dataclasses.replace(out, predicted_iteration_s=simulate(profile, cost_model, out, compression=compression,
+                                                                   sharded=sharded).iteration_s)
 
 
 def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: int, planned: Schedule, *,
                      cap_bytes: int, k: int, compression: CompressionCost | None = None,
-                     exclude: Sequence[str] = ("no_overlap",), wire16: bool = False) -> list[Schedule]:
+                     exclude: Sequence[str] = ("no_overlap",), wire16: bool = False,
+                     sharded: ShardingArg = False) -> list[Schedule]:
     """The first ``k`` distinct candidate schedules, ``planned`` first (see the module docstring).
 
     Args:
@@ -70,6 +74,8 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
         exclude: planner names never used as candidates.
         wire16: the 16-bit wire format is allowed: ``optimal`` chooses it per bucket, the other
             planners' schedules get it on every bucket (:func:`wire16_everywhere`).
+        sharded: plan and predict every candidate for the sharded optimizer step (``True`` or a
+            :class:`~lightning_pipedap.plan.sharding.Sharding`); ``planned`` should be planned so too.
 
     Returns:
         Schedules over the profile's layers, each with ``predicted_iteration_s`` set; fixed-fusion
@@ -87,7 +93,7 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
 
     def add(s: Schedule) -> None:
         if wire16 and s.name.split("@")[0] != "optimal":
-            s = wire16_everywhere(profile, cost_model, s, compression)
+            s = wire16_everywhere(profile, cost_model, s, compression, sharded)
         if len(out) < k and _key(s) not in seen:
             seen.add(_key(s))
             out.append(s)
@@ -96,14 +102,15 @@ def trial_candidates(profile: ModelProfile, cost_model: CostModel, world_size: i
     for name in ("dear", "wfbp"):
         if len(out) >= k or name in exclude:
             continue
-        s = get_planner(name)(profile, cost_model, world_size, fusion=int(cap_bytes), compression=compression)
+        s = get_planner(name)(profile, cost_model, world_size, fusion=int(cap_bytes), compression=compression,
+                              sharded=sharded)
         add(dataclasses.replace(s, name=f"{name}@{cap_label}"))
     auto = []
     for name in _AUTO_FUSION_PLANNERS:
         if len(out) >= k or name in exclude or name == planned.name:  # the planned one is already candidate 0
             continue
         kw = {"wire16": True} if wire16 and name == "optimal" else {}
-        auto.append(get_planner(name)(profile, cost_model, world_size, compression=compression, **kw))
+        auto.append(get_planner(name)(profile, cost_model, world_size, compression=compression, sharded=sharded, **kw))
     for s in sorted(auto,
                     key=lambda s: s.predicted_iteration_s if s.predicted_iteration_s is not None else float("inf")):
         add(s)

@@ -45,6 +45,14 @@ helper lane beside compute (drawn in the Gantt chart and the trace), ``inline`` 
 simulates it, instead of planning, against ``--profile`` and the cost model (a schedule with
 compressed buckets needs ``--compression``, and ``--compression-cost`` for the cost it was planned with).
 
+``--sharded`` adds, beside each row, a row ``<row>+sharded`` planned and simulated for the sharded optimizer step
+(``shard_optimizer``: each rank steps its 1/N shard of a bucket between its reduce-scatter and the all-gather of the
+parameters, :mod:`lightning_pipedap.plan.sharding`); ``--clip-norm`` models clip by norm (the gradients of every
+sharded bucket all-gathered before the first step) and ``--land-ns-per-byte`` the land copy on the compute stream
+(default 0). It prints the lower bounds of the sharded model and, per row, the predicted iteration sharded vs
+unsharded for the same profile. With ``--save-schedule`` the sharded row's schedule is written (the engine's op list);
+with ``--schedule`` the saved schedule is simulated both ways.
+
 ``--sweep`` runs the Validation 1 grid of ``docs/PLANNERS.md`` (:mod:`lightning_pipedap.plan.sweep`):
 every shared profile x {2, 4, 8} workers x beta x {1, 10, 30} with the reference convention; it
 prints a Markdown table and, with ``--out``, writes it into a file between the sweep markers.
@@ -70,6 +78,7 @@ from lightning_pipedap.plan.compression import WHERE, CompressionCost, load_comp
 from lightning_pipedap.plan.cost_model import CostModel, load_cost_model
 from lightning_pipedap.plan.planners import PLANNERS, get_planner
 from lightning_pipedap.plan.profile import ModelProfile, load_profile, shared_profiles_dir
+from lightning_pipedap.plan.sharding import Sharding
 from lightning_pipedap.plan.simulator import SimResult, simulate, to_op_records
 from lightning_pipedap.plan.sweep import ORDER, run_sweep, sweep_markdown, write_between_markers
 from lightning_pipedap.schedule import Schedule
@@ -252,21 +261,55 @@ def build_compression_cost(args: argparse.Namespace, profile: ModelProfile) -> C
 
 
 # ------------------------------------------------------------------------------------ schedules
-#: row name -> (schedule, the compression cost it is simulated with, or None)
-Rows = dict[str, tuple[Schedule, CompressionCost | None]]
+#: row name -> (schedule, the compression cost it is simulated with or None, the sharded step's model or None)
+Rows = dict[str, tuple[Schedule, CompressionCost | None, Sharding | None]]
+
+
+def build_sharding(args: argparse.Namespace) -> Sharding | None:
+    """The sharded step's model from ``--sharded``, ``--clip-norm`` and ``--land-ns-per-byte``, or None.
+
+    Raises:
+        ValueError: ``--clip-norm`` or ``--land-ns-per-byte`` without ``--sharded``, or a negative land cost.
+    """
+    if not args.sharded:
+        given = [f for f, v in (("--clip-norm", args.clip_norm), ("--land-ns-per-byte", args.land_ns_per_byte))
+                 if v not in (False, None)]
+        if given:
+            raise ValueError(f"{', '.join(given)} model the sharded optimizer step: add --sharded")
+        return None
+    land = 0.0 if args.land_ns_per_byte is None else args.land_ns_per_byte
+    if not land >= 0:
+        raise ValueError(f"--land-ns-per-byte must be >= 0, got {args.land_ns_per_byte}")
+    return Sharding(clip_norm=args.clip_norm, land_s_per_byte=land * 1e-9)
 
 
 def planned_rows(args: argparse.Namespace, profile: ModelProfile, cm: CostModel,
-                 cost: CompressionCost | None) -> Rows:
+                 cost: CompressionCost | None, sharding: Sharding | None = None) -> Rows:
     """Every planner of ``--planner`` planned dense (row ``<planner>``) and, with a compression cost,
-    planned with it (row ``<planner>+<METHOD>``, next to the dense one)."""
+    planned with it (row ``<planner>+<METHOD>``, next to the dense one); with ``sharding`` each of those
+    also planned for the sharded step (row ``<row>+sharded``, next to it)."""
     rows: Rows = {}
     for n in list(ORDER) if args.planner == "all" else [args.planner]:
-        rows[n] = (get_planner(n)(profile, cm, args.world_size, channels=args.channels), None)
-        if cost is not None:
-            rows[f"{n}+{args.compression}"] = (get_planner(n)(profile, cm, args.world_size, channels=args.channels,
-                                                              compression=cost), cost)
+        for name, c in [(n, None)] + ([(f"{n}+{args.compression}", cost)] if cost is not None else []):
+            rows[name] = (get_planner(n)(profile, cm, args.world_size, channels=args.channels, compression=c), c, None)
+            if sharding is not None:
+                rows[f"{name}+sharded"] = (get_planner(n)(profile, cm, args.world_size, channels=args.channels,
+                                                          compression=c, sharded=sharding), c, sharding)
     return rows
+
+
+def sharded_comparison(results: Mapping[str, SimResult]) -> list[str]:
+    """One line per row that has a ``+sharded`` twin: ``sharded vs unsharded <row>: X ms vs Y ms (+d %)``, the
+    predicted iteration times of the same profile with and without the sharded optimizer step."""
+    out = []
+    for name, r in results.items():
+        twin = results.get(f"{name}+sharded")
+        if twin is None or name.endswith("+sharded"):
+            continue
+        d = 100.0 * (twin.iteration_s / r.iteration_s - 1.0) if r.iteration_s > 0 else 0.0
+        out.append(f"sharded vs unsharded {name}: {twin.iteration_s * 1e3:.3f} ms vs {r.iteration_s * 1e3:.3f} ms "
+                   f"({d:+.2f} %; exposed {twin.exposed_comm_s * 1e3:.3f} vs {r.exposed_comm_s * 1e3:.3f} ms)")
+    return out
 
 
 def read_schedule(path: str, profile: ModelProfile, cost: CompressionCost | None) -> Schedule:
@@ -359,6 +402,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                     help="write the schedule of --planner NAME (with --compression: planned with it) as JSON")
     ap.add_argument("--schedule", metavar="FILE", help="simulate this saved schedule (--save-schedule) instead of "
                                                        "planning")
+    ap.add_argument("--sharded", action="store_true",
+                    help="also plan and simulate each row for the sharded optimizer step (shard_optimizer): rows "
+                         "<row>+sharded and the predicted iteration sharded vs unsharded")
+    ap.add_argument("--clip-norm", action="store_true",
+                    help="with --sharded: the step clips by norm (gradients all-gathered before the first step)")
+    ap.add_argument("--land-ns-per-byte", type=float, metavar="NS",
+                    help="with --sharded: compute-stream cost of landing gathered parameters, ns/byte (default 0)")
     ap.add_argument("--sweep", action="store_true",
                     help="Validation 1: every shared profile x {2,4,8} workers x beta x{1,10,30}, Markdown table")
     ap.add_argument("--out", help="with --sweep: write the table into this file between the sweep markers")
@@ -383,24 +433,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError("--schedule simulates the saved schedule; drop --planner and --save-schedule")
         if args.save_schedule is not None and args.planner == "all":
             raise ValueError("--save-schedule writes one schedule: give --planner NAME")
+        sharding = build_sharding(args)
         profile = load_profile(args.profile, repaired=args.repaired, bytes_per_element=args.bytes_per_element)
         cm = build_cost_model(args)
+        if sharding is not None and cm.meta.get("world_size") not in (None, args.world_size):
+            raise ValueError(f"the cost model was built for world size {cm.meta['world_size']}, but --world-size is "
+                             f"{args.world_size}")
         cost = build_compression_cost(args, profile)
         if args.schedule is not None:
             saved = read_schedule(args.schedule, profile, cost)
-            rows: Rows = {saved.name: (saved, cost)}
+            rows: Rows = {saved.name: (saved, cost, None)}
+            if sharding is not None:
+                rows[f"{saved.name}+sharded"] = (saved, cost, sharding)
         else:
-            rows = planned_rows(args, profile, cm, cost)
+            rows = planned_rows(args, profile, cm, cost, sharding)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     N = args.world_size
-    results = {row: simulate(profile, cm, sched, channels=args.channels, compression=c, world_size=N)
-               for row, (sched, c) in rows.items()}
+    results = {row: simulate(profile, cm, sched, channels=args.channels, compression=c, world_size=N, sharded=sh)
+               for row, (sched, c, sh) in rows.items()}
     lb_c = (lower_bounds(profile, cm, channels=args.channels, compression=cost, world_size=N)
             if cost is not None else None)
-    row_bounds = {row: lb_c.best_s for row, (_, c) in rows.items() if c is not None}
+    row_bounds = {row: lb_c.best_s for row, (_, c, _) in rows.items() if c is not None}
     lb = lower_bounds(profile, cm, channels=args.channels)
+    lb_s = {}  # sharded rows: the sharded model's bounds (with the compression cost, if any)
+    if sharding is not None:
+        for c in {id(c): c for _, c, _ in rows.values()}.values():
+            lb_s[id(c)] = lower_bounds(profile, cm, channels=args.channels, compression=c, world_size=N,
+                                       sharded=sharding)
+        row_bounds.update({row: lb_s[id(c)].best_s for row, (_, c, sh) in rows.items() if sh is not None})
     print(f"profile {profile.name}: {profile.num_layers} layers, {profile.total_bytes / 2**20:.1f} MiB, "
           f"forward {profile.t_forward * 1e3:.3f} ms, backward {profile.t_backward * 1e3:.3f} ms, "
           f"update {profile.t_update * 1e3:.3f} ms; world size {args.world_size}, {args.channels} channel(s)")
@@ -413,7 +475,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         bounds += (f"\nlower bounds with {args.compression} (any bucket dense or compressed): sum max(compute, comm) "
                    f"{lb_c.sum_bound_s * 1e3:.3f} ms, window {lb_c.window_s * 1e3:.3f} ms (layer {lb_c.window_layer}); "
                    f"gap % of the +{args.compression} rows is against {lb_c.best_s * 1e3:.3f} ms")
+    if sharding is not None:
+        what = ", clip by norm" if sharding.clip_norm else ""
+        for c, lbs in ((c, lb_s[id(c)]) for c in {id(c): c for _, c, _ in rows.values()}.values()):
+            with_c = f" with {args.compression}" if c is not None else ""
+            bounds += (f"\nlower bounds sharded{with_c} (N = {N}{what}): compute {lbs.compute_s * 1e3:.3f} ms, "
+                       f"sum max(compute, comm) {lbs.sum_bound_s * 1e3:.3f} ms, window {lbs.window_s * 1e3:.3f} ms "
+                       f"(layer {lbs.window_layer}); gap % of the +sharded{with_c} rows is against "
+                       f"{lbs.best_s * 1e3:.3f} ms")
     print(format_table(results, lb.best_s, bounds, row_bounds=row_bounds))
+    for line in sharded_comparison(results):
+        print(line)
     if args.describe:
         for r in results.values():
             print(r.schedule.describe())
@@ -425,7 +497,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.png:
         print(f"wrote {gantt_panels_png(panels, args.png, origin_s=0.0, window=(0.0, span), width_in=14.0)}")
     if args.save_schedule:
-        row = args.planner if cost is None else f"{args.planner}+{args.compression}"
+        row = (args.planner if cost is None else f"{args.planner}+{args.compression}") + \
+            ("+sharded" if sharding is not None else "")
         print(f"wrote {save_json(rows[row][0], args.save_schedule)} (schedule of {row})")
     if args.trace:
         events = [e for pid, (n, (_, recs)) in enumerate(zip(results, panels))

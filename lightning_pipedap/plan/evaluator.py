@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import WIRE16_RATIO, CostModel
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import PREPARE_BYTES_PER_LAYER, ShardingArg, resolve_sharding
 from lightning_pipedap.schedule import Op, OpKind
 
 __all__ = ["Evaluator", "Interval", "K_AG", "K_AR", "K_RS", "K_SKIP", "OpTiming", "WIRE16_RATIO", "check_channels",
@@ -67,8 +68,11 @@ class OpTiming:
 
 @dataclass(frozen=True)
 class Interval:
-    """A compute-stream interval: ``kind`` is ``forward``, ``backward``, ``update`` or ``wait``; or,
-    on the compression helper lane, ``compress``.
+    """A compute-stream interval: ``kind`` is ``forward``, ``backward``, ``update``, ``land`` (a sharded bucket's
+    gathered parameters copied into the model) or ``wait``; on the compression helper lane, ``compress``; on the
+    channel of the all-gathers, the sharded step's work (:meth:`Evaluator.run`): ``prepare`` (the round's
+    all-reduce of used flags), ``gather_grads`` (clip by norm: bucket ``bucket``'s gradients all-gathered) and
+    ``step`` (this rank's shard of bucket ``bucket`` stepped).
 
     ``wait`` intervals are exposed communication: the compute stream idles until bucket
     ``bucket``'s reduction finishes. ``layers`` are the profile layers covered (forward/backward).
@@ -103,6 +107,9 @@ class Evaluator:
             constants, else the fp32 ones at ``WIRE16_RATIO`` of the bytes) and its AR is that RS then that AG
             (the engine runs it so);
             None: no bucket. A bucket may not be both compressed and wire16.
+        sharded: the sharded optimizer step (``True``, or a :class:`~lightning_pipedap.plan.sharding.Sharding`
+            with its options; ``False``: unsharded): every uncompressed bucket is stepped sharded (see
+            :mod:`~lightning_pipedap.plan.simulator`); needs ``world_size``.
 
     Attributes:
         ready: ``ready[b]``, seconds after the backward start at which bucket ``b``'s first channel
@@ -118,9 +125,21 @@ class Evaluator:
             in helper order.
         t_backward: Σ t_b (the next forward can start then).
         cost, chan, kind: per op code (:func:`op_code`): seconds, channel, and effective kind (the RS
-            of a compressed bucket acts as its AR, its AG is :data:`K_SKIP`).
-        fast_steps: ``(bucket waited for, its update share + forward seconds)`` per forward step, in
-            forward order (the next forward as :meth:`period_codes` walks it).
+            of a compressed bucket acts as its AR, its AG is :data:`K_SKIP`; the AR of a sharded bucket acts as
+            its RS (cost of the RS), its AG is :data:`K_SKIP`: the parameter all-gather runs in the shard tail).
+        fast_steps: ``(bucket waited for, its compute share + forward seconds)`` per forward step, in
+            forward order (the next forward as :meth:`period_codes` walks it); the share is the bucket's update
+            (``t_update * bytes / total``), or its land copy when it is sharded.
+        sharding: the :class:`~lightning_pipedap.plan.sharding.Sharding` options, or ``None`` (unsharded).
+        sharded: per bucket, whether it is stepped sharded (uncompressed buckets under ``sharding``).
+        step_s, gather_s, land_s: per bucket, seconds of the shard step (``t_update * bytes / total / N``), of the
+            parameter all-gather (fp32 ``AG`` of the bucket's bytes, also for a wire16 bucket: parameters travel in
+            their own dtype) and of the land copy; 0 for an unsharded bucket.
+        prepare_s: the round's preparation all-reduce (:data:`~lightning_pipedap.plan.sharding.PREPARE_BYTES_PER_LAYER`
+            bytes per layer), 0 without a sharded bucket.
+        clip_s: with ``clip_norm``, the gradient all-gathers of every sharded bucket (s), else 0.
+        shard_tail: ``(bucket, step + parameter all-gather seconds)`` per sharded bucket, forward order.
+        compute_s: busy seconds of the compute stream per iteration (Σ t_f + Σ t_b + the compute shares).
 
     Raises:
         ValueError: if ``buckets`` do not partition the layers, ``channels`` is not 1 or 2, the
@@ -131,7 +150,7 @@ class Evaluator:
     def __init__(self, profile: ModelProfile, cost_model: CostModel, buckets: Sequence[Sequence[int]],
                  channels: int = 1, *, compressed: Sequence[bool] | None = None,
                  compression: CompressionCost | None = None, world_size: int | None = None,
-                 wire16: Sequence[bool] | None = None) -> None:
+                 wire16: Sequence[bool] | None = None, sharded: ShardingArg = False) -> None:
         self.channels = check_channels(channels)
         L = profile.num_layers
         buckets = tuple(tuple(int(i) for i in bk) for bk in buckets)
@@ -157,6 +176,7 @@ class Evaluator:
         if both:
             raise ValueError(f"buckets {both[:10]} are flagged both compressed and wire16; flag one or the other")
         self.wire16 = half
+        self._sharded_arg = sharded
         if world_size is None:
             world_size = cost_model.meta.get("world_size")
         self.world_size = world_size
@@ -191,6 +211,7 @@ class Evaluator:
                 cost += [cost_model.reduce_scatter(n), cost_model.all_gather(n), cost_model.all_reduce(n)]
                 kind += [K_RS, K_AG, K_AR]
             chan += [0, 1 if channels == 2 else 0, 0]
+        self._shard_init(cost_model, world_size, cost, kind)
         self.cost, self.chan, self.kind = cost, chan, kind
         # helper lane: compressed buckets in gradient-ready order (ties: higher bucket first, as backward)
         self.ready = list(self.grad_ready)
@@ -209,11 +230,56 @@ class Evaluator:
             b = seen[i]
             if b not in waited:
                 waited.add(b)
-                steps.append([b, self.update[b], 0.0, []])
+                steps.append([b, self.land_s[b] if self.sharded[b] else self.update[b], 0.0, []])
             steps[-1][2] += layers[i].t_f
             steps[-1][3].append(i)
         self.steps = [(s[0], s[1], s[2], tuple(s[3])) for s in steps]
         self.fast_steps = [(s[0], s[1] + s[2]) for s in steps]
+        self.compute_s = self.t_backward + sum(s[1] + s[2] for s in steps)
+
+    def _shard_init(self, cost_model: CostModel, world_size: int | None, cost: list[float], kind: list[int]) -> None:
+        """The sharded step's per-bucket costs (class docstring); rewrites the sharded buckets' entries of
+        ``cost`` and ``kind`` in place (AR -> RS, AG -> skipped)."""
+        sh = self.sharding = resolve_sharding(self._sharded_arg)
+        B = self.B
+        self.sharded = tuple(sh is not None and not self.compressed[b] for b in range(B))
+        self.step_s = [0.0] * B
+        self.gather_s = [0.0] * B
+        self.land_s = [0.0] * B
+        self.prepare_s = self.clip_s = self.shard_head = 0.0
+        self.shard_tail: list[tuple[int, float]] = []
+        if sh is None:
+            return
+        if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
+            raise ValueError(f"the sharded model needs world_size (an int >= 1, each rank steps 1/world_size of a "
+                             f"bucket), got {world_size!r}; pass world_size= or a cost model with meta['world_size']")
+        for b in range(B):
+            if not self.sharded[b]:
+                continue
+            n = self.nbytes[b]
+            self.step_s[b] = self.update[b] / world_size
+            self.gather_s[b] = cost_model.all_gather(n)
+            self.land_s[b] = sh.land_s_per_byte * n
+            rs = cost[3 * b + K_RS]
+            cost[3 * b + K_AG], cost[3 * b + K_AR] = 0.0, rs
+            kind[3 * b + K_AG], kind[3 * b + K_AR] = K_SKIP, K_RS
+            self.shard_tail.append((b, self.step_s[b] + self.gather_s[b]))
+        if self.shard_tail:
+            self.prepare_s = cost_model.all_reduce(PREPARE_BYTES_PER_LAYER * self.profile.num_layers)
+            if sh.clip_norm:
+                self.clip_s = sum(cost_model.all_gather(self.nbytes[b]) for b, _ in self.shard_tail)
+        self.shard_head = self.prepare_s + self.clip_s
+
+    def executed_codes(self, codes: Sequence[int]) -> list[int]:
+        """The op list the engine runs for ``codes``: unchanged without sharding; with it
+        :func:`~lightning_pipedap.schedule.sharded_ops`' order: every gradient op in place (a sharded bucket's
+        ``AR`` turned into its ``RS``, every ``AG`` dropped), then ``AG(b)`` of each sharded bucket in forward
+        order. :meth:`period_codes` gives both lists the same period."""
+        if self.sharding is None:
+            return list(codes)
+        sharded = self.sharded
+        out = [c - 2 if c % 3 == K_AR and sharded[c // 3] else c for c in codes if c % 3 != K_AG]
+        return out + [3 * b + K_AG for b, _ in self.shard_tail]
 
     # ------------------------------------------------------------ evaluation
     def period_codes(self, codes: Sequence[int]) -> float:
@@ -256,6 +322,13 @@ class Evaluator:
                     rs_end[b] = e
                 else:
                     done[b] = e
+            t = free[0] if free[0] > free[1] else free[1]
+        if self.shard_tail:  # the sharded steps and parameter all-gathers, after every gradient op and the backward
+            Tb = self.t_backward
+            t = (t if t > Tb else Tb) + self.shard_head
+            for b, d in self.shard_tail:
+                t += d
+                done[b] = t
         cur = self.t_backward
         for b, d in self.fast_steps:
             x = done[b]
@@ -268,19 +341,28 @@ class Evaluator:
         """Steady-state iteration time (s) of an op list (not validated)."""
         return self.period_codes([op_code(o) for o in ops])
 
-    def run(self, ops: Sequence[Op]) -> tuple[float, list[OpTiming], list[Interval]]:
+    def run(self, ops: Sequence[Op],
+            shard_out: list[Interval] | None = None) -> tuple[float, list[OpTiming], list[Interval]]:
         """Like :meth:`period` but returns ``(period, op timings, compute intervals)``.
 
         Times are in the iteration-origin frame (start of this iteration's forward = 0). The AG of
         a compressed bucket gets a zero-length timing at its channel's free time. The helper lane's
         intervals are :meth:`helper_intervals` (same frame, given the period).
+
+        With sharding the timings are those of :meth:`executed_codes` of ``ops`` (the op list the engine runs), and
+        ``shard_out``, when given, receives the sharded step's ``prepare``, ``gather_grads`` and ``step`` intervals
+        (same frame) on the all-gathers' channel.
         """
         cost, ready, chan, kind = self.cost, self.ready, self.chan, self.kind
         done = [0.0] * self.B
         rs_end = [0.0] * self.B
         free = [0.0, 0.0]
         raw: list[tuple[Op, int, float, float]] = []
-        for op in ops:
+        extra: list[tuple[str, int | None, float, float]] = []
+        codes = self.executed_codes([op_code(op) for op in ops])
+        ntail = len(self.shard_tail)
+        grad_ops = [code_op(c) for c in (codes[:-ntail] if ntail else codes)]
+        for op in grad_ops:
             c = op_code(op)
             b, k = op.bucket, kind[c]
             ch = chan[c]
@@ -297,6 +379,20 @@ class Evaluator:
                 done[b] = e
             raw.append((op, ch, s, e))
         Tb = self.t_backward
+        if ntail:
+            ch = self.chan[K_AG]
+            t = max(free[0], free[1], Tb)
+            for what, b, d in ([("gather_grads", b, self.cost_model.all_gather(self.nbytes[b]))
+                                for b, _ in self.shard_tail if self.sharding.clip_norm]
+                               + [("prepare", None, self.prepare_s)]):  # (the engine's order: ShardedStep.prepare)
+                extra.append((what, b, t, t + d))
+                t += d
+            for b, _ in self.shard_tail:
+                extra.append(("step", b, t, t + self.step_s[b]))
+                t += self.step_s[b]
+                raw.append((Op(OpKind.ALL_GATHER, b), ch, t, t + self.gather_s[b]))
+                t += self.gather_s[b]
+                done[b] = t
         cur = Tb
         fwd: list[Interval] = []
         for b, u, d, lay in self.steps:
@@ -304,7 +400,7 @@ class Evaluator:
                 fwd.append(Interval("wait", cur - Tb, done[b] - Tb, b))
                 cur = done[b]
             if u > 0:
-                fwd.append(Interval("update", cur - Tb, cur + u - Tb, b))
+                fwd.append(Interval("land" if self.sharded[b] else "update", cur - Tb, cur + u - Tb, b))
                 cur += u
             fwd.append(Interval("forward", cur - Tb, cur + d - Tb, b, lay))
             cur += d
@@ -318,6 +414,8 @@ class Evaluator:
             bwd.append(Interval("backward", t + shift, t + layers[i].t_b + shift, bucket_of[i], (i,)))
             t += layers[i].t_b
         timings = [OpTiming(op, ch, s + shift, e + shift) for op, ch, s, e in raw]
+        if shard_out is not None:
+            shard_out.extend(Interval(what, s + shift, e + shift, b) for what, b, s, e in extra)
         return P, timings, fwd + bwd
 
     def helper_intervals(self, period: float) -> list[Interval]:

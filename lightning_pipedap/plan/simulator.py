@@ -28,7 +28,8 @@ forward yields the exact period, the steady-state iteration time. Reported times
 "start of this iteration's forward", i.e. the moment the compute stream finished the previous
 backward; the forward may first wait there for the previous iteration's communication.
 
-Exposed communication = iteration time - (Σ t_f + Σ t_b + t_update): the compute stream's idle time.
+Exposed communication = iteration time - (Σ t_f + Σ t_b + t_update): the compute stream's idle time (with a
+sharded step, see below, only the compute stream's share of the update counts).
 
 **Compression** (optional: per-bucket flags + a
 :class:`~lightning_pipedap.plan.compression.CompressionCost`). A compressed bucket has no separate
@@ -40,6 +41,27 @@ the helper is free; the channel op waits for it and takes ``collective + post`` 
 ``where="inline"`` the compression is part of the channel op (``pre + collective + post``), which
 waits only for the gradients. The steady-state argument above still holds: the helper lane is idle
 when a backward starts, because every compression of an iteration precedes its bucket's channel op.
+
+**Sharded optimizer step** (optional: ``sharded=True`` or a :class:`~lightning_pipedap.plan.sharding.Sharding`,
+``shard_optimizer`` of the strategy, issue 30). The simulated op list is the one the engine runs,
+:func:`~lightning_pipedap.schedule.sharded_ops` of the schedule: every gradient op in list order (an uncompressed
+bucket's ``AR`` runs as its ``RS``), then ``AG(b)`` of every uncompressed ("sharded") bucket in forward order. After
+the last gradient op, and no earlier than the end of the backward (the step waits for its hyper-parameters, recorded
+once the backward is done), the channel of the all-gathers runs, with ``clip_norm``, one fp32 all-gather of every
+sharded bucket's gradients, then one preparation all-reduce of
+:data:`~lightning_pipedap.plan.sharding.PREPARE_BYTES_PER_LAYER` bytes per layer (used flags), and then per sharded
+bucket in forward order its *step*,
+``t_update * bytes(b) / total / N`` seconds (this rank's ``1/N`` shard, N = ``world_size``), followed by ``AG(b)``
+(the updated parameters, fp32 bytes: a wire16 bucket's parameters travel in their own dtype). The next forward
+waits for ``AG(b)`` and pays, on the compute stream, only a *land* copy of ``land_s_per_byte * bytes(b)`` (default
+0: a memory copy, far below the update it replaces). A compressed bucket stays unsharded: its update share stays on
+the compute stream as above. With two channels the gradient ops use channel 0 and the preparation, the steps and
+the all-gathers channel 1; since the latter wait for every gradient op, the period equals the one-channel one. The
+steady-state argument holds unchanged: the preparation, the steps and the all-gathers of iteration ``k`` precede the
+forward of their bucket in iteration ``k+1``, so the channel is idle when the backward of ``k+1`` starts, and the
+step's wait for "the end of the backward" refers to iteration ``k``'s backward (time ``Σ t_b`` of the period).
+Exposed communication is then the compute stream's idle time: ``iteration_s - compute_s`` with ``compute_s`` =
+Σ t_f + Σ t_b + the unsharded buckets' update shares + the land copies (the steps are on the channel).
 
 The model is compiled per fusion by :class:`~lightning_pipedap.plan.evaluator.Evaluator`; lower bounds
 on its iteration time are :func:`~lightning_pipedap.plan.bounds.lower_bounds`.
@@ -55,12 +77,16 @@ from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.evaluator import Evaluator, Interval, OpTiming
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.schedule import Schedule
+from lightning_pipedap.plan.sharding import Sharding, ShardingArg, resolve_sharding
+from lightning_pipedap.schedule import Schedule, sharded_ops
 
 if TYPE_CHECKING:
     from lightning_pipedap.measure.timeline import OpRecord
 
 __all__ = ["SimResult", "simulate", "to_op_records"]
+
+#: record kind and name prefix of the sharded step's channel intervals (:attr:`SimResult.shard`)
+_SHARD_RECORD = {"prepare": ("AR", "P"), "gather_grads": ("AG", "GG"), "step": ("step", "S")}
 
 
 @dataclass(frozen=True)
@@ -68,10 +94,12 @@ class SimResult:
     """Steady-state simulation of one schedule.
 
     Attributes:
-        schedule: the simulated schedule.
+        schedule: the simulated schedule; with a sharded step the op list the engine runs,
+            :func:`~lightning_pipedap.schedule.sharded_ops` of the schedule given.
         channels: number of communication channels simulated (1 or 2).
         iteration_s: steady-state iteration time (the period), seconds.
-        compute_s: Σ t_f + Σ t_b + t_update, seconds.
+        compute_s: Σ t_f + Σ t_b + t_update, seconds (sharded: the compute stream's busy time, the steps of the
+            sharded buckets excluded, their land copies included).
         exposed_comm_s: ``iteration_s - compute_s`` (compute-stream idle time), seconds.
         comm_busy_s: Σ of all op durations (all channels), seconds.
         ops: one :class:`OpTiming` per op, list order, in the iteration-origin frame. Ops of this
@@ -82,6 +110,9 @@ class SimResult:
             (``lower_bounds(profile, cost_model, schedule)``).
         helper: ``compress`` intervals of the compression helper lane (``where="helper"``), one
             per compressed bucket, iteration-origin frame; empty without compression.
+        sharding: the sharded step's options, or ``None`` (unsharded).
+        shard: the sharded step's channel intervals (``prepare``, ``gather_grads``, ``step``; see
+            :class:`~lightning_pipedap.plan.evaluator.Interval`), iteration-origin frame; empty when unsharded.
     """
 
     schedule: Schedule
@@ -94,6 +125,8 @@ class SimResult:
     compute: tuple[Interval, ...]
     bounds: LowerBounds
     helper: tuple[Interval, ...] = ()
+    sharding: Sharding | None = None
+    shard: tuple[Interval, ...] = ()
 
     def op_window(self, iterations: int = 1) -> list[OpTiming]:
         """Op timings that overlap ``[0, iterations * iteration_s]``, previous iteration included."""
@@ -114,7 +147,8 @@ class SimResult:
 
 
 def simulate(profile: ModelProfile, cost_model: CostModel, schedule: Schedule, *, channels: int = 1,
-             compression: CompressionCost | None = None, world_size: int | None = None) -> SimResult:
+             compression: CompressionCost | None = None, world_size: int | None = None,
+             sharded: ShardingArg = False) -> SimResult:
     """Simulate ``schedule`` in steady state (see the module docstring for the exact model).
 
     Args:
@@ -123,28 +157,35 @@ def simulate(profile: ModelProfile, cost_model: CostModel, schedule: Schedule, *
         schedule: fusion + op list (+ compressed flags); validated against ``profile.num_layers``.
         channels: 1 (default) or 2 communication channels.
         compression: the cost of compressing, required when the schedule flags a bucket compressed.
-        world_size: ranks, for ``collective="AG"`` compression (default ``cost_model.meta``).
+        world_size: ranks, for ``collective="AG"`` compression and the sharded step (default ``cost_model.meta``).
+        sharded: the sharded optimizer step (``True`` or a :class:`~lightning_pipedap.plan.sharding.Sharding`;
+            module docstring); ``False``: unsharded.
 
     Returns:
         :class:`SimResult` with the iteration time, exposed communication, every op's start/end,
-        the helper lane's compressions and the schedule's lower bounds.
+        the helper lane's compressions, the sharded step's intervals and the schedule's lower bounds.
 
     Raises:
         ValueError: if the schedule is not executable or does not partition the profile's layers,
-            or it flags compressed buckets without a ``compression``.
+            or it flags compressed buckets without a ``compression``, or ``sharded`` without a world size.
+        TypeError: ``sharded`` is neither a bool nor a ``Sharding``.
     """
     schedule.validate(profile.num_layers)
+    sharding = resolve_sharding(sharded)
+    if sharding is not None:
+        schedule = sharded_ops(schedule)
     ev = Evaluator(profile, cost_model, schedule.buckets, channels, compressed=schedule.compressed,
-                   compression=compression, world_size=world_size, wire16=schedule.wire16)
-    P, timings, compute = ev.run(schedule.ops)
-    comp = profile.t_compute
+                   compression=compression, world_size=world_size, wire16=schedule.wire16, sharded=sharding)
+    shard: list[Interval] = []
+    P, timings, compute = ev.run(schedule.ops, shard)
+    comp = profile.t_compute if sharding is None else ev.compute_s
     return SimResult(
         schedule=schedule, channels=channels, iteration_s=P, compute_s=comp,
         exposed_comm_s=max(0.0, P - comp), comm_busy_s=sum(t.end - t.start for t in timings),
         ops=tuple(timings), compute=tuple(compute),
         bounds=lower_bounds(profile, cost_model, schedule, channels=channels, compression=compression,
-                            world_size=world_size),
-        helper=tuple(ev.helper_intervals(P)),
+                            world_size=world_size, sharded=sharding),
+        helper=tuple(ev.helper_intervals(P)), sharding=sharding, shard=tuple(shard),
     )
 
 
@@ -166,6 +207,10 @@ def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
       consecutive layers of bucket ``b`` (their backward intervals are back to back);
     * every helper-lane compression (:attr:`SimResult.helper`) of those iterations and the previous
       one's that end after 0, kind ``compress``, lane ``compress``, named ``C<b>``;
+    * with a sharded step, its channel intervals (:attr:`SimResult.shard`) like the ops, lane ``comm``: the
+      preparation all-reduce (kind ``AR``, named ``P``), clip by norm's gradient all-gathers (kind ``AG``, named
+      ``GG<b>``) and each shard's step (kind ``step``, named ``S<b>``); a land copy is a compute record of kind
+      ``update`` named ``L<b>``;
     * each record's ``iteration``: ``k`` for the k-th iteration (0-based), ``-1`` for the previous
       iteration's ops, so the Gantt chart can say which iteration an op overlapping the next one is of.
 
@@ -173,7 +218,8 @@ def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
     ``k * exposed_comm_s`` in ms (the channel is busy whenever the compute stream waits), and
     the busy compute per iteration equals ``compute_s``. With helper-lane compression the compute
     stream can also wait while only the helper works; pass ``comm_kinds=COMM_KINDS +
-    COMPRESS_KINDS`` to count that time as exposed too.
+    COMPRESS_KINDS`` to count that time as exposed too; with a sharded step the compute stream also waits while
+    the channel steps a shard: pass ``comm_kinds=COMM_KINDS + (STEP_KIND,)``.
 
     Args:
         result: a :func:`simulate` result.
@@ -190,7 +236,7 @@ def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
     if not (isinstance(iterations, int) and iterations >= 1):
         raise ValueError(f"iterations must be an int >= 1, got {iterations!r}")
     P = result.iteration_s
-    prefix = {"forward": "F", "backward": "B", "update": "U", "wait": "W"}
+    prefix = {"forward": "F", "backward": "B", "update": "U", "wait": "W", "land": "L"}
     compute: list[OpRecord] = []
     window = result.compute_window(iterations)  # (each iteration's compute intervals, in order)
     per_iteration = len(result.compute)
@@ -202,13 +248,20 @@ def to_op_records(result: SimResult, iterations: int = 1) -> list[OpRecord]:
             last.end_s = c.end
             continue
         name = prefix[c.kind] + ("" if c.bucket is None else str(c.bucket))
-        compute.append(OpRecord(name, c.kind, c.bucket, c.start, c.end, "compute", it))
+        kind = "update" if c.kind == "land" else c.kind
+        compute.append(OpRecord(name, kind, c.bucket, c.start, c.end, "compute", it))
     comm: list[OpRecord] = []
     for k in range(-1, iterations):
         for t in result.ops:
             s, e = t.start + k * P, t.end + k * P
             if k >= 0 or e > 0.0:
                 comm.append(OpRecord(str(t.op), t.op.kind.value, t.op.bucket, s, e, "comm", k))
+        for c in result.shard:
+            s, e = c.start + k * P, c.end + k * P
+            if k >= 0 or e > 0.0:
+                kind, name = _SHARD_RECORD[c.kind]
+                comm.append(OpRecord(name + ("" if c.bucket is None else str(c.bucket)), kind, c.bucket, s, e, "comm",
+                                     k))
     comm.sort(key=lambda r: (r.start_s, r.end_s))
     helper: list[OpRecord] = []
     for k in range(-1, iterations):

@@ -12,6 +12,11 @@ Compression: every planner takes an optional
 ``dear``, ``pipedap``, ``no_overlap``) then compress every bucket (their op builders run unchanged;
 a compressed bucket's RS becomes its one AR and its AG is dropped, see :func:`finish`); ``optimal``
 decides per bucket.
+
+Sharded optimizer step: every planner takes ``sharded`` (``True`` or a
+:class:`~lightning_pipedap.plan.sharding.Sharding`): its candidates are evaluated with the sharded model
+(:mod:`lightning_pipedap.plan.simulator`) and the schedule it returns is the op list the engine runs then,
+:func:`~lightning_pipedap.schedule.sharded_ops` order (:func:`finish`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from lightning_pipedap.plan.evaluator import K_AR as AR
 from lightning_pipedap.plan.evaluator import K_RS as RS
 from lightning_pipedap.plan.evaluator import Evaluator, code_op
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg, resolve_sharding
 from lightning_pipedap.schedule import Schedule, fuse_by_size
 
 Starts = tuple[int, ...]
@@ -35,14 +41,15 @@ TOL = 1e-12
 
 
 def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
-                 compression: CompressionCost | None = None) -> None:
+                 compression: CompressionCost | None = None, sharded: ShardingArg = False) -> None:
     """Validate the arguments every planner shares.
 
     Raises:
         ValueError: if ``world_size`` is not an int >= 1, disagrees with ``cost_model.meta['world_size']``,
             ``channels`` is not 1 or 2, or the compression's per-layer payloads do not fit the profile.
-        TypeError: if ``profile``, ``cost_model`` or ``compression`` has the wrong type.
+        TypeError: if ``profile``, ``cost_model``, ``compression`` or ``sharded`` has the wrong type.
     """
+    resolve_sharding(sharded)
     if not isinstance(profile, ModelProfile):
         raise TypeError(f"profile must be a ModelProfile, got {type(profile).__name__}")
     if not isinstance(cost_model, CostModel):
@@ -62,10 +69,12 @@ def check_common(profile: ModelProfile, cost_model: CostModel, world_size: int, 
 
 def evaluator(profile: ModelProfile, cost_model: CostModel, buckets: Sequence[Sequence[int]], channels: int,
               world_size: int, compression: CompressionCost | None = None,
-              compressed: Sequence[bool] | bool = True, wire16: Sequence[bool] | bool = False) -> Evaluator:
+              compressed: Sequence[bool] | bool = True, wire16: Sequence[bool] | bool = False,
+              sharded: ShardingArg = False) -> Evaluator:
     """An :class:`Evaluator` for ``buckets``; with ``compression``, ``compressed`` is a flag per bucket
     or one bool for all of them (default: all compressed). Without ``compression`` nothing is.
-    ``wire16``: 16-bit wire flags, per bucket or one bool for every bucket not compressed."""
+    ``wire16``: 16-bit wire flags, per bucket or one bool for every bucket not compressed. ``sharded``: the
+    sharded step's model (every uncompressed bucket sharded)."""
     flags = None
     if compression is not None:
         flags = (bool(compressed),) * len(buckets) if isinstance(compressed, bool) else tuple(compressed)
@@ -74,7 +83,7 @@ def evaluator(profile: ModelProfile, cost_model: CostModel, buckets: Sequence[Se
     else:
         half = tuple(wire16)
     return Evaluator(profile, cost_model, buckets, channels, compressed=flags, compression=compression,
-                     world_size=world_size, wire16=half)
+                     world_size=world_size, wire16=half, sharded=sharded)
 
 
 def normalize_compressed(ev: Evaluator, codes: Sequence[int]) -> list[int]:
@@ -256,11 +265,11 @@ def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int]
 
     With a compression cost in ``ev`` the schedule carries its flags (one per bucket) and the op
     list is normalised (:func:`normalize_compressed`); with a 16-bit wire bucket in ``ev`` it carries
-    the ``wire16`` flags.
+    the ``wire16`` flags; with a sharded model the op list is the engine's (:meth:`Evaluator.executed_codes`).
     """
     if predicted is None:
         predicted = ev.period_codes(codes)
-    codes = normalize_compressed(ev, codes)
+    codes = ev.executed_codes(normalize_compressed(ev, codes))
     sched = Schedule(buckets=ev.buckets, ops=tuple(code_op(c) for c in codes), name=name,
                      predicted_iteration_s=predicted,
                      compressed=tuple(ev.compressed) if ev.compression is not None else None,
@@ -270,15 +279,17 @@ def finish(name: str, profile: ModelProfile, ev: Evaluator, codes: Sequence[int]
 
 def best_over_fusions(profile: ModelProfile, cost_model: CostModel, channels: int, fusions: Iterable[Starts],
                       builder: OpsBuilder, *, compression: CompressionCost | None = None,
-                      world_size: int | None = None) -> tuple[float, Evaluator, list[int]]:
+                      world_size: int | None = None,
+                      sharded: ShardingArg = False) -> tuple[float, Evaluator, list[int]]:
     """Evaluate ``builder`` on every fusion; return ``(iteration s, evaluator, codes)`` of the best.
 
-    With ``compression`` every bucket is compressed. Ties keep the earlier fusion (deterministic).
+    With ``compression`` every bucket is compressed; ``sharded``: the sharded model. Ties keep the earlier
+    fusion (deterministic).
     """
     L = profile.num_layers
     best: tuple[float, Evaluator, list[int]] | None = None
     for st in fusions:
-        ev = evaluator(profile, cost_model, buckets_of(st, L), channels, world_size, compression)
+        ev = evaluator(profile, cost_model, buckets_of(st, L), channels, world_size, compression, sharded=sharded)
         codes = builder(ev)
         p = ev.period_codes(codes)
         if best is None or p < best[0]:
@@ -289,7 +300,8 @@ def best_over_fusions(profile: ModelProfile, cost_model: CostModel, channels: in
 
 def plan_over_fusions(name: str, builder: OpsBuilder, profile: ModelProfile, cost_model: CostModel,
                       world_size: int, fusion: Any, channels: int, compression: CompressionCost | None,
-                      auto_first: Callable[[ModelProfile, CostModel], Starts] | None = None) -> Schedule:
+                      auto_first: Callable[[ModelProfile, CostModel], Starts] | None = None,
+                      sharded: ShardingArg = False) -> Schedule:
     """The ``plan()`` of the fixed-order planners (``wfbp``, ``dear``, ``pipedap``): check the
     arguments, evaluate the op list of ``builder`` on every fusion of :func:`resolve_fusion` and
     return the fastest as a schedule.
@@ -305,6 +317,9 @@ def plan_over_fusions(name: str, builder: OpsBuilder, profile: ModelProfile, cos
         channels: 1 or 2 communication channels for the prediction.
         compression: optional compression cost; when given every bucket is compressed.
         auto_first: with ``fusion="auto"``, a fusion evaluated before the candidates (ties keep it).
+        sharded: plan for the sharded optimizer step (``True`` or a
+            :class:`~lightning_pipedap.plan.sharding.Sharding`): every candidate evaluated with the sharded model,
+            the op list returned in the engine's sharded order.
 
     Returns:
         The validated schedule, named ``name``, with ``predicted_iteration_s`` set.
@@ -313,10 +328,10 @@ def plan_over_fusions(name: str, builder: OpsBuilder, profile: ModelProfile, cos
         ValueError: for a bad ``fusion``, ``world_size`` or ``channels``.
         TypeError: see :func:`check_common`.
     """
-    check_common(profile, cost_model, world_size, channels, compression)
+    check_common(profile, cost_model, world_size, channels, compression, sharded)
     fusions = resolve_fusion(fusion, profile, cost_model)
     if auto_first is not None and fusion == "auto":
         fusions = [auto_first(profile, cost_model)] + fusions
     p, ev, codes = best_over_fusions(profile, cost_model, channels, fusions, builder, compression=compression,
-                                     world_size=world_size)
+                                     world_size=world_size, sharded=sharded)
     return finish(name, profile, ev, codes, p)

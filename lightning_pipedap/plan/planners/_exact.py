@@ -20,10 +20,12 @@ from typing import Iterable, Iterator, Sequence
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.evaluator import Evaluator
-from lightning_pipedap.plan.planners._common import AG, AR, RS, TOL, Starts, buckets_of, evaluator
+from lightning_pipedap.plan.planners._common import AG, AR, RS, TOL, Starts, buckets_of, dear_codes, evaluator
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg
 
-__all__ = ["all_contiguous_fusions", "branch_and_bound", "exact_compressed_search", "exact_search"]
+__all__ = ["all_contiguous_fusions", "branch_and_bound", "exact_compressed_search", "exact_search",
+           "exact_sharded_search"]
 
 
 class _BnB:
@@ -203,3 +205,22 @@ def exact_compressed_search(profile: ModelProfile, cost_model: CostModel, channe
                   for starts in (all_contiguous_fusions(L) if fusions is None else fusions)
                   for fm in range(1, 1 << len(starts)))
     return branch_and_bound(evaluators, upper, node_budget)
+
+
+def exact_sharded_search(profile: ModelProfile, cost_model: CostModel, channels: int, world_size: int | None,
+                         sharded: ShardingArg, fusions: Sequence[Starts] | None,
+                         upper: float) -> tuple[float, Evaluator | None, list[int] | None, bool]:
+    """Stage 5 for the sharded model without compression: every fusion (``None``: every contiguous one) with
+    reduce-scatters in backward order, the optimal op list of a fusion whose buckets are all sharded (the
+    all-gathers follow every gradient op in forward order, so only the end of the last reduce-scatter matters,
+    and earliest-ready-first minimises it). Returns ``(best s, evaluator, codes, True)`` as
+    :func:`branch_and_bound` (no node budget: one evaluation per fusion)."""
+    L = profile.num_layers
+    best, best_ev, best_codes = upper, None, None
+    for starts in (all_contiguous_fusions(L) if fusions is None else fusions):
+        ev = evaluator(profile, cost_model, buckets_of(starts, L), channels, world_size, sharded=sharded)
+        codes = dear_codes(ev)
+        p = ev.period_codes(codes)
+        if p < best * (1 - TOL):
+            best, best_ev, best_codes = p, ev, codes
+    return best, best_ev, best_codes, True

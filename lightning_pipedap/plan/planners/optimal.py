@@ -58,6 +58,19 @@ keeps the best schedule of these stages, so its prediction is never worse than a
    of the best, the one with the fewest 16-bit buckets wins; it is polished (stage 4) and replaces
    the incumbent only if it predicts a shorter iteration.
 
+8. **Sharded optimizer step** (``sharded=True`` or a :class:`~lightning_pipedap.plan.sharding.Sharding`): every
+   stage evaluates with the sharded model of :mod:`lightning_pipedap.plan.simulator`, and the schedule returned
+   is the engine's sharded op list (:func:`~lightning_pipedap.schedule.sharded_ops` order). There the all-gathers
+   always follow every gradient op (in forward order, after the steps), so for a fusion without compressed
+   buckets the iteration depends on the gradient ops only through the end of the last one, which reduce-scatters
+   in backward order minimise (earliest ready first minimises the end of one machine's jobs with release times):
+   the structured op list (stage 2) is exactly that, the polish (stage 4) has nothing to improve and is skipped,
+   and the exact stage (5) evaluates every contiguous fusion (``2^(L-1)``) with it, so small models are solved
+   exactly. With compression the stages run as above on the sharded model, except stage 6's exact search (its
+   branch and bound models unsharded op lists), which is skipped. Last, the plan made without ``sharded`` is
+   evaluated with the sharded model and kept if it predicts shorter (so a sharded plan is never predicted worse
+   than sharding the unsharded one; the planning takes about twice as long).
+
 Budgets are counts of evaluations, not wall time, so results are deterministic. For the shared
 profiles (16 to 402 layers) with the defaults a plan takes about a second on one CPU core.
 """
@@ -77,12 +90,15 @@ from lightning_pipedap.plan.planners import no_overlap as _no_overlap
 from lightning_pipedap.plan.planners import pipedap as _pipedap
 from lightning_pipedap.plan.planners import wfbp as _wfbp
 from lightning_pipedap.plan.planners._common import (
-    AG, AR, RS, TOL, Starts, buckets_of, check_common, dp_backward_fusion, evaluator, finish,
+    AG, AR, RS, TOL, Starts, buckets_of, check_common, dear_codes, dp_backward_fusion, evaluator, finish,
     merge_adjacent, normalize_compressed, resolve_fusion, starts_of,
 )
-from lightning_pipedap.plan.planners._exact import branch_and_bound, exact_compressed_search, exact_search
+from lightning_pipedap.plan.planners._exact import (
+    branch_and_bound, exact_compressed_search, exact_search, exact_sharded_search,
+)
 from lightning_pipedap.plan.planners.pipedap import pipedap_codes
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg
 from lightning_pipedap.schedule import Schedule
 
 log = logging.getLogger(__name__)
@@ -158,9 +174,15 @@ def structured_best(ev: Evaluator, cut_window: int = 6, drop_max_buckets: int = 
     greedily dropped from the best prefix (moved to the sorted suffix) while that helps: the best
     prefix need not be contiguous (e.g. a huge bucket's all-reduce first, smaller ready ones later).
 
+    With a sharded model and no compressed bucket: reduce-scatters in backward order, which is optimal for
+    the fusion (module docstring, stage 8).
+
     Returns:
         ``(iteration seconds, op codes)``.
     """
+    if _sharded_only(ev):
+        codes = dear_codes(ev)
+        return ev.period_codes(codes), codes
     Tb = ev.t_backward
     best_p, best, best_prefix = math.inf, [], []
     for seq in _prefixes(ev):
@@ -220,9 +242,9 @@ class _FusionSearch:
 
     def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
                  compression: CompressionCost | None = None, world_size: int | None = None,
-                 wire16: bool = False) -> None:
+                 wire16: bool = False, sharded: ShardingArg = False) -> None:
         self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
-        self.compression, self.world_size, self.wire16 = compression, world_size, wire16
+        self.compression, self.world_size, self.wire16, self.sharded = compression, world_size, wire16, sharded
         self.cache: dict[Starts, tuple[float, list[int], Evaluator]] = {}
         self.pre = [0]
         for layer in profile.layers:
@@ -232,7 +254,7 @@ class _FusionSearch:
         hit = self.cache.get(starts)
         if hit is None:
             ev = evaluator(self.profile, self.cost_model, buckets_of(starts, self.profile.num_layers), self.channels,
-                           self.world_size, self.compression, wire16=self.wire16)
+                           self.world_size, self.compression, wire16=self.wire16, sharded=self.sharded)
             p, codes = structured_best(ev, self.cut_window)
             hit = self.cache[starts] = (p, codes, ev)
         return hit
@@ -299,9 +321,17 @@ def _polish_moves(codes: list[int], cost: Sequence[float]) -> Iterator[list[int]
                 yield base[:j] + [c] + base[j:]
 
 
+def _sharded_only(ev: Evaluator) -> bool:
+    """Whether every bucket of ``ev`` is stepped sharded (then the backward-order reduce-scatters are optimal)."""
+    return ev.sharding is not None and all(ev.sharded)
+
+
 def polish(ev: Evaluator, codes: list[int], max_evals: int) -> tuple[float, list[int], int]:
-    """Local search on the op list (stage 4). Returns ``(iteration s, codes, evaluations used)``."""
+    """Local search on the op list (stage 4). Returns ``(iteration s, codes, evaluations used)``; with every
+    bucket sharded the op list is returned as it is (nothing to improve, module docstring, stage 8)."""
     best_p = ev.period_codes(codes)
+    if _sharded_only(ev):
+        return best_p, codes, 1
     evals = 1
     improved = True
     while improved and evals < max_evals:
@@ -319,9 +349,9 @@ def polish(ev: Evaluator, codes: list[int], max_evals: int) -> tuple[float, list
 
 # ------------------------------------------------------------------------ known planners (stage 1)
 def _known_plans(profile: ModelProfile, cost_model: CostModel, world_size: int, fusion: Any, channels: int,
-                 compression: CompressionCost | None = None) -> list[Schedule]:
+                 compression: CompressionCost | None = None, sharded: ShardingArg = False) -> list[Schedule]:
     """The schedules of ``no_overlap`` (with ``fusion="auto"`` only), ``wfbp``, ``dear`` and ``pipedap``."""
-    kw = {"channels": channels, "compression": compression}
+    kw = {"channels": channels, "compression": compression, "sharded": sharded}
     known = [_no_overlap.plan(profile, cost_model, world_size, **kw)] if fusion == "auto" else []
     for mod in (_wfbp, _dear, _pipedap):
         known.append(mod.plan(profile, cost_model, world_size, fusion=fusion, **kw))
@@ -348,9 +378,9 @@ class _FlagSearch:
     """Per-bucket compression flags for given fusions (stage 6), flag vectors cached."""
 
     def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
-                 compression: CompressionCost, world_size: int) -> None:
+                 compression: CompressionCost, world_size: int, sharded: ShardingArg = False) -> None:
         self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
-        self.compression, self.world_size = compression, world_size
+        self.compression, self.world_size, self.sharded = compression, world_size, sharded
         self.cache: dict[tuple[Starts, Flags], tuple[float, list[int], Evaluator]] = {}
         self.evals = 0
 
@@ -361,7 +391,7 @@ class _FlagSearch:
         hit = self.cache.get(key)
         if hit is None:
             ev = evaluator(self.profile, self.cost_model, buckets_of(starts, self.profile.num_layers), self.channels,
-                           self.world_size, self.compression, flags)
+                           self.world_size, self.compression, flags, sharded=self.sharded)
             p, codes = structured_best(ev, self.cut_window, drop_max_buckets=0)
             self.evals += 1
             hit = (p, codes, ev)
@@ -391,21 +421,21 @@ def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size:
                        compression: CompressionCost, fusion: Any, fusions: Sequence[Starts],
                        incumbent: tuple[float, Evaluator, list[int]], cut_window: int, max_fusion_evals: int,
                        max_fusion_work: int, max_compress_evals: int, max_polish_evals: int,
-                       exact_compress_max_layers: int,
-                       max_exact_nodes: int) -> tuple[float, Evaluator, list[int]] | None:
+                       exact_compress_max_layers: int, max_exact_nodes: int,
+                       sharded: ShardingArg = False) -> tuple[float, Evaluator, list[int]] | None:
     """Stage 6 (module docstring): the best plan with at least one compressed bucket, or ``None``
     when none beats ``incumbent`` (``(s, evaluator, codes)`` of the plan without compression)."""
     L = profile.num_layers
     fixed = fusion != "auto"
     best_p, _, _ = incumbent
-    known = [k for k in _known_plans(profile, cost_model, world_size, fusion, channels, compression)
+    known = [k for k in _known_plans(profile, cost_model, world_size, fusion, channels, compression, sharded)
              if k.buckets and k.buckets[0][0] == 0]
     # the best fusion when every bucket is compressed (stages 2-3)
-    search = _FusionSearch(profile, cost_model, channels, cut_window, compression, world_size)
+    search = _FusionSearch(profile, cost_model, channels, cut_window, compression, world_size, sharded=sharded)
     seeds = list(fusions) + [starts_of(k.buckets) for k in known] + [starts_of(incumbent[1].buckets)]
     st_c = search.best_fusion(seeds, not fixed, max_fusion_evals, max_fusion_work)
     # greedy flag flips from several starts, best start first
-    flags_search = _FlagSearch(profile, cost_model, channels, cut_window, compression, world_size)
+    flags_search = _FlagSearch(profile, cost_model, channels, cut_window, compression, world_size, sharded)
     st_d = starts_of(incumbent[1].buckets)
     starts: list[tuple[Starts, Flags, Sequence[int] | None]] = [
         (st_d, (False,) * len(st_d), incumbent[2]),
@@ -419,7 +449,7 @@ def _compression_stage(profile: ModelProfile, cost_model: CostModel, world_size:
                        default=(math.inf, [], None))
     if ev is not None and max_polish_evals > 0:
         p, codes, _ = polish(ev, list(codes), max_polish_evals)
-    if L <= exact_compress_max_layers:
+    if L <= exact_compress_max_layers and not sharded:  # (its branch and bound models unsharded op lists)
         upper = min(p, best_p)
         q, qev, qcodes, complete = exact_compressed_search(
             profile, cost_model, channels, world_size, compression, [fusions[0]] if fixed else None, upper,
@@ -439,9 +469,9 @@ class _WireSearch:
     """Per-bucket 16-bit wire flags for given buckets and compressed flags (stage 7), flag vectors cached."""
 
     def __init__(self, profile: ModelProfile, cost_model: CostModel, channels: int, cut_window: int,
-                 world_size: int, compression: CompressionCost | None) -> None:
+                 world_size: int, compression: CompressionCost | None, sharded: ShardingArg = False) -> None:
         self.profile, self.cost_model, self.channels, self.cut_window = profile, cost_model, channels, cut_window
-        self.world_size, self.compression = world_size, compression
+        self.world_size, self.compression, self.sharded = world_size, compression, sharded
         self.cache: dict[tuple, tuple[float, list[int], Evaluator]] = {}
 
     def evaluate(self, buckets: tuple, compressed: Flags, half: Flags,
@@ -451,7 +481,7 @@ class _WireSearch:
         hit = self.cache.get(key)
         if hit is None:
             ev = evaluator(self.profile, self.cost_model, buckets, self.channels, self.world_size, self.compression,
-                           compressed, half)
+                           compressed, half, sharded=self.sharded)
             hit = (*structured_best(ev, self.cut_window, drop_max_buckets=0), ev)
         hit = self.cache[key] = _with_hint(hit, hint)
         return hit
@@ -480,12 +510,12 @@ class _WireSearch:
 def _wire_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, channels: int,
                 compression: CompressionCost | None, fusion: Any, fusions: Sequence[Starts],
                 incumbent: tuple[float, Evaluator, list[int]], cut_window: int, max_fusion_evals: int,
-                max_fusion_work: int, max_evals: int,
-                max_polish_evals: int) -> tuple[float, Evaluator, list[int]] | None:
+                max_fusion_work: int, max_evals: int, max_polish_evals: int,
+                sharded: ShardingArg = False) -> tuple[float, Evaluator, list[int]] | None:
     """Stage 7 (module docstring): the best plan with at least one 16-bit wire bucket, or ``None`` when
     none beats ``incumbent`` (``(s, evaluator, codes)``)."""
     best_p, inc_ev, inc_codes = incumbent
-    search = _WireSearch(profile, cost_model, channels, cut_window, world_size, compression)
+    search = _WireSearch(profile, cost_model, channels, cut_window, world_size, compression, sharded)
     comp = tuple(inc_ev.compressed)
     B = inc_ev.B
     starts: list[tuple[tuple, Flags, Flags, Sequence[int] | None]] = [
@@ -493,7 +523,8 @@ def _wire_stage(profile: ModelProfile, cost_model: CostModel, world_size: int, c
         (inc_ev.buckets, comp, tuple(not c for c in comp), inc_codes),
     ]
     if compression is None and fusion == "auto":  # the best fusion when every bucket is 16-bit (stages 2-3)
-        fs = _FusionSearch(profile, cost_model, channels, cut_window, world_size=world_size, wire16=True)
+        fs = _FusionSearch(profile, cost_model, channels, cut_window, world_size=world_size, wire16=True,
+                           sharded=sharded)
         st = fs.best_fusion(list(fusions) + [starts_of(inc_ev.buckets)], True, max_fusion_evals, max_fusion_work)
         bk = buckets_of(st, profile.num_layers)
         starts.append((bk, (False,) * len(bk), (True,) * len(bk), fs.cache[st][1]))
@@ -560,11 +591,16 @@ def _polish_best(search: _FusionSearch, best: _Incumbent, polish_fusions: int, m
 
 
 def _exact_stage(profile: ModelProfile, cost_model: CostModel, channels: int, fusions: Any, fixed: bool,
-                 best: _Incumbent, max_exact_nodes: int) -> _Incumbent:
+                 best: _Incumbent, max_exact_nodes: int, world_size: int | None = None,
+                 sharded: ShardingArg = False) -> _Incumbent:
     """Stage 5 (small models): the exact search over fusions and op lists (over op lists of the ``fixed``
-    fusion only), bounded by ``best``; returns the better. Logs a warning when the node budget stopped it."""
+    fusion only), bounded by ``best``; returns the better. Logs a warning when the node budget stopped it.
+    ``sharded``: the sharded model's exact search (every fusion with its optimal op list, stage 8)."""
     L = profile.num_layers
-    if fixed:
+    if sharded:
+        p, ev, codes, complete = exact_sharded_search(profile, cost_model, channels, world_size, sharded,
+                                                      [fusions[0]] if fixed else None, best[0])
+    elif fixed:
         p, ev, codes, complete = branch_and_bound(
             [Evaluator(profile, cost_model, buckets_of(fusions[0], L), channels)], best[0], max_exact_nodes)
     else:
@@ -580,7 +616,8 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
          channels: int = 1, cut_window: int = 6, max_fusion_evals: int = 400, max_fusion_work: int = 12_000,
          max_polish_evals: int = 3000, polish_fusions: int = 4, max_polish_work: int = 2_000_000,
          exact_max_layers: int = 8, max_exact_nodes: int = 200_000, compression: CompressionCost | None = None,
-         max_compress_evals: int = 400, exact_compress_max_layers: int = 6, wire16: bool = False) -> Schedule:
+         max_compress_evals: int = 400, exact_compress_max_layers: int = 6, wire16: bool = False,
+         sharded: ShardingArg = False) -> Schedule:
     """Search fusion, op order and op mode, and with ``compression`` which buckets to compress; never
     predicts worse than ``no_overlap``, ``wfbp``, ``dear`` or ``pipedap`` (they are evaluated, with
     and without compression, and kept if best), nor than planning without compression; with
@@ -608,6 +645,9 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         exact_compress_max_layers: run stage 6's exact search when ``num_layers <=`` this, >= 0.
         wire16: allow the 16-bit wire format per bucket (stage 7; its flag vectors count against
             ``max_compress_evals``).
+        sharded: plan for the sharded optimizer step (``True`` or a
+            :class:`~lightning_pipedap.plan.sharding.Sharding`; stage 8): the returned op list is the engine's
+            sharded one, the prediction the sharded model's.
 
     Returns:
         The schedule, ``name="optimal"``, with ``predicted_iteration_s`` set; with ``compression``
@@ -618,7 +658,7 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
         ValueError: for a bad ``fusion``, ``world_size``, ``channels``, ``compression`` or a
             negative budget.
     """
-    check_common(profile, cost_model, world_size, channels, compression)
+    check_common(profile, cost_model, world_size, channels, compression, sharded)
     _check_budgets(cut_window=cut_window, max_fusion_evals=max_fusion_evals, max_fusion_work=max_fusion_work,
                    max_polish_evals=max_polish_evals, polish_fusions=polish_fusions, max_polish_work=max_polish_work,
                    exact_max_layers=exact_max_layers, max_exact_nodes=max_exact_nodes,
@@ -627,33 +667,52 @@ def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusio
     fusions = resolve_fusion(fusion, profile, cost_model)
 
     # stage 1: the known planners
-    known = _known_plans(profile, cost_model, world_size, fusion, channels)
+    known = _known_plans(profile, cost_model, world_size, fusion, channels, sharded=sharded)
     best_sched = min(known, key=lambda s: s.predicted_iteration_s)
-    best = (best_sched.predicted_iteration_s, Evaluator(profile, cost_model, best_sched.buckets, channels),
+    best = (best_sched.predicted_iteration_s,
+            Evaluator(profile, cost_model, best_sched.buckets, channels, world_size=world_size, sharded=sharded),
             [op_code(o) for o in best_sched.ops])
     # stages 2-3, 4 and 5
-    search = _FusionSearch(profile, cost_model, channels, cut_window)
+    search = _FusionSearch(profile, cost_model, channels, cut_window, world_size=world_size, sharded=sharded)
     best = _search_fusions(search, profile, cost_model, known, fusions, fixed, best, max_fusion_evals, max_fusion_work)
     best = _polish_best(search, best, polish_fusions, max_polish_evals, max_polish_work)
     if profile.num_layers <= exact_max_layers:
-        best = _exact_stage(profile, cost_model, channels, fusions, fixed, best, max_exact_nodes)
+        best = _exact_stage(profile, cost_model, channels, fusions, fixed, best, max_exact_nodes, world_size, sharded)
     best_p, best_ev, best_codes = best
 
     # stage 6
     if compression is not None:
         found = _compression_stage(profile, cost_model, world_size, channels, compression, fusion, fusions,
                                    (best_p, best_ev, best_codes), cut_window, max_fusion_evals, max_fusion_work,
-                                   max_compress_evals, max_polish_evals, exact_compress_max_layers, max_exact_nodes)
+                                   max_compress_evals, max_polish_evals, exact_compress_max_layers, max_exact_nodes,
+                                   sharded)
         if found is not None:
             best_p, best_ev, best_codes = found
         else:  # no bucket compressed: the same plan, with explicit flags
-            best_ev = evaluator(profile, cost_model, best_ev.buckets, channels, world_size, compression, False)
+            best_ev = evaluator(profile, cost_model, best_ev.buckets, channels, world_size, compression, False,
+                                sharded=sharded)
 
     # stage 7
     if wire16:
         found = _wire_stage(profile, cost_model, world_size, channels, compression, fusion, fusions,
                             (best_p, best_ev, best_codes), cut_window, max_fusion_evals, max_fusion_work,
-                            max_compress_evals, max_polish_evals)
+                            max_compress_evals, max_polish_evals, sharded)
         if found is not None:
             best_p, best_ev, best_codes = found
+
+    # stage 8: never worse than the unsharded plan run sharded
+    if sharded:
+        plain = plan(profile, cost_model, world_size, fusion=fusion, channels=channels, cut_window=cut_window,
+                     max_fusion_evals=max_fusion_evals, max_fusion_work=max_fusion_work,
+                     max_polish_evals=max_polish_evals, polish_fusions=polish_fusions, max_polish_work=max_polish_work,
+                     exact_max_layers=exact_max_layers, max_exact_nodes=max_exact_nodes, compression=compression,
+                     max_compress_evals=max_compress_evals, exact_compress_max_layers=exact_compress_max_layers,
+                     wire16=wire16)
+        ev = evaluator(profile, cost_model, plain.buckets, channels, world_size, compression,
+                       plain.compressed if plain.compressed is not None else False,
+                       plain.wire16 if plain.wire16 is not None else False, sharded=sharded)
+        codes = [op_code(o) for o in plain.ops]
+        p = ev.period_codes(codes)
+        if p < best_p * (1 - TOL):
+            best_p, best_ev, best_codes = p, ev, codes
     return finish("optimal", profile, best_ev, best_codes)

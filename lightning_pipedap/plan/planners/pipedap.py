@@ -29,6 +29,7 @@ from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.evaluator import Evaluator
 from lightning_pipedap.plan.planners._common import AG, RS, merge_adjacent, plan_over_fusions
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg
 from lightning_pipedap.schedule import Schedule
 
 _EPS = 1e-15
@@ -67,15 +68,15 @@ def pipedap_codes(ev: Evaluator, gap_fill: bool = True, merge: bool = True) -> l
 
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
          channels: int = 1, compression: CompressionCost | None = None, gap_fill: bool = True,
-         merge: bool = True) -> Schedule:
+         merge: bool = True, sharded: ShardingArg = False) -> Schedule:
     """PipeDAP schedule with consistent costs on the fastest fusion, named ``"pipedap"``.
 
     Args:
         gap_fill: move all-gathers into idle gaps of the backward-time channel (step 1).
         merge: merge adjacent RS + AG into an all-reduce where cheaper (step 3).
 
-    The other arguments (``fusion``, ``channels``, ``compression``, ...), the result and the errors:
+    The other arguments (``fusion``, ``channels``, ``compression``, ``sharded``, ...), the result and the errors:
     see :func:`~lightning_pipedap.plan.planners._common.plan_over_fusions`.
     """
     return plan_over_fusions("pipedap", lambda ev: pipedap_codes(ev, gap_fill, merge), profile, cost_model,
-                             world_size, fusion, channels, compression)
+                             world_size, fusion, channels, compression, sharded=sharded)

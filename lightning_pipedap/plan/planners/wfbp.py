@@ -16,15 +16,16 @@ from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.planners._common import dp_backward_fusion, plan_over_fusions, wfbp_codes
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg
 from lightning_pipedap.schedule import Schedule
 
 
 def plan(profile: ModelProfile, cost_model: CostModel, world_size: int, *, fusion: Any = "auto",
-         channels: int = 1, compression: CompressionCost | None = None) -> Schedule:
+         channels: int = 1, compression: CompressionCost | None = None, sharded: ShardingArg = False) -> Schedule:
     """WFBP schedule ``AR(B-1) ... AR(0)`` on the fastest fusion (the DP fusion first), named ``"wfbp"``.
 
-    Arguments (``fusion``, ``channels``, ``compression``, ...), result and errors: see
+    Arguments (``fusion``, ``channels``, ``compression``, ``sharded``, ...), result and errors: see
     :func:`~lightning_pipedap.plan.planners._common.plan_over_fusions`.
     """
     return plan_over_fusions("wfbp", wfbp_codes, profile, cost_model, world_size, fusion, channels, compression,
-                             auto_first=lambda prof, cm: dp_backward_fusion(prof, cm.all_reduce))
+                             auto_first=lambda prof, cm: dp_backward_fusion(prof, cm.all_reduce), sharded=sharded)
