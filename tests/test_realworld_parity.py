@@ -5,10 +5,11 @@ All cases run in one launch of 2 processes (``tests/realworld_cases.py``, module
 pipedap variant (``default`` = ``PipeDAPStrategy()``, ``dear`` = ``PipeDAPStrategy(schedule="dear",
 bucket_cap_mb=0.002)``, ``switching`` = measured selection forced through every candidate, DDP's reducer included,
 in 2-step windows: ``realworld_cases.SWITCHING``; ``dear_shard`` and ``switching_shard``: the same with
-``shard_optimizer=True``, the optimizer state gathered back and compared too), each run twice: every tensor within 1e-6 of the reference, both
-runs bit-identical, replicas equal (state DDP itself keeps per rank, a case's ``rank_local``, is compared per rank
-only), and the reference trained. Issue 26: measured selection and the hand-over to DDP's reducer never change
-results, so ``switching`` must also show that it switched (``_check_switched``).
+``shard_optimizer=True``, the optimizer state gathered back and compared too), each run twice: every tensor within
+1e-6 of the reference, both runs bit-identical, replicas equal (state DDP itself keeps per rank, a case's
+``rank_local``, is compared per rank only), and the reference trained. Issue 26: measured selection and the
+hand-over to DDP's reducer never change results, so ``switching`` must also show that it switched
+(``_check_switched``).
 
 Quick iteration: ``REALWORLD_CASES=mha,ema_weight_averaging python -m pytest -q tests/test_realworld_parity.py``
 (other cases are skipped); ``REALWORLD_VARIANTS=dear`` and ``REALWORLD_RUNS=1`` shorten it further.
