@@ -57,20 +57,25 @@ class CandidatePlanner:
         self.layers = layers
         planner = get_planner(PLANNED[cfg.schedule])
         wire16 = cfg.wire_dtype != "fp32"
-        schedule = planner(profile, self.cost_model, self.world_size)
+        sharded = cfg.shard_optimizer  # (planned and predicted with the sharded step's model: plan/sharding.py)
+        schedule = planner(profile, self.cost_model, self.world_size, sharded=sharded)
         if wire16:
             fp32_s = schedule.predicted_iteration_s
             if PLANNED[cfg.schedule] == "optimal":  # per bucket
-                schedule = planner(profile, self.cost_model, self.world_size, wire16=True)
+                schedule = planner(profile, self.cost_model, self.world_size, wire16=True, sharded=sharded)
             else:
-                schedule = wire16_everywhere(profile, self.cost_model, schedule)
+                schedule = wire16_everywhere(profile, self.cost_model, schedule, sharded=sharded)
             self.info(f"pipedap: {schedule.num_wire16} of {len(schedule.buckets)} buckets {cfg.wire_dtype} on the "
                       f"wire; predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
                       f"{fp32_s * 1e3:.1f} ms all fp32 (same profile and α-β model)")
         candidates: list[Schedule] = [schedule]
         part = None
         if cfg.partition_mb is not None and not cfg.compression:
-            part = self._plan_partitioned(profile, params, schedule, wire16)
+            if cfg.shard_optimizer:  # (plan/partition.py predicts unsharded piece schedules only)
+                self.info("pipedap: partition_mb is not planned with shard_optimizer=True (the partition model "
+                          "predicts unsharded steps); the buckets hold whole parameters")
+            else:
+                part = self._plan_partitioned(profile, params, schedule, wire16)
         if cfg.compression:
             shapes = [[tuple(params[i].shape) for i in layer] for layer in self.layers]
             candidates = [self._plan_compression(planner, profile, schedule, shapes)]
@@ -78,7 +83,8 @@ class CandidatePlanner:
             # the partitioned plan is a candidate beside the others: first when it is kept, else last
             k = cfg.plan_trials - (part is not None)
             candidates = trial_candidates(profile, self.cost_model, self.world_size, schedule,
-                                          cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16)
+                                          cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16,
+                                          sharded=sharded)
         maps: list[Optional[tuple]] = [None] * len(candidates)
         profiles = [profile] * len(candidates)
         if part is not None and part.schedule is not None:
@@ -149,11 +155,12 @@ class CandidatePlanner:
             pred = {"ab_s": engine_period(profile, piece_map, raw, schedule),
                     "calibrated_s": engine_period(profile, piece_map, self.cost_model, schedule)}
         else:
-            pred = {"ab_s": simulate(profile, raw, schedule).iteration_s,
-                    "calibrated_s": simulate(profile, self.cost_model, schedule).iteration_s}
+            sharded = self.config.shard_optimizer
+            pred = {"ab_s": simulate(profile, raw, schedule, sharded=sharded).iteration_s,
+                    "calibrated_s": simulate(profile, self.cost_model, schedule, sharded=sharded).iteration_s}
         keep = schedule.predicted_iteration_s
         contention = self.contention
-        if contention is not None:
+        if contention is not None and not self.config.shard_optimizer:  # (the contention model is unsharded)
             pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s
             pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule,
                                                                 contention).iteration_s
@@ -182,7 +189,8 @@ class CandidatePlanner:
             self.info(f"pipedap: compression cost of {cost.method}: {cost.alpha_c_s * 1e6:.0f} µs + "
                       f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/B ({cost.post_share:.0%} after the collective, "
                       f"R²={_r2(cost.meta.get('r2'))}), payload via {cost.collective} x{cost.rounds}")
-        schedule = planner(profile, self.cost_model, self.world_size, compression=cost)
+        schedule = planner(profile, self.cost_model, self.world_size, compression=cost,
+                           sharded=cfg.shard_optimizer)
         self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
                   f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
                   f"{dense.predicted_iteration_s * 1e3:.1f} ms without compression")
