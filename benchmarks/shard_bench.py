@@ -21,6 +21,9 @@ Per rank and variant:
 - *optimizer state*: the bytes this rank holds, the sum of ``nbytes`` of every tensor in the optimizer's state (a
   DTensor counts its local shard; ZeRO its local optimizer; pipedap ``trainer.strategy.optimizer_state_nbytes(
   optimizer)`` where the strategy has that method);
+- *optimizer state* and *peak RSS* are read at the start of the last training step (in training: after the fit a
+  sharded state is gathered back whole, as the end of the fit and checkpoints need it); *peak at end* is the peak
+  after ``Trainer.fit`` returned;
 - *peak RSS*: ``getrusage`` maxrss of the rank process, MiB. About 480 MiB of it is torch and Lightning being
   imported, so *peak - pre-fit* gives what the fit added (the peak minus the RSS just before ``Trainer.fit``, with
   the data and the model built);
@@ -49,6 +52,7 @@ The table is printed as markdown (paste it into BENCHMARKS.md). ``--link none`` 
 from __future__ import annotations
 
 import argparse
+import resource
 import json
 import os
 import socket
@@ -182,6 +186,9 @@ def _classes() -> dict[str, Any]:
         def __init__(self) -> None:
             self.starts: list[float] = []
             self.cpu: list[float] = []
+            #: at each training-batch start: peak RSS so far (KiB) and the optimizer state this rank holds (bytes)
+            self.rss_kib: list[int] = []
+            self.state_bytes: list[int] = []
 
         def _stamp(self) -> None:
             self.starts.append(time.perf_counter())
@@ -189,6 +196,11 @@ def _classes() -> dict[str, Any]:
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self._stamp()
+            self.rss_kib.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            optimizer = trainer.optimizers[0] if trainer.optimizers else None
+            if optimizer is not None:
+                nbytes = getattr(trainer.strategy, "optimizer_state_nbytes", None)
+                self.state_bytes.append(int(nbytes(optimizer)) if nbytes is not None else state_nbytes(optimizer))
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self._stamp()
@@ -283,13 +295,11 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
         out["error"] = "failed: " + _error_text(exc)
         return
     fit_s = time.perf_counter() - t0
-    optimizer = trainer.optimizers[0]
-    if hasattr(trainer.strategy, "optimizer_state_nbytes"):
-        out["state_bytes"] = int(trainer.strategy.optimizer_state_nbytes(optimizer))
-        out["state_source"] = "strategy.optimizer_state_nbytes"
-    else:
-        out["state_bytes"] = state_nbytes(optimizer)
-        out["state_source"] = "sum of optimizer.state nbytes"
+    # (in training: at the last step's start. After the fit a sharded state is gathered back whole, as checkpoints
+    # and the end of the fit need it; that end-of-fit peak is reported apart, "peak at end")
+    out["state_bytes"] = clock.state_bytes[-1] if clock.state_bytes else state_nbytes(trainer.optimizers[0])
+    out["state_source"] = ("strategy.optimizer_state_nbytes" if hasattr(trainer.strategy, "optimizer_state_nbytes")
+                           else "sum of optimizer.state nbytes") + " at the last step"
     steady = steady_from_step(trainer.strategy)
     first = max(cfg["warmup"], steady if steady is not None else len(clock.starts))
     # the first --steps steady-state steps (a pipedap fit has room for a longer start-up than it may take)
@@ -305,9 +315,11 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
         # "optimal: 17 buckets: AR16 RS8 ... AG8" -> "optimal: 17 buckets" (the op order is in the JSON)
         out["schedule"] = trainer.strategy.installed_schedule
         notes.append("schedule " + ": ".join(out["schedule"].split(": ")[:2]))
-    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    end_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_kib = clock.rss_kib[-1] if clock.rss_kib else end_kib
     out.update(params=sum(p.numel() for p in module.parameters()),  # (a DTensor's numel is the global one)
                peak_rss_mib=peak_kib / 1024, fit_rss_mib=(peak_kib * 1024 - pre_fit_rss) / MIB,
+               end_peak_rss_mib=end_kib / 1024,
                step_ms=1e3 * statistics.median(gaps),
                cpu_ms=1e3 * (clock.cpu[first + len(gaps)] - clock.cpu[first]) / len(gaps),
                fit_s=fit_s, steps=len(gaps), first_step=first, note="; ".join(notes))
@@ -460,9 +472,9 @@ def _ratio(x: float, ref: Optional[float]) -> str:
 
 
 HEADER = ("| ranks | variant | rank | optimizer state MiB | x ddp | peak RSS MiB | x ddp | peak - pre-fit MiB | x ddp "
-          "| step ms | x ddp | CPU ms/step | x ddp | fit s | note |")
+          "| peak at end MiB | step ms | x ddp | CPU ms/step | x ddp | fit s | note |")
 #: numeric columns of :data:`HEADER` (after ranks, variant, rank; before the note)
-NUMERIC_COLUMNS = 11
+NUMERIC_COLUMNS = 12
 
 
 def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
@@ -490,7 +502,8 @@ def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
                     f"| {ranks} | {v} | {d['rank']} | {d['state_bytes'] / MIB:.3f} | "
                     f"{_ratio(d['state_bytes'], r and r['state_bytes'])} | {d['peak_rss_mib']:.0f} | "
                     f"{_ratio(d['peak_rss_mib'], r and r['peak_rss_mib'])} | {d['fit_rss_mib']:.0f} | "
-                    f"{_ratio(d['fit_rss_mib'], r and r['fit_rss_mib'])} | {d['step_ms']:.1f} | "
+                    f"{_ratio(d['fit_rss_mib'], r and r['fit_rss_mib'])} | "
+                    f"{d.get('end_peak_rss_mib', d['peak_rss_mib']):.0f} | {d['step_ms']:.1f} | "
                     f"{_ratio(d['step_ms'], r and r['step_ms'])} | {d['cpu_ms']:.1f} | "
                     f"{_ratio(d['cpu_ms'], r and r['cpu_ms'])} | {d['fit_s']:.2f} | "
                     f"{'; '.join(note).replace('|', '/')} |")

@@ -275,13 +275,13 @@ class ShardedOptimizer:
             self.state.clear()
             self.absorbed = False
 
-    def consolidate(self, comm: C.CommGroup, buckets: Sequence[FlatBucket]) -> None:
-        """Gather the sliced state back into ``optimizer.state`` (full tensors shaped like the parameters), on every
-        rank: one ``all_gather_object`` of the entries' kinds and scalars, then one all-gather of the bucket's
-        layout per (bucket, entry, dtype). A collective: every rank calls it at the same point. No-op when the
-        state is not here."""
-        if not self.absorbed:
-            return
+    def gather_state(self, comm: C.CommGroup, buckets: Sequence[FlatBucket], device: Optional[torch.device] = None,
+                     keep: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
+        """The sharded parameters' whole optimizer state, ``parameter -> {entry: value}`` (element-wise entries as
+        full tensors shaped like the parameter, on ``device``, default the parameter's): one ``all_gather_object``
+        of the entries' kinds and scalars, then one all-gather of the bucket's layout per (bucket, entry, dtype),
+        one bucket at a time. A collective: every rank calls it at the same point. ``keep=False``: this rank takes
+        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are."""
         info: dict[int, dict[str, Any]] = {}
         for sl in self.slices.values():
             for s in sl:
@@ -304,39 +304,73 @@ class ShardedOptimizer:
                 continue
             keys = sorted({(k, kind[1]) for i in dict.fromkeys(bucket.param_indices) for k, kind in
                            merged.get(i, {}).items() if kind[0] == "elem"})
-            mine = self.slices[bucket.index]
             for k, dtype_name in keys:
                 dtype = getattr(torch, dtype_name)
                 buf = torch.zeros(bucket.buffer.numel(), dtype=dtype, device=bucket.buffer.device)
-                for s in mine:
+                for s in self.slices[bucket.index]:
                     v = self.state.get(s.tensor, {}).get(k)
                     if v is not None:
                         buf[s.lo:s.hi].copy_(v.reshape(-1))
                 C.all_gather_(buf, comm)
-                for slot, i in enumerate(bucket.param_indices):
-                    if merged.get(i, {}).get(k, ("",))[0] != "elem":
-                        continue
-                    p = self.params[i]
-                    t = full.setdefault(i, {}).get(k)
-                    if t is None:
-                        t = full[i][k] = torch.zeros(p.numel(), dtype=dtype, device=p.device)
-                    a, b = bucket.ranges[slot]
-                    off = bucket.offsets[slot]
-                    t[a:b].copy_(buf[off:off + b - a])
-        out = collections.defaultdict(dict, dict(self.optimizer.state))  # (the unsharded entries, then the rest)
+                if keep:
+                    self._assemble(bucket, k, buf, merged, full, device)
+        if not keep:
+            return {}
+        out: dict[torch.Tensor, dict[str, Any]] = {}
         for i, entries in merged.items():
             p = self.params[i]
-            st: dict[str, Any] = {}
-            for k, kind in entries.items():
-                if kind[0] == "elem":
-                    st[k] = full[i][k].view(p.shape)
-                else:
-                    st[k] = kind[1].to(kind[2]) if torch.is_tensor(kind[1]) else kind[1]
-            out[p] = st
+            out[p] = {k: (full[i][k].view(p.shape) if kind[0] == "elem"
+                          else kind[1].to(kind[2]) if torch.is_tensor(kind[1]) else kind[1])
+                      for k, kind in entries.items()}
+        return out
+
+    def _assemble(self, bucket: FlatBucket, k: str, buf: torch.Tensor, merged: dict, full: dict,
+                  device: Optional[torch.device]) -> None:
+        """Copy entry ``k`` of every parameter of ``bucket`` from the gathered ``buf`` into its full tensor."""
+        for slot, i in enumerate(bucket.param_indices):
+            if merged.get(i, {}).get(k, ("",))[0] != "elem":
+                continue
+            p = self.params[i]
+            t = full.setdefault(i, {}).get(k)
+            if t is None:
+                t = full[i][k] = torch.zeros(p.numel(), dtype=buf.dtype, device=device or p.device)
+            a, b = bucket.ranges[slot]
+            off = bucket.offsets[slot]
+            t[a:b].copy_(buf[off:off + b - a])
+
+    def consolidate(self, comm: C.CommGroup, buckets: Sequence[FlatBucket],
+                    device: Optional[torch.device] = None) -> None:
+        """Gather the sliced state back into ``optimizer.state`` (:meth:`gather_state`, on every rank; ``device``:
+        where the full tensors go, default the parameters' device) and drop the slices. No-op when the state is
+        not here."""
+        if not self.absorbed:
+            return
+        out = collections.defaultdict(dict, dict(self.optimizer.state))  # (the unsharded entries, then the rest)
+        out.update(self.gather_state(comm, buckets, device))
         self.optimizer.state = out
         self.optimizer.__dict__.pop("state_dict", None)
         self.state.clear()
         self.absorbed = False
+
+    def state_dict(self, comm: C.CommGroup, buckets: Sequence[FlatBucket]) -> dict[str, Any]:
+        """``optimizer.state_dict()`` as the whole optimizer would give it, assembled on rank 0 in CPU memory (other
+        ranks take part in the collective and get ``{}``, as Lightning's FSDP strategy does); the shards stay in
+        place, so training goes on without re-slicing. A collective."""
+        keep = comm.rank == 0
+        full = self.gather_state(comm, buckets, torch.device("cpu"), keep=keep)
+        if not keep:
+            return {}
+        index: dict[int, int] = {}
+        groups = []
+        for g in self.optimizer.param_groups:  # (torch's packing: parameters numbered in group order)
+            packed = {k: v for k, v in g.items() if k != "params"}
+            for p in g["params"]:
+                index.setdefault(id(p), len(index))
+            packed["params"] = [index[id(p)] for p in g["params"]]
+            groups.append(packed)
+        state = {index[id(p)]: st for p, st in dict.items(self.optimizer.state) if id(p) in index}
+        state.update({index[id(p)]: st for p, st in full.items() if id(p) in index})
+        return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     # ------------------------------------------------------------------ the step
     def step(self, b: int, buffer: torch.Tensor, used: Sequence[bool], hparams: list[dict[str, Any]]) -> None:
@@ -481,10 +515,10 @@ class ShardedStep:
         r.hparams, r.clip, r.nonfinite = hparams, clip, nonfinite
         r.go.set()
 
-    def consolidate(self) -> None:
-        """The optimizer state back into ``optimizer.state`` (a collective; worker idle)."""
+    def consolidate(self, device: Optional[torch.device] = None) -> None:
+        """The optimizer state back into ``optimizer.state`` (a collective; worker idle; ``device``: where)."""
         if self.optimizer is not None:
-            self.optimizer.consolidate(self.comm, self.buckets)
+            self.optimizer.consolidate(self.comm, self.buckets, device)
 
     def release(self) -> None:
         """After a failure: :meth:`ShardedOptimizer.release` (local; the sharded state is dropped)."""

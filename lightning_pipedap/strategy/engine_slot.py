@@ -250,12 +250,19 @@ class EngineSlot:
         shard = self.engine.shard if self.engine is not None else None
         return shard is not None and shard.optimizer is not None and shard.optimizer.absorbed
 
-    def consolidate(self) -> None:
+    def consolidate(self, device: Optional[torch.device] = None) -> None:
         """The sharded optimizer state back into ``optimizer.state`` (a collective: every rank at the same point;
-        after the round's ops). No-op when the state is not sharded."""
+        after the round's ops; ``device``: where the full tensors go, default the parameters'). No-op when the
+        state is not sharded."""
         if self.state_sharded:
             self.engine.wait_idle()
-            self.engine.shard.consolidate()
+            self.engine.shard.consolidate(device)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """The optimizer's whole state dict on rank 0, in CPU memory, the shards left in place (a collective;
+        :meth:`~lightning_pipedap.engine.shard_step.ShardedOptimizer.state_dict`); ``{}`` on the other ranks."""
+        self.engine.wait_idle()
+        return self.engine.shard.optimizer.state_dict(self.engine.comm, self.engine.buckets)
 
     def state_nbytes(self, optimizer: Any) -> int:
         """Bytes of ``optimizer``'s state this rank holds: its own ``state`` plus the engine's shards."""
@@ -273,8 +280,8 @@ class EngineSlot:
             self.handover.leave(rehook=False)  # (local: unwrapping communicates nothing)
         self.hooks.close()
         if self.engine is not None:
-            if not abort:
-                self.consolidate()  # (after the fit, optimizer.state is the full state, as under DDP)
+            if not abort:  # (after the fit, optimizer.state is the full state, in CPU memory as Lightning's
+                self.consolidate(torch.device("cpu"))  # teardown leaves it: no device peak at the end)
             elif self.engine.shard is not None:
                 self.engine.shard.release()  # (no collective after a failure: the sharded state is lost)
             self.engine.close(abort=abort)

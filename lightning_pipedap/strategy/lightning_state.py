@@ -55,15 +55,15 @@ class FlushPoints:
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """The optimizer's state dict as DDP's: pending updates applied, and with ``shard_optimizer`` the state
-        gathered from every rank's shards first (a collective: every rank calls it, as Lightning's checkpointing
-        does; not after a failure, when :meth:`save_checkpoint` then writes nothing)."""
+        """The optimizer's state dict as DDP's, pending updates applied. With ``shard_optimizer`` the state is
+        gathered from every rank's shards, on rank 0 in CPU memory (the other ranks get ``{}``, as with Lightning's
+        FSDP strategy; the checkpoint is written by rank 0): a collective, so every rank calls it, as Lightning's
+        checkpointing does. After a failure nothing can be gathered: ``{}``, and :meth:`save_checkpoint` then
+        writes nothing and says why."""
         self.flush()
         rt = self._rt
         if rt is not None and rt.slot.state_sharded:
-            if self._aborted:
-                return {}  # (nothing to gather after a failure: save_checkpoint then writes nothing, and says why)
-            rt.slot.consolidate()
+            return {} if self._aborted else rt.slot.sharded_state_dict()
         return super().optimizer_state(optimizer)
 
     def optimizer_state_nbytes(self, optimizer: Optimizer) -> int:
