@@ -555,7 +555,7 @@ class ShardedStep:
                 return False
         return True
 
-    def prepare(self, nonfinite_active: bool = True) -> None:
+    def prepare(self) -> None:
         """Worker, once per sharded round after every reduce-scatter: one all-reduce (float64) of every sharded
         bucket's local used flags and each slot's NaN/inf counts in this rank's shard (non-finite check); then the
         verdict and the clipped shards kept for ``.grad``.

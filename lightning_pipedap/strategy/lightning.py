@@ -74,13 +74,13 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         config: every option, grouped (:class:`~lightning_pipedap.strategy.config.PipeDAPConfig`, each option
             documented there and in docs/OPTIONS.md); None = the defaults. The keyword options below and in
             ``**options`` are applied over it (a keyword left at its default keeps ``config``'s value).
-        schedule, bucket_cap_mb, defer_update, wire_dtype, gradient_as_bucket_view, plan_trials, startup_budget,
-            plan_cache, find_unused_parameters, compression, wait_timeout_s: the options most users touch (types
-            and defaults are those of their ``PipeDAPConfig`` fields), e.g. ``schedule`` (``"optimal"`` measures
-            candidates and keeps the fastest; a named planner or ``"dear"``/``"allreduce"`` is what runs),
+        schedule, bucket_cap_mb, defer_update, wire_dtype, gradient_as_bucket_view, shard_optimizer, plan_trials,
+            startup_budget, plan_cache, find_unused_parameters, compression, wait_timeout_s: the options most users
+            touch (types and defaults are those of their ``PipeDAPConfig`` fields), e.g. ``schedule`` (``"optimal"``
+            measures candidates and keeps the fastest; a named planner or ``"dear"``/``"allreduce"`` is what runs),
             ``bucket_cap_mb`` (fusion cap, MiB), ``defer_update`` (``"auto"``, True, False), ``wire_dtype``
-            (``"fp32"``, ``"fp16"``, ``"bf16"``), ``compression`` (None or a compressor name), ``wait_timeout_s``
-            (seconds).
+            (``"fp32"``, ``"fp16"``, ``"bf16"``), ``shard_optimizer`` (each rank steps its reduce-scatter shard:
+            ZeRO-2), ``compression`` (None or a compressor name), ``wait_timeout_s`` (seconds).
         **options: any other option of ``PipeDAPConfig`` by name (``torch_ddp_margin=0.05``, ``nonfinite="raise"``,
             ``compression_kwargs={"rank": 4}``, ...); every option is readable as an attribute of the strategy
             (``strategy.bucket_cap_mb``) and of :attr:`config`.
@@ -122,6 +122,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         defer_update: DeferUpdate = ScheduleOptions.defer_update,
         wire_dtype: WireDtype = ScheduleOptions.wire_dtype,
         gradient_as_bucket_view: bool = ScheduleOptions.gradient_as_bucket_view,
+        shard_optimizer: bool = ScheduleOptions.shard_optimizer,
         plan_trials: Optional[int] = TrialOptions.plan_trials,
         startup_budget: Optional[float] = TrialOptions.startup_budget,
         plan_cache: Union[bool, str] = PlanningOptions.plan_cache,
@@ -143,7 +144,8 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
             refuse_kwargs(type(self).__name__, PipeDAPStrategy.__init__, unknown,
                           more_valid=PipeDAPConfig.option_names())
         common = dict(schedule=schedule, bucket_cap_mb=bucket_cap_mb, defer_update=defer_update, wire_dtype=wire_dtype,
-                      gradient_as_bucket_view=gradient_as_bucket_view, plan_trials=plan_trials,
+                      gradient_as_bucket_view=gradient_as_bucket_view, shard_optimizer=shard_optimizer,
+                      plan_trials=plan_trials,
                       startup_budget=startup_budget, plan_cache=plan_cache,
                       find_unused_parameters=find_unused_parameters, compression=compression,
                       wait_timeout_s=wait_timeout_s)
