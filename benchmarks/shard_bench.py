@@ -23,7 +23,8 @@ Per rank and variant:
   optimizer)`` where the strategy has that method);
 - *optimizer state* and *peak RSS* are read at the start of the last training step (in training: after the fit a
   sharded state is gathered back whole, as the end of the fit and checkpoints need it); *peak at end* is the peak
-  after ``Trainer.fit`` returned;
+  after ``Trainer.fit`` returned; *RSS at last step* the resident set at that step (the steady state's memory: the
+  peak also holds pipedap's start-up steps, which run unsharded in sync mode with the whole optimizer state);
 - *peak RSS*: ``getrusage`` maxrss of the rank process, MiB. About 480 MiB of it is torch and Lightning being
   imported, so *peak - pre-fit* gives what the fit added (the peak minus the RSS just before ``Trainer.fit``, with
   the data and the model built);
@@ -87,24 +88,12 @@ MIB = 1024 * 1024
 # ============================================================================ one rank of one variant
 def _mlp(size: str) -> Any:
     """``(net, units, make_batch)`` of the size preset: the matrix's MLP layout (``features`` -> ``depth`` x
-    (Linear ``width`` + ReLU) -> Linear 10 classes)."""
-    from lightning_pipedap.bench.matrix.models import build_net
+    (Linear ``width`` + ReLU) -> Linear 10 classes); the matrix's own presets, or this script's :data:`SIZES`."""
+    from lightning_pipedap.bench.matrix import models
 
     if size in ("bench", "tiny"):
-        return build_net("mlp", size)
-    import torch
-    import torch.nn as nn
-
-    p = SIZES[size]
-    layers: list[nn.Module] = []
-    for i in range(p["depth"]):
-        layers += [nn.Linear(p["features"] if i == 0 else p["width"], p["width"]), nn.ReLU()]
-    net = nn.Sequential(*layers, nn.Linear(p["width"], 10))
-
-    def make_batch(n: int, g: torch.Generator):
-        return torch.randn(n, p["features"], generator=g), torch.randint(0, 10, (n,), generator=g)
-
-    return net, [m for m in net if isinstance(m, nn.Linear)], make_batch
+        return models.build_net("mlp", size)
+    return models._mlp(SIZES[size])
 
 
 def state_nbytes(optimizer: Any) -> int:
@@ -188,6 +177,7 @@ def _classes() -> dict[str, Any]:
             self.cpu: list[float] = []
             #: at each training-batch start: peak RSS so far (KiB) and the optimizer state this rank holds (bytes)
             self.rss_kib: list[int] = []
+            self.rss_now = 0
             self.state_bytes: list[int] = []
 
         def _stamp(self) -> None:
@@ -197,6 +187,7 @@ def _classes() -> dict[str, Any]:
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             self._stamp()
             self.rss_kib.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+            self.rss_now = _rss_bytes()  # (the resident set now: the steady state's memory at the last step)
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             if optimizer is not None:
                 nbytes = getattr(trainer.strategy, "optimizer_state_nbytes", None)
@@ -319,7 +310,7 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
     peak_kib = clock.rss_kib[-1] if clock.rss_kib else end_kib
     out.update(params=sum(p.numel() for p in module.parameters()),  # (a DTensor's numel is the global one)
                peak_rss_mib=peak_kib / 1024, fit_rss_mib=(peak_kib * 1024 - pre_fit_rss) / MIB,
-               end_peak_rss_mib=end_kib / 1024,
+               end_peak_rss_mib=end_kib / 1024, last_rss_mib=clock.rss_now / MIB,
                step_ms=1e3 * statistics.median(gaps),
                cpu_ms=1e3 * (clock.cpu[first + len(gaps)] - clock.cpu[first]) / len(gaps),
                fit_s=fit_s, steps=len(gaps), first_step=first, note="; ".join(notes))
@@ -472,9 +463,9 @@ def _ratio(x: float, ref: Optional[float]) -> str:
 
 
 HEADER = ("| ranks | variant | rank | optimizer state MiB | x ddp | peak RSS MiB | x ddp | peak - pre-fit MiB | x ddp "
-          "| peak at end MiB | step ms | x ddp | CPU ms/step | x ddp | fit s | note |")
+          "| peak at end MiB | RSS at last step MiB | x ddp | step ms | x ddp | CPU ms/step | x ddp | fit s | note |")
 #: numeric columns of :data:`HEADER` (after ranks, variant, rank; before the note)
-NUMERIC_COLUMNS = 12
+NUMERIC_COLUMNS = 14
 
 
 def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
@@ -503,7 +494,8 @@ def render_table(cells: dict[int, dict[str, list[list[dict]]]]) -> str:
                     f"{_ratio(d['state_bytes'], r and r['state_bytes'])} | {d['peak_rss_mib']:.0f} | "
                     f"{_ratio(d['peak_rss_mib'], r and r['peak_rss_mib'])} | {d['fit_rss_mib']:.0f} | "
                     f"{_ratio(d['fit_rss_mib'], r and r['fit_rss_mib'])} | "
-                    f"{d.get('end_peak_rss_mib', d['peak_rss_mib']):.0f} | {d['step_ms']:.1f} | "
+                    f"{d.get('end_peak_rss_mib', d['peak_rss_mib']):.0f} | {d.get('last_rss_mib', 0):.0f} | "
+                    f"{_ratio(d.get('last_rss_mib', 0), r and r.get('last_rss_mib'))} | {d['step_ms']:.1f} | "
                     f"{_ratio(d['step_ms'], r and r['step_ms'])} | {d['cpu_ms']:.1f} | "
                     f"{_ratio(d['cpu_ms'], r and r['cpu_ms'])} | {d['fit_s']:.2f} | "
                     f"{'; '.join(note).replace('|', '/')} |")
