@@ -584,7 +584,8 @@ class Heartbeat:
         grace_s: extra seconds before ``on_stale``.
         on_stale: called once with the message (None: only :meth:`not_answering` reports).
         context: ``() -> str`` describing what this rank is doing, for the message.
-        on_note: ``(rank, word)`` called once per word a peer publishes with its beats (:attr:`note`).
+        on_note: ``(rank, word)`` called once per word a peer publishes with its beats (:attr:`note`) and once
+            for the state it left in (``"stopped"``, ``"failed"``, ...: :meth:`stop`).
         failed_grace_s: seconds after a peer's failure before ``on_stale``.
 
     Raises:
@@ -611,6 +612,7 @@ class Heartbeat:
         self._store_ok_at = now
         self._count = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # (set by publish: beat now, not at the next interval)
         self._fired = False
         self._beat()
         self._thread = threading.Thread(target=self._loop, name="pipedap-heartbeat", daemon=True)
@@ -649,6 +651,34 @@ class Heartbeat:
             return "every peer is alive"
         return "; ".join(f"rank {r}: {what}" for r, what in sorted(bad.items()))
 
+    def publish(self, note: str) -> None:
+        """Set :attr:`note` and send it now (the next beat, without waiting for the interval); safe to call from
+        a signal handler (it only sets two attributes)."""
+        self.note = note
+        self._wake.set()
+
+    def peer_words(self, cached: bool = False) -> dict[int, str]:
+        """``{rank: word}`` read from the store now (``cached``: as the watchdog last saw them): each peer's
+        published note (``"sigterm"``) or the state it left in (``"left"``, ``"failed"``, ``"interrupted"``,
+        ``"stopped"``); peers with neither, or an unreachable store, are left out. Works after :meth:`stop` too."""
+        if cached:
+            with self._lock:
+                values = {r: v for r, (v, _) in self._seen.items()}
+        else:
+            values = self._read()
+        return {r: _word(v) or v for r, v in values.items() if v is not None and (_word(v) or v in _GONE)}
+
+    def wait_peers_gone(self, timeout_s: float) -> bool:
+        """Wait until every peer has left a final state in the store (:meth:`stop`), at most ``timeout_s`` seconds;
+        returns whether all did."""
+        deadline = _now() + timeout_s
+        while True:
+            if all(v in _GONE for v in self._read().values()):
+                return True
+            if _now() >= deadline:
+                return False
+            time.sleep(0.1)
+
     def _read(self) -> dict[int, Optional[str]]:
         """Every peer's current counter (None: not written yet or the store does not answer).
 
@@ -676,6 +706,7 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=2 * self.interval_s + 1)
         if state is not None:
             try:
@@ -689,7 +720,11 @@ class Heartbeat:
         self.store.set(f"{self.PREFIX}{self.rank}", f"{self._count} {self.note}" if self.note else str(self._count))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self._beat()
                 values = {r: v for r, v in self._read().items() if v is not None}
@@ -700,7 +735,7 @@ class Heartbeat:
                         if v != self._seen[r][0]:
                             self._seen[r] = (v, now)
                 for r, v in values.items():
-                    word = v.partition(" ")[2]
+                    word = _word(v) or (v if v in _GONE else "")  # (a note, or the state a peer left in)
                     if word and (r, word) not in self._noted and self.on_note is not None:
                         self._noted.add((r, word))
                         self.on_note(r, word)
@@ -717,6 +752,11 @@ class Heartbeat:
                     why = "gone" if failed else f"not answering for more than {self.timeout_s:g} s"
                     self.on_stale(f"pipedap: rank {self.rank}: peer(s) {why} ({what}) while "
                                   f"{self.context() or 'training'}; exiting")
+
+
+def _word(value: str) -> str:
+    """The note of a heartbeat value (``"12 sigterm"`` -> ``"sigterm"``; ``"12"`` -> ``""``)."""
+    return value.partition(" ")[2]
 
 
 def _now() -> float:
