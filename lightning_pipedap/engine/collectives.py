@@ -668,12 +668,12 @@ class Heartbeat:
             values = self._read()
         return {r: _word(v) or v for r, v in values.items() if v is not None and (_word(v) or v in _GONE)}
 
-    def wait_peers_gone(self, timeout_s: float) -> bool:
-        """Wait until every peer has left a final state in the store (:meth:`stop`), at most ``timeout_s`` seconds;
-        returns whether all did."""
+    def wait_peers_noted(self, timeout_s: float) -> bool:
+        """Wait until every peer has published a note or left a final state in the store (:meth:`stop`), at most
+        ``timeout_s`` seconds; returns whether all did."""
         deadline = _now() + timeout_s
         while True:
-            if all(v in _GONE for v in self._read().values()):
+            if all(v is not None and (v in _GONE or _word(v)) for v in self._read().values()):
                 return True
             if _now() >= deadline:
                 return False

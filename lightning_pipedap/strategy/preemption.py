@@ -183,8 +183,8 @@ def _at_exit() -> None:
     if preempted():
         if _state.rank == 0 and _state.heartbeat is not None:
             # rank 0 hosts the rendezvous store: the peers read there that the job is pre-empted (they exit 143,
-            # not 1); wait until each has said it stopped
-            _state.heartbeat.wait_peers_gone(timeout_s=3.0)
+            # not 1); wait until each has published that it knows (its own "sigterm") or stopped
+            _state.heartbeat.wait_peers_noted(timeout_s=3.0)
         log.info("pipedap: rank %s: exiting with %d (pre-empted: SIGTERM received by %s)",
                  "?" if _state.rank is None else _state.rank, PREEMPTED_EXIT_CODE, _state.source)
         exit_now(PREEMPTED_EXIT_CODE)
