@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 from torch import Tensor
 
 from lightning_pipedap import compat
+from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.strategy import preemption
 from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.messages import failure, log
@@ -77,25 +78,32 @@ class CollectivesOffAfterFailure:
         super().teardown()  # type: ignore[misc]
         preemption.end_fit()
 
+    # Lightning's collectives: a lost peer's bare backend error (gloo's "Connection reset by peer") is re-raised as
+    # PeerLostError naming this rank, the operation and the peer (engine.collectives.named_peer_failure)
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._aborted:
             return
-        super().barrier(*args, **kwargs)  # type: ignore[misc]
+        name = args[0] if args else kwargs.get("name")
+        with C.naming_peer_failures(f"Lightning's barrier{f' {name!r}' if name else ''}"):
+            super().barrier(*args, **kwargs)  # type: ignore[misc]
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._aborted:
             return obj
-        return super().broadcast(obj, src)  # type: ignore[misc]
+        with C.naming_peer_failures(f"Lightning's broadcast of a {type(obj).__name__} from rank {src}"):
+            return super().broadcast(obj, src)  # type: ignore[misc]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._aborted:
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        with C.naming_peer_failures(f"Lightning's reduce ({reduce_op})"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if self._aborted:
             return tensor.unsqueeze(0)
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
+        with C.naming_peer_failures("Lightning's all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
 
 
 def exit_on_lost_peer(message: str) -> None:
