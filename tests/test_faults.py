@@ -294,3 +294,17 @@ def test_killed_compression_helper_fails_every_rank_naming_it(job):
     assert "HelperDiedError" in j.output(1), j.output(1)[-3000:]
     assert "rank 1" in j.output(0), j.output(0)[-3000:]
     _assert_no_abort(j, codes)
+
+
+def test_lost_peer_under_ddps_reducer_is_named_on_the_survivor(job):
+    """SIGKILL of rank 1 once DDP's reducer (the ``torch_ddp`` candidate, kept by ``torch_ddp_margin=0.99``) runs:
+    rank 0's error names itself, the operation and rank 1, not only gloo's ``Connection reset by peer``."""
+    j = job("none", 0, batches=400, schedule="optimal", torch_ddp_margin=0.99)
+    pid = j.pid_at_step(1, 40)  # (trials end by step 30: the start-up budget)
+    assert "running: torch_ddp" in j.output(0), j.output(0)[-3000:]
+    os.kill(pid, signal.SIGKILL)
+    codes = j.wait(ranks=(0,))
+    assert codes[0] not in (None, 0), (codes, j.output(0)[-3000:])
+    text = j.output(0)
+    assert "PeerLostError: pipedap: rank 0: " in text and "rank 1: no heartbeat" in text, text[-3000:]
+    _assert_no_abort(j, codes)
