@@ -308,3 +308,17 @@ def test_lost_peer_under_ddps_reducer_is_named_on_the_survivor(job):
     text = j.output(0)
     assert "PeerLostError: pipedap: rank 0: " in text and "rank 1: no heartbeat" in text, text[-3000:]
     _assert_no_abort(j, codes)
+
+
+def test_nonfinite_warn_run_that_ends_with_nan_parameters_exits_nonzero_naming_them(job):
+    """``nonfinite="warn"`` applies the NaN update (as DDP does); the fit then ends with NaN in ``extra``: every rank
+    says so and exits 3, not 0."""
+    j = job("nan", 1, at=5, batches=10, nonfinite="warn")
+    codes = j.wait()
+    assert codes == [3, 3], (codes, j.output()[-3000:])
+    for r in range(2):
+        text = j.output(r)
+        assert f"pipedap: rank {r}: exiting with 3: the fit ended with parameters that are not finite (1 of 5 " \
+               "parameters hold NaN or inf (first: 'extra', " in text, text[-3000:]
+    assert (j.tmp / "done.0").exists()  # (the fit itself finished: the exit code says the result is not usable)
+    _assert_no_abort(j, codes)

@@ -42,6 +42,8 @@ class CollectivesOffAfterFailure:
 
     _aborted: bool
     stop_fit_after_failure: Callable[[str], None]
+    #: the last fit's final parameters that are not finite, in words (None: finite, or not checked)
+    final_parameters: Optional[str] = None
 
     def abort(self, exception: Optional[BaseException] = None) -> None:
         """Mark this rank as failed: stop the communication worker without waiting, make collectives local."""
@@ -77,6 +79,22 @@ class CollectivesOffAfterFailure:
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
         preemption.end_fit()
+
+    def check_final_parameters(self, module: Any) -> None:
+        """At the end of a fit that did not fail (pending updates applied): note parameters that are not finite
+        (:attr:`final_parameters`, the summary, exit code 3: :mod:`.preemption`); ``nonfinite="ignore"``: no
+        check."""
+        self.final_parameters = None
+        if getattr(self, "config", None) is None or self.config.nonfinite == "ignore" or module is None:
+            return
+        from lightning_pipedap.strategy.numerics import nonfinite_parameters  # noqa: PLC0415
+
+        self.final_parameters = nonfinite_parameters(module)
+        if self.final_parameters is not None:
+            log.error("pipedap: rank %s: the fit ended with parameters that are not finite: %s; the process will "
+                      "exit with %d", getattr(self, "global_rank", "?"), self.final_parameters,
+                      preemption.NONFINITE_EXIT_CODE)
+            preemption.note_nonfinite_parameters(self.final_parameters)
 
     # Lightning's collectives: a lost peer's bare backend error (gloo's "Connection reset by peer") is re-raised as
     # PeerLostError naming this rank, the operation and the peer (engine.collectives.named_peer_failure)

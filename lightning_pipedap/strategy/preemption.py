@@ -1,4 +1,5 @@
-"""A pre-empted job ends every rank with exit code 143, through a path that runs no C++ destructor.
+"""A pre-empted job ends every rank with exit code 143, through a path that runs no C++ destructor; a fit whose
+final parameters are not finite ends the process with exit code 3.
 
 A scheduler pre-empts a job by sending SIGTERM to one of its tasks or to all of them, and a launcher
 (torchrun, Lightning's) forwards it, sometimes twice. Whichever rank received it, the fit stops and every
@@ -21,6 +22,11 @@ How:
   notifier sets the stop flag (a second SIGTERM does nothing more); after the fit, in a pre-empted process, it
   exits with 143 at once, and in any other process it does what the default disposition does (the process
   is killed by SIGTERM). A handler the user installed before the fit is left in place.
+
+A fit that ended with NaN or inf in its parameters (``nonfinite="warn"`` applies such updates, as DDP does) is
+noted by the strategy at its teardown (:func:`note_nonfinite_parameters`); the process then exits with
+:data:`NONFINITE_EXIT_CODE` at its end (the same ``atexit`` path), so a job that trained into NaN does not
+report success. A later fit in the same process that ends finite clears it.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ from typing import Any, Optional
 
 #: exit code of every rank of a pre-empted job (128 + SIGTERM)
 PREEMPTED_EXIT_CODE = 143
+#: exit code of a process whose last fit ended with parameters that are not finite (``nonfinite="warn"``)
+NONFINITE_EXIT_CODE = 3
 #: heartbeat words that mean "this peer was pre-empted"
 PEER_WORDS = ("sigterm", "stopped")
 
@@ -50,6 +58,7 @@ class _State:
         self.phase = "idle"  # "setup" | "fit" | "ended" (| "idle": no fit in this process)
         self.own_signals = 0  # SIGTERMs this process received
         self.heartbeat: Any = None  # the fit's Heartbeat (rank 0 waits for the peers' last words before exiting)
+        self.nonfinite: Optional[str] = None  # the last fit's final parameters are not finite: what (exit code 3)
 
 
 _state = _State()
@@ -58,7 +67,7 @@ _state = _State()
 def start_fit(rank: Optional[int]) -> None:
     """A fit starts (the strategy's set-up): forget an earlier pre-emption, handle SIGTERM (:func:`install`)."""
     _state.source, _state.rank, _state.own_signals, _state.phase = None, rank, 0, "setup"
-    _state.heartbeat = None
+    _state.heartbeat, _state.nonfinite = None, None
     install()
 
 
@@ -112,6 +121,12 @@ def note_peer_words(words: dict[int, str]) -> bool:
             note(f"rank {rank}")
             return True
     return False
+
+
+def note_nonfinite_parameters(what: str) -> None:
+    """The fit ended with parameters that are not finite (``what``: :func:`~.numerics.nonfinite_parameters`): the
+    process exits with :data:`NONFINITE_EXIT_CODE` (unless pre-empted: 143), logged at exit."""
+    _state.nonfinite = what
 
 
 def preempted() -> bool:
@@ -188,6 +203,10 @@ def _at_exit() -> None:
         log.info("pipedap: rank %s: exiting with %d (pre-empted: SIGTERM received by %s)",
                  "?" if _state.rank is None else _state.rank, PREEMPTED_EXIT_CODE, _state.source)
         exit_now(PREEMPTED_EXIT_CODE)
+    if _state.nonfinite is not None:
+        log.error("pipedap: rank %s: exiting with %d: the fit ended with parameters that are not finite (%s)",
+                  "?" if _state.rank is None else _state.rank, NONFINITE_EXIT_CODE, _state.nonfinite)
+        exit_now(NONFINITE_EXIT_CODE)
 
 
 atexit.register(_at_exit)
