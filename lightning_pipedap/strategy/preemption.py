@@ -26,7 +26,8 @@ How:
 A fit that ended with NaN or inf in its parameters (``nonfinite="warn"`` applies such updates, as DDP does) is
 noted by the strategy at its teardown (:func:`note_nonfinite_parameters`); the process then exits with
 :data:`NONFINITE_EXIT_CODE` at its end (the same ``atexit`` path), so a job that trained into NaN does not
-report success. A later fit in the same process that ends finite clears it.
+report success. A later fit in the same process that ends finite clears it. A fit that stopped on an
+exception which then ends the process uncaught exits with 1, Python's code, through the same ``os._exit``.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class _State:
         self.own_signals = 0  # SIGTERMs this process received
         self.heartbeat: Any = None  # the fit's Heartbeat (rank 0 waits for the peers' last words before exiting)
         self.nonfinite: Optional[str] = None  # the last fit's final parameters are not finite: what (exit code 3)
+        self.failed = False  # the last fit stopped on an exception (strategy's abort)
 
 
 _state = _State()
@@ -67,7 +69,7 @@ _state = _State()
 def start_fit(rank: Optional[int]) -> None:
     """A fit starts (the strategy's set-up): forget an earlier pre-emption, handle SIGTERM (:func:`install`)."""
     _state.source, _state.rank, _state.own_signals, _state.phase = None, rank, 0, "setup"
-    _state.heartbeat, _state.nonfinite = None, None
+    _state.heartbeat, _state.nonfinite, _state.failed = None, None, False
     install()
 
 
@@ -121,6 +123,13 @@ def note_peer_words(words: dict[int, str]) -> bool:
             note(f"rank {rank}")
             return True
     return False
+
+
+def note_failed_fit() -> None:
+    """The fit stopped on an exception (the strategy's ``abort``): if that exception ends the process uncaught, the
+    process exits with 1 (Python's code for it) without the interpreter's finalisation (see the module docstring:
+    a communication worker may still be inside a collective its lost peer will never finish)."""
+    _state.failed = True
 
 
 def note_nonfinite_parameters(what: str) -> None:
@@ -203,6 +212,8 @@ def _at_exit() -> None:
         log.info("pipedap: rank %s: exiting with %d (pre-empted: SIGTERM received by %s)",
                  "?" if _state.rank is None else _state.rank, PREEMPTED_EXIT_CODE, _state.source)
         exit_now(PREEMPTED_EXIT_CODE)
+    if _state.failed and getattr(sys, "last_value", None) is not None:  # (uncaught: Python prints it, exits 1)
+        exit_now(1)
     if _state.nonfinite is not None:
         log.error("pipedap: rank %s: exiting with %d: the fit ended with parameters that are not finite (%s)",
                   "?" if _state.rank is None else _state.rank, NONFINITE_EXIT_CODE, _state.nonfinite)
