@@ -736,13 +736,17 @@ class Heartbeat:
         return {r: _word(v) or v for r, v in values.items() if v is not None and (_word(v) or v in _GONE)}
 
     def wait_peers_noted(self, timeout_s: float) -> bool:
-        """Wait until every peer has published a note or left a final state in the store (:meth:`stop`), at most
-        ``timeout_s`` seconds; returns whether all did."""
-        deadline = _now() + timeout_s
+        """Wait until every peer has published a note or left a final state in the store (:meth:`stop`), or has not
+        beaten for ``1.5 * interval_s`` (dead: it will not), at most ``timeout_s`` seconds; returns whether every
+        peer did one of these."""
+        start = _now()
+        first = self._read()
         while True:
-            if all(v is not None and (v in _GONE or _word(v)) for v in self._read().values()):
+            now = self._read()
+            stale = _now() - start > 1.5 * self.interval_s
+            if all(v is not None and (v in _GONE or _word(v)) or stale and v == first.get(r) for r, v in now.items()):
                 return True
-            if _now() >= deadline:
+            if _now() - start >= timeout_s:
                 return False
             time.sleep(0.1)
 
