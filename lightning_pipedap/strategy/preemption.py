@@ -198,6 +198,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         return
     if preempted():
         exit_now(PREEMPTED_EXIT_CODE)
+        return
     # not pre-empted and the fit ended normally: what the default disposition does
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)
@@ -212,8 +213,10 @@ def _at_exit() -> None:
         log.info("pipedap: rank %s: exiting with %d (pre-empted: SIGTERM received by %s)",
                  "?" if _state.rank is None else _state.rank, PREEMPTED_EXIT_CODE, _state.source)
         exit_now(PREEMPTED_EXIT_CODE)
+        return
     if _state.failed and getattr(sys, "last_value", None) is not None:  # (uncaught: Python prints it, exits 1)
         exit_now(1)
+        return
     if _state.nonfinite is not None:
         log.error("pipedap: rank %s: exiting with %d: the fit ended with parameters that are not finite (%s)",
                   "?" if _state.rank is None else _state.rank, NONFINITE_EXIT_CODE, _state.nonfinite)
