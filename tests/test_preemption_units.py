@@ -101,3 +101,14 @@ def test_nonfinite_parameters_names_the_first_and_counts():
     with torch.no_grad():
         big.weight.fill_(3e38)  # (the sum overflows; every value is finite)
     assert nonfinite_parameters(big) is None
+
+
+def test_sigterm_after_a_fit_that_ended_well_leaves_the_decision_to_the_handler_that_called_it(state):
+    """Lightning keeps the handler it found as one of its own during a later fit with another strategy: ours, called
+    from it after a pipedap fit that was not pre-empted, neither exits nor kills (this process's handler is
+    not ours here)."""
+    preemption.start_fit(0)
+    preemption.enter_fit()
+    preemption.end_fit()
+    preemption._on_sigterm(15, None)
+    assert state == [] and not preemption.preempted()

@@ -199,9 +199,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     if preempted():
         exit_now(PREEMPTED_EXIT_CODE)
         return
-    # not pre-empted and the fit ended normally: what the default disposition does
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)
+    if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+        # not pre-empted, no fit running, this is the process's handler: what the default disposition does
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+    # (else another handler called this one as the one it replaced, e.g. Lightning's during a later fit with another
+    # strategy: that handler decides)
 
 
 def _at_exit() -> None:
