@@ -226,7 +226,8 @@ def route_sigterm(strategy: Any) -> None:
     def peer_noted(rank: int, word: str) -> None:
         if word in preemption.PEER_WORDS:
             connector.received_sigterm = True
-            preemption.note(f"rank {rank}")
+            if preemption.note(f"rank {rank}") and heartbeat.note is None:
+                heartbeat.publish("preempted")  # (rank 0 waits at exit until every peer knows)
 
     # (preemption's own handler, installed at set-up, is the "original" Lightning appended: notify replaces both)
     handler.signal_handlers = [notify if getattr(h, "__func__", None) is lightning_notifier else h

@@ -45,7 +45,7 @@ PREEMPTED_EXIT_CODE = 143
 #: exit code of a process whose last fit ended with parameters that are not finite (``nonfinite="warn"``)
 NONFINITE_EXIT_CODE = 3
 #: heartbeat words that mean "this peer was pre-empted"
-PEER_WORDS = ("sigterm", "stopped")
+PEER_WORDS = ("sigterm", "preempted", "stopped")
 
 log = logging.getLogger("lightning_pipedap")
 
