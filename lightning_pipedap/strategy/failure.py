@@ -227,7 +227,9 @@ def route_sigterm(strategy: Any) -> None:
         if word in preemption.PEER_WORDS:
             connector.received_sigterm = True
             if preemption.note(f"rank {rank}") and heartbeat.note is None:
-                heartbeat.publish("preempted")  # (rank 0 waits at exit until every peer knows)
+                if strategy.local_rank == 0:
+                    disarm_child_observer()  # (the ranks it started exit 143 now; this rank must too, not -9)
+                heartbeat.publish("preempted")  # (the signalled rank waits at exit until every peer knows)
 
     # (preemption's own handler, installed at set-up, is the "original" Lightning appended: notify replaces both)
     handler.signal_handlers = [notify if getattr(h, "__func__", None) is lightning_notifier else h

@@ -209,9 +209,11 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def _at_exit() -> None:
     if preempted():
-        if _state.rank == 0 and _state.heartbeat is not None:
-            # rank 0 hosts the rendezvous store: the peers read there that the job is pre-empted (they exit 143,
-            # not 1); wait until each has published that it knows (its own "sigterm") or stopped
+        if _state.heartbeat is not None:
+            # every peer must learn that the job is pre-empted (it exits 143, not 1) before this rank's exit breaks
+            # its collectives, and rank 0 hosts the rendezvous store where they read it; under Lightning's launcher,
+            # rank 0 must learn it before its child-process observer sees this rank's exit (it would SIGKILL rank 0):
+            # wait until each peer has published that it knows ("sigterm", "preempted") or stopped, or is dead
             _state.heartbeat.wait_peers_noted(timeout_s=3.0)
         log.info("pipedap: rank %s: exiting with %d (pre-empted: SIGTERM received by %s)",
                  "?" if _state.rank is None else _state.rank, PREEMPTED_EXIT_CODE, _state.source)
