@@ -57,8 +57,10 @@ class CollectivesOffAfterFailure:
         if getattr(self, "local_rank", None) == 0:  # every rank sees the failure: reap_children waits at teardown
             disarm_child_observer()
         # a failure caused by a peer that stopped on SIGTERM (it left a collective): the job is pre-empted, exit 143
-        pre_empted = preemption.check_peers(getattr(self, "peer_heartbeat", None))
-        preemption.note_failed_fit()
+        heartbeat = getattr(self, "peer_heartbeat", None)  # (None: one process, nothing to lose at exit)
+        pre_empted = preemption.check_peers(heartbeat)
+        if heartbeat is not None:
+            preemption.note_failed_fit()
         # tell the peers now (they stop waiting for this rank) and stop the communication worker
         self.stop_fit_after_failure("interrupted" if isinstance(exception, KeyboardInterrupt)
                                     else "stopped" if isinstance(exception, SystemExit) or pre_empted else "failed")
