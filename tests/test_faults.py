@@ -173,6 +173,8 @@ def test_termination_signals_exit_nonzero_without_aborting(job, sig, rank):
     codes = j.wait()
     assert None not in codes, (codes, j.output()[-3000:])
     assert all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    if sig == signal.SIGTERM:  # a pre-empted job: every rank 143, whichever was signalled
+        assert codes == [143, 143], (codes, j.output()[-3000:])
     _assert_no_abort(j, codes)
 
 
@@ -219,6 +221,7 @@ def test_sigterm_to_the_whole_job_under_lightnings_launcher_exits_143_and_leaves
     os.killpg(os.getpgid(j.procs[0].pid), signal.SIGTERM)
     codes = j.wait()
     assert codes[0] == 143, (codes, j.output()[-3000:])
+    assert "terminated with code" not in j.output(), j.output()[-3000:]  # (Lightning's observer killed no rank)
     assert time.monotonic() - t0 < BOUND_S
     _assert_no_abort(j, codes)
 
@@ -293,4 +296,32 @@ def test_killed_compression_helper_fails_every_rank_naming_it(job):
     assert took < BOUND_S, took
     assert "HelperDiedError" in j.output(1), j.output(1)[-3000:]
     assert "rank 1" in j.output(0), j.output(0)[-3000:]
+    _assert_no_abort(j, codes)
+
+
+def test_lost_peer_under_ddps_reducer_is_named_on_the_survivor(job):
+    """SIGKILL of rank 1 once DDP's reducer (the ``torch_ddp`` candidate, kept by ``torch_ddp_margin=0.99``) runs:
+    rank 0's error names itself, the operation and rank 1, not only gloo's ``Connection reset by peer``."""
+    j = job("none", 0, batches=400, schedule="optimal", torch_ddp_margin=0.99)
+    pid = j.pid_at_step(1, 40)  # (trials end by step 30: the start-up budget)
+    assert "running: torch_ddp" in j.output(0), j.output(0)[-3000:]
+    os.kill(pid, signal.SIGKILL)
+    codes = j.wait(ranks=(0,))
+    assert codes[0] not in (None, 0), (codes, j.output(0)[-3000:])
+    text = j.output(0)
+    assert "PeerLostError: pipedap: rank 0: " in text and "rank 1: no heartbeat" in text, text[-3000:]
+    _assert_no_abort(j, codes)
+
+
+def test_nonfinite_warn_run_that_ends_with_nan_parameters_exits_nonzero_naming_them(job):
+    """``nonfinite="warn"`` applies the NaN update (as DDP does); the fit then ends with NaN in ``extra``: every rank
+    says so and exits 3, not 0."""
+    j = job("nan", 1, at=5, batches=10, nonfinite="warn")
+    codes = j.wait()
+    assert codes == [3, 3], (codes, j.output()[-3000:])
+    for r in range(2):
+        text = j.output(r)
+        assert f"pipedap: rank {r}: exiting with 3: the fit ended with parameters that are not finite (1 of 5 " \
+               "parameters hold NaN or inf (first: 'extra', " in text, text[-3000:]
+    assert (j.tmp / "done.0").exists()  # (the fit itself finished: the exit code says the result is not usable)
     _assert_no_abort(j, codes)

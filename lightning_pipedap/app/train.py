@@ -283,6 +283,9 @@ def collect_results(cfg: DictConfig, trainer: pl.Trainer, output_dir: str, fit_s
         "startup_cost_s": startup_cost_s(measure.get("startup_s"), measure.get("startup_steps"), it_s),
         "plan_cache": (trainer.strategy.what_ran().get("plan_cache") if hasattr(trainer.strategy, "what_ran")
                        else None),
+        # False: the fit ended with NaN/inf in its parameters (pipedap; the process exits with 3)
+        "final_parameters_finite": (trainer.strategy.what_ran().get("final_parameters_finite")
+                                    if hasattr(trainer.strategy, "what_ran") else None),
         "throughput_samples_per_s": measure.get("throughput_samples_per_s"),
         "energy_J_per_step": measure.get("energy_J_per_step"),
         "energy_J_per_sample": measure.get("energy_J_per_sample"),
@@ -526,6 +529,8 @@ def format_summary(res: dict[str, Any]) -> str:
         *([communication_text(ran["communication"], res["processes"])] if ran.get("communication") else []),
         *([f"plan cache      {plan_cache_text(ran)}"] if ran.get("plan_cache") else []),
         f"speedup         {speed}",
+        *([f"parameters      NOT FINITE at the end of the fit: {ran['final_parameters_note']} (exit code 3)"]
+          if ran.get("final_parameters_finite") is False else []),
         *[f"check           {text}" for text in surprises(res)],
         f"energy          {energy}",
         f"fit time        {res['fit_s']:.1f} s",

@@ -71,10 +71,10 @@ def start_without_main(proc: mp.process.BaseProcess) -> None:
 
 
 def stop_helper(proc: mp.process.BaseProcess, req, res, timeout_s: float = 10.0, polite: bool = True) -> int | None:
-    """Stop the helper: a ``stop`` request (when ``polite``), then terminate, then kill; close the pipes
-    and the process handle (its sentinel fd).
+    """Stop the helper: a ``stop`` request (when ``polite``), then SIGKILL (the helper ignores SIGTERM); close the
+    pipes and the process handle (its sentinel fd).
 
-    Waits at most ``timeout_s`` for the polite stop and 2 s after each signal.
+    Waits at most ``timeout_s`` for the polite stop and 2 s after the signal.
 
     Returns:
         the helper's exit code (negative: killed by that signal).
@@ -87,10 +87,9 @@ def stop_helper(proc: mp.process.BaseProcess, req, res, timeout_s: float = 10.0,
                 except (BrokenPipeError, ConnectionResetError, OSError):
                     pass
                 proc.join(timeout_s)
-            for signal_it in (proc.terminate, proc.kill):
-                if proc.is_alive():
-                    signal_it()
-                    proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
         else:
             proc.join(0.1)
         return proc.exitcode

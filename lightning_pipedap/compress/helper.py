@@ -141,7 +141,10 @@ def helper_main(req, res, compressor_name: str, compressor_kwargs: dict[str, Any
         parent_pid: the trainer's pid, for :func:`watch_parent`.
         layout: ``(numels, layouts, slots)`` of the first buckets, or None to start without buckets.
     """
+    # SIGINT and SIGTERM are for the trainer (a pre-empted job's SIGTERM reaches its whole process group): the helper
+    # keeps serving while the trainer stops, and ends on the trainer's ``stop``, its SIGKILL or its death
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     torch.set_num_threads(threads)
     t0 = time.perf_counter()

@@ -393,7 +393,7 @@ class CompressionPipeline:
             return self._backend.load_state_dict(state, self._timeout(timeout_s))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the helper (``stop`` request, then terminate/kill after ``timeout_s``) and free the slots.
+        """Stop the helper (``stop`` request, then SIGKILL after ``timeout_s``) and free the slots.
 
         Idempotent; also called on garbage collection and by the context manager.
         """

@@ -19,8 +19,9 @@ from __future__ import annotations
 import datetime
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,9 @@ __all__ = [
     "SparseReduction",
     "start_sparse_all_reduce",
     "Heartbeat",
+    "PeerLostError",
+    "named_peer_failure",
+    "naming_peer_failures",
     "ddp_reduction_finished",
     "ddp_buffers_sync_next",
     "finish_stalled_reduction",
@@ -376,10 +380,16 @@ def broadcast_coalesced_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
             offset += t.numel()
 
 
-def broadcast_object(obj: object, src: int = 0) -> object:
-    """Broadcast a picklable object from global rank ``src`` on the default group; returns it on every rank."""
+def broadcast_object(obj: object, src: int = 0, what: str = "an object") -> object:
+    """Broadcast a picklable object from global rank ``src`` on the default group; returns it on every rank.
+
+    Raises:
+        PeerLostError: the broadcast failed because a peer stopped answering (names this rank, ``what`` was
+            broadcast and the peer: :func:`named_peer_failure`).
+    """
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    with naming_peer_failures(f"the broadcast of {what} from rank {src}"):
+        dist.broadcast_object_list(box, src=src)
     return box[0]
 
 
@@ -552,6 +562,61 @@ def all_gather_rows(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     return out.view(comm.world_size, -1)
 
 
+# ---------------------------------------------------------------------- errors that name the lost peer
+class PeerLostError(RuntimeError):
+    """A collective failed because a peer stopped answering; the message names this rank, the operation and what
+    the heartbeat knows of each peer (the backend's own error, e.g. gloo's ``Connection reset by peer``, is the
+    ``__cause__``)."""
+
+
+#: the heartbeat of this process's current (or last) fit, for :func:`named_peer_failure`
+_heartbeat: Optional["Heartbeat"] = None
+
+#: words of the backends' errors when a peer's connection is gone or a collective timed out
+_PEER_FAILURE_WORDS = ("Connection reset", "Connection closed", "Connection refused", "Broken pipe", "Timed out",
+                       "timed out", "Timeout", "closed by peer", "NCCL", "gloo")
+
+
+def named_peer_failure(exc: BaseException, operation: str, step: Optional[int] = None,
+                       wait_s: float = 2.0) -> Optional[PeerLostError]:
+    """A :class:`PeerLostError` for ``exc`` when it is a backend's error about a lost peer (``torch.distributed``'s
+    ``DistError`` or a ``RuntimeError`` whose text is gloo's/NCCL's), else None (also for errors already named:
+    text starting with ``pipedap:``).
+
+    The message is ``pipedap: rank R: OPERATION [at step S] failed (PEERS): FIRST LINE OF exc``, where PEERS is the
+    heartbeat's :meth:`Heartbeat.describe` after waiting up to ``wait_s`` seconds for a sign of life from each
+    peer (``rank 1: no heartbeat for the last 2.0 s (stopped or dead?)``, ``rank 1: stopped on SIGTERM``).
+    """
+    text = str(exc)
+    dist_error = getattr(dist, "DistError", None)
+    if not isinstance(exc, RuntimeError) or isinstance(exc, PeerLostError) or text.startswith("pipedap:"):
+        return None
+    if not (dist_error is not None and isinstance(exc, dist_error) or any(w in text for w in _PEER_FAILURE_WORDS)):
+        return None
+    hb = _heartbeat
+    try:
+        peers = hb.describe(wait_s=wait_s) if hb is not None else "no heartbeat: the peers' state is unknown"
+    except Exception as e:  # noqa: BLE001  (describing must not hide the error)
+        peers = f"the peers' state could not be read: {e!r}"
+    rank = dist.get_rank() if is_initialized() else "?"
+    where = f" at step {step}" if step is not None else ""
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return PeerLostError(f"pipedap: rank {rank}: {operation}{where} failed ({peers}): {first}")
+
+
+@contextmanager
+def naming_peer_failures(operation: str, step: Optional[int] = None) -> Iterator[None]:
+    """Re-raise a backend's lost-peer error inside the block as :class:`PeerLostError` naming ``operation``
+    (:func:`named_peer_failure`); other exceptions pass unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:
+        named = named_peer_failure(exc, operation, step)
+        if named is None:
+            raise
+        raise named from exc
+
+
 # ---------------------------------------------------------------------- liveness of the peers
 _GONE = {"left": "left the fit (it finished, or ran out of batches: uneven inputs?)",
          "failed": "failed with an exception (see its log)",
@@ -584,7 +649,8 @@ class Heartbeat:
         grace_s: extra seconds before ``on_stale``.
         on_stale: called once with the message (None: only :meth:`not_answering` reports).
         context: ``() -> str`` describing what this rank is doing, for the message.
-        on_note: ``(rank, word)`` called once per word a peer publishes with its beats (:attr:`note`).
+        on_note: ``(rank, word)`` called once per word a peer publishes with its beats (:attr:`note`) and once
+            for the state it left in (``"stopped"``, ``"failed"``, ...: :meth:`stop`).
         failed_grace_s: seconds after a peer's failure before ``on_stale``.
 
     Raises:
@@ -611,10 +677,13 @@ class Heartbeat:
         self._store_ok_at = now
         self._count = 0
         self._stop = threading.Event()
+        self._wake = threading.Event()  # (set by publish: beat now, not at the next interval)
         self._fired = False
         self._beat()
         self._thread = threading.Thread(target=self._loop, name="pipedap-heartbeat", daemon=True)
         self._thread.start()
+        global _heartbeat
+        _heartbeat = self  # (the errors of this fit's collectives name the peers it knows: named_peer_failure)
 
     def not_answering(self) -> dict[int, str]:
         """Peers not answering now, ``{rank: what was seen}`` (rank 0 stands for an unreachable store)."""
@@ -649,6 +718,38 @@ class Heartbeat:
             return "every peer is alive"
         return "; ".join(f"rank {r}: {what}" for r, what in sorted(bad.items()))
 
+    def publish(self, note: str) -> None:
+        """Set :attr:`note` and send it now (the next beat, without waiting for the interval); safe to call from
+        a signal handler (it only sets two attributes)."""
+        self.note = note
+        self._wake.set()
+
+    def peer_words(self, cached: bool = False) -> dict[int, str]:
+        """``{rank: word}`` read from the store now (``cached``: as the watchdog last saw them): each peer's
+        published note (``"sigterm"``) or the state it left in (``"left"``, ``"failed"``, ``"interrupted"``,
+        ``"stopped"``); peers with neither, or an unreachable store, are left out. Works after :meth:`stop` too."""
+        if cached:
+            with self._lock:
+                values = {r: v for r, (v, _) in self._seen.items()}
+        else:
+            values = self._read()
+        return {r: _word(v) or v for r, v in values.items() if v is not None and (_word(v) or v in _GONE)}
+
+    def wait_peers_noted(self, timeout_s: float) -> bool:
+        """Wait until every peer has published a note or left a final state in the store (:meth:`stop`), or has not
+        beaten for ``1.5 * interval_s`` (dead: it will not), at most ``timeout_s`` seconds; returns whether every
+        peer did one of these."""
+        start = _now()
+        first = self._read()
+        while True:
+            now = self._read()
+            stale = _now() - start > 1.5 * self.interval_s
+            if all(v is not None and (v in _GONE or _word(v)) or stale and v == first.get(r) for r, v in now.items()):
+                return True
+            if _now() - start >= timeout_s:
+                return False
+            time.sleep(0.1)
+
     def _read(self) -> dict[int, Optional[str]]:
         """Every peer's current counter (None: not written yet or the store does not answer).
 
@@ -676,6 +777,7 @@ class Heartbeat:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=2 * self.interval_s + 1)
         if state is not None:
             try:
@@ -689,7 +791,11 @@ class Heartbeat:
         self.store.set(f"{self.PREFIX}{self.rank}", f"{self._count} {self.note}" if self.note else str(self._count))
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        while True:
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
             try:
                 self._beat()
                 values = {r: v for r, v in self._read().items() if v is not None}
@@ -700,7 +806,7 @@ class Heartbeat:
                         if v != self._seen[r][0]:
                             self._seen[r] = (v, now)
                 for r, v in values.items():
-                    word = v.partition(" ")[2]
+                    word = _word(v) or (v if v in _GONE else "")  # (a note, or the state a peer left in)
                     if word and (r, word) not in self._noted and self.on_note is not None:
                         self._noted.add((r, word))
                         self.on_note(r, word)
@@ -717,6 +823,11 @@ class Heartbeat:
                     why = "gone" if failed else f"not answering for more than {self.timeout_s:g} s"
                     self.on_stale(f"pipedap: rank {self.rank}: peer(s) {why} ({what}) while "
                                   f"{self.context() or 'training'}; exiting")
+
+
+def _word(value: str) -> str:
+    """The note of a heartbeat value (``"12 sigterm"`` -> ``"sigterm"``; ``"12"`` -> ``""``)."""
+    return value.partition(" ")[2]
 
 
 def _now() -> float:

@@ -101,7 +101,7 @@ class RunEffects:
         plan = None
         if ctx.rank == 0:
             plan = plan_owners(first, len(self._params()), {id(m): n for n, m in ctx.module.named_modules()})
-        order, owner_names = C.broadcast_object(plan, src=0)
+        order, owner_names = C.broadcast_object(plan, src=0, what="the traced layout (bucket order and owners)")
         fit.slot.adopt_layout(order, owner_modules(owner_names, ctx.module))
 
     def install_fixed(self, name: Optional[str] = None) -> None:
@@ -186,7 +186,7 @@ class RunEffects:
         return None if cm is None else predicted_busy_s(cm, slot.engine)
 
     def agree(self, value: Any) -> Any:
-        return C.broadcast_object(value if self.fit.ctx.rank == 0 else None, src=0)
+        return C.broadcast_object(value if self.fit.ctx.rank == 0 else None, src=0, what="rank 0's decision")
 
     def last_busy_s(self) -> Optional[float]:
         engine = self.fit.slot.engine

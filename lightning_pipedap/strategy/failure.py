@@ -16,13 +16,14 @@ with exit code 1.
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Any, Callable, Optional
 
 from torch import Tensor
 
 from lightning_pipedap import compat
+from lightning_pipedap.engine import collectives as C
+from lightning_pipedap.strategy import preemption
 from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.messages import failure, log
 
@@ -41,6 +42,8 @@ class CollectivesOffAfterFailure:
 
     _aborted: bool
     stop_fit_after_failure: Callable[[str], None]
+    #: the last fit's final parameters that are not finite, in words (None: finite, or not checked)
+    final_parameters: Optional[str] = None
 
     def abort(self, exception: Optional[BaseException] = None) -> None:
         """Mark this rank as failed: stop the communication worker without waiting, make collectives local."""
@@ -53,53 +56,93 @@ class CollectivesOffAfterFailure:
         self._aborted = True
         if getattr(self, "local_rank", None) == 0:  # every rank sees the failure: reap_children waits at teardown
             disarm_child_observer()
+        # a failure caused by a peer that stopped on SIGTERM (it left a collective): the job is pre-empted, exit 143
+        heartbeat = getattr(self, "peer_heartbeat", None)  # (None: one process, nothing to lose at exit)
+        pre_empted = preemption.check_peers(heartbeat)
+        if heartbeat is not None:
+            preemption.note_failed_fit()
         # tell the peers now (they stop waiting for this rank) and stop the communication worker
         self.stop_fit_after_failure("interrupted" if isinstance(exception, KeyboardInterrupt)
-                                    else "stopped" if isinstance(exception, SystemExit) else "failed")
+                                    else "stopped" if isinstance(exception, SystemExit) or pre_empted else "failed")
         if exception is not None and not isinstance(exception, (SystemExit, KeyboardInterrupt)):
             # on every rank, so each rank's own log file (train_ddp_process_<r>.log, [rank r]-prefixed) has it; not on
             # the terminal, where Python/Hydra print the exception once (a console copy printed every error twice)
             failure(f"pipedap: rank {getattr(self, 'global_rank', '?')} failed; collectives of the default group are "
                     "skipped from now on", exception)
 
+    def setup_environment(self) -> None:
+        preemption.start_fit(getattr(self, "global_rank", None))  # (SIGTERM during set-up: SystemExit(143))
+        super().setup_environment()  # type: ignore[misc]
+
     def on_train_start(self) -> None:
+        preemption.enter_fit()
         route_sigterm(self)
         super().on_train_start()  # type: ignore[misc]
 
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        preemption.end_fit()
+
+    def check_final_parameters(self, module: Any) -> None:
+        """At the end of a fit that did not fail (pending updates applied): note parameters that are not finite
+        (:attr:`final_parameters`, the summary, exit code 3: :mod:`.preemption`); ``nonfinite="ignore"``: no
+        check."""
+        self.final_parameters = None
+        if getattr(self, "config", None) is None or self.config.nonfinite == "ignore" or module is None:
+            return
+        from lightning_pipedap.strategy.numerics import nonfinite_parameters  # noqa: PLC0415
+
+        self.final_parameters = nonfinite_parameters(module)
+        if self.final_parameters is not None:
+            log.error("pipedap: rank %s: the fit ended with parameters that are not finite: %s; the process will "
+                      "exit with %d", getattr(self, "global_rank", "?"), self.final_parameters,
+                      preemption.NONFINITE_EXIT_CODE)
+            preemption.note_nonfinite_parameters(self.final_parameters)
+
+    # Lightning's collectives: a lost peer's bare backend error (gloo's "Connection reset by peer") is re-raised as
+    # PeerLostError naming this rank, the operation and the peer (engine.collectives.named_peer_failure)
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if self._aborted:
             return
-        super().barrier(*args, **kwargs)  # type: ignore[misc]
+        name = args[0] if args else kwargs.get("name")
+        with C.naming_peer_failures(f"Lightning's barrier{f' {name!r}' if name else ''}"):
+            super().barrier(*args, **kwargs)  # type: ignore[misc]
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if self._aborted:
             return obj
-        return super().broadcast(obj, src)  # type: ignore[misc]
+        with C.naming_peer_failures(f"Lightning's broadcast of a {type(obj).__name__} from rank {src}"):
+            return super().broadcast(obj, src)  # type: ignore[misc]
 
     def reduce(self, tensor: Any, group: Optional[Any] = None, reduce_op: Optional[Any] = "mean") -> Any:
         if self._aborted:
             return tensor
-        return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
+        with C.naming_peer_failures(f"Lightning's reduce ({reduce_op})"):
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)  # type: ignore[misc]
 
     def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
         if self._aborted:
             return tensor.unsqueeze(0)
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
+        with C.naming_peer_failures("Lightning's all_gather"):
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc]
 
 
 def exit_on_lost_peer(message: str) -> None:
-    """Log ``message`` (to the ``lightning_pipedap`` logger and stderr) and end the process with exit code 1.
+    """Log ``message`` (to the ``lightning_pipedap`` logger and stderr) and end the process with exit code 1, or
+    143 when the job is pre-empted (this rank or a peer received SIGTERM: :mod:`.preemption`).
 
     Called from the heartbeat thread: the main thread may be blocked inside a collective that only
     the lost peer could complete, so an exception could not reach it.
     """
+    code = preemption.exit_code(LOST_PEER_EXIT_CODE)
+    if code == preemption.PREEMPTED_EXIT_CODE:
+        message += f" (the job is pre-empted: exit code {code})"
     log.error(message)
     try:
         sys.stderr.write(message + "\n")
         sys.stderr.flush()
-        sys.stdout.flush()
     finally:
-        os._exit(LOST_PEER_EXIT_CODE)
+        preemption.exit_now(code)
 
 
 def reap_children(launcher: Any, wait_s: float = 5.0) -> list[int]:
@@ -170,17 +213,28 @@ def route_sigterm(strategy: Any) -> None:
     connector = compat.signal_connector(trainer)
 
     def notify(signum: int, frame: Any) -> None:
+        # idempotent: a second SIGTERM (torchrun forwards the scheduler's, Lightning's launcher forwards rank 0's)
+        # only counts; the first already stops the fit at the next step and makes the exit code 143
+        preemption.note("this rank")
+        if preemption.own_signals() > 1:
+            return
         log.info("pipedap: rank %s received SIGTERM; stopping every rank at the next step", trainer.global_rank)
-        if not connector.received_sigterm and strategy.launcher is not None:
+        if strategy.launcher is not None:
             disarm_child_observer()  # the ranks it started now exit 143; this rank must too, not -9
             strategy.launcher.kill(signum)
         connector.received_sigterm = True
-        heartbeat.note = "sigterm"
+        heartbeat.publish("sigterm")
 
     def peer_noted(rank: int, word: str) -> None:
-        if word == "sigterm":
+        if word in preemption.PEER_WORDS:
             connector.received_sigterm = True
+            if preemption.note(f"rank {rank}") and heartbeat.note is None:
+                if strategy.local_rank == 0:
+                    disarm_child_observer()  # (the ranks it started exit 143 now; this rank must too, not -9)
+                heartbeat.publish("preempted")  # (the signalled rank waits at exit until every peer knows)
 
+    # (preemption's own handler, installed at set-up, is the "original" Lightning appended: notify replaces both)
     handler.signal_handlers = [notify if getattr(h, "__func__", None) is lightning_notifier else h
-                               for h in handler.signal_handlers]
+                               for h in handler.signal_handlers if not preemption.is_handler(h)]
     heartbeat.on_note = peer_noted
+    preemption.enter_fit(heartbeat)

@@ -339,6 +339,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
             try:
                 if not aborted:
                     self.flush()
+                    self.check_final_parameters(self.lightning_module)  # (NaN/inf at the end: exit code 3)
             finally:
                 rt.close(abort=aborted)
         trainer = trainer_of(self.lightning_module)

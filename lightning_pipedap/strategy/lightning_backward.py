@@ -12,6 +12,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_pipedap.engine import collectives as C
+
 
 class BackwardHooks:
     """Lightning's backward overrides, delegating to the run-time (``self._rt``; None: DDP's or Lightning's own
@@ -65,6 +67,10 @@ class BackwardHooks:
             why = rt.stalled_elsewhere() if rt is not None else None
             if why:  # (DDP's bucket all-reduces failed because another rank's reduction stalled)
                 raise RuntimeError(why) from exc
+            named = None if rt is None else C.named_peer_failure(
+                exc, "DDP's gradient all-reduce (backward)" if rt.handed_over else "the backward", lm.global_step)
+            if named is not None:  # (gloo's bare "Connection reset by peer": name this rank, the step, the peer)
+                raise named from exc
             raise
         if self._rt is not None and not self._rt.handed_over:
             self._rt.finish_backward()

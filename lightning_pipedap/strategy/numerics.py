@@ -266,6 +266,30 @@ def skippable_step(optimizer: Any, check: NonFiniteCheck) -> Iterator[None]:
             optimizer.__dict__.pop("step", None)
 
 
+def nonfinite_parameters(module: torch.nn.Module) -> Optional[str]:
+    """What is not finite among ``module``'s parameters, in words, or None when every value is finite.
+
+    ``"2 of 5 parameters hold NaN or inf (first: 'net.0.weight', 512 NaN and 0 inf of 512 values)"``. One sum per
+    parameter (NaN and inf propagate), element counts only for the first bad one; the replicas are identical, so
+    every rank finds the same.
+    """
+    bad = []
+    for name, p in module.named_parameters():
+        total = p.detach().float().sum()
+        if not bool(torch.isfinite(total)):
+            data = p.detach()
+            if bool(torch.isfinite(data).all()):  # (the sum overflowed; the values are finite)
+                continue
+            bad.append((name, data))
+    if not bad:
+        return None
+    name, data = bad[0]
+    nan, inf = int(torch.isnan(data).sum()), int(torch.isinf(data).sum())
+    count = sum(1 for _ in module.parameters())
+    return (f"{len(bad)} of {count} parameters hold NaN or inf (first: {name!r}, {nan} NaN and {inf} inf of "
+            f"{data.numel()} values)")
+
+
 def parameter_hashes(module: torch.nn.Module) -> list[tuple[str, str]]:
     """``(name, blake2b-64 hex digest of the bytes)`` of every parameter of ``module``, in registration order."""
     out = []

@@ -187,7 +187,9 @@ class RunResults(compat.SpawnLauncherHook):
         the plan cache, see :attr:`Controller.plan_cache`; None outside a fit) and ``plan_cache_entry`` (after a
         hit: the entry's ``path``, ``selected_at``, ``chosen``, ``describe``, ``measured_s`` and the
         ``candidates`` its selection measured; else None),
-        ``single_process`` (one process: nothing was synchronised, :attr:`single_process`).
+        ``single_process`` (one process: nothing was synchronised, :attr:`single_process`),
+        ``final_parameters_finite`` (False: the fit ended with NaN/inf in its parameters; the process then exits
+        with 3) and ``final_parameters_note`` (which, in words; None when finite or not checked).
         """
         rt = self._rt or self._last
         if rt is None and getattr(self, "_what_ran_in_worker", None) is not None:
@@ -220,6 +222,8 @@ class RunResults(compat.SpawnLauncherHook):
             "plan_cache": getattr(getattr(rt, "controller", None), "plan_cache", None),
             "plan_cache_entry": _entry_of(getattr(rt, "plan_cache", None)),
             "single_process": self.single_process,
+            "final_parameters_finite": getattr(self, "final_parameters", None) is None,
+            "final_parameters_note": getattr(self, "final_parameters", None),
         }
 
     def _prediction_basis(self, rt: Optional[Runtime]) -> dict[str, Any]:

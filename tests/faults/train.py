@@ -6,13 +6,16 @@ the others 40), ``mismatch`` (FAULT_RANK's model is wider), ``mismatch_compressi
 top-k with ``ratio=0.02``, the others ``0.01``), ``nan`` (FAULT_RANK's gradient of the parameter ``extra``
 holds NaN and inf at step ``at``), ``perturb`` (FAULT_RANK adds 1 to ``net.0.weight[0, 0]`` after step
 ``at``). Signals are sent by the test from outside, after the rank has written ``step.<rank>`` >= ``at``.
-``nonfinite=``, ``defer=`` (auto/true/false) and ``check_params=`` set the strategy options of those names.
+``nonfinite=``, ``defer=`` (auto/true/false), ``check_params=`` and ``torch_ddp_margin=`` set the strategy options of
+those names; ``schedule=`` (default ``dear``). ``resignal=1``: the process sends itself SIGTERM again in the last
+callback's ``on_exception`` (while the fit stops) and after ``fit`` returns or raises (after the strategy's teardown).
 ``launch=lightning`` (default): Lightning's
 subprocess launcher starts the other rank; ``launch=external``: the test starts every rank with
 torchrun-style variables. ``save_on_exception=1`` adds ``ModelCheckpoint(save_on_exception=True)``.
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -68,12 +71,21 @@ class Perturb(pl.Callback):
                 pl_module.net[0].weight[0, 0] += 1.0
 
 
+class Resignal(pl.Callback):
+    """``resignal=1``: SIGTERM to this process while the fit stops (the last ``on_exception``)."""
+
+    def on_exception(self, trainer, pl_module, exception):
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     torch.manual_seed(0)
     hidden = 48 if FAULT == "mismatch" and RANK == FAULT_RANK else 32
     callbacks = []
     if FAULT == "perturb":
         callbacks.append(Perturb())
+    if OPTS.get("resignal") == "1":
+        callbacks.append(Resignal())
     if OPTS.get("save_on_exception") == "1":
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_on_exception=True))
     compression, kwargs = OPTS.get("compression"), {}
@@ -81,15 +93,21 @@ def main() -> None:
         compression, kwargs = "topk", {"ratio": 0.02 if RANK == FAULT_RANK else 0.01}
     defer = {"auto": "auto", "true": True, "false": False}[OPTS.get("defer", "auto")]
     check = int(OPTS["check_params"]) if "check_params" in OPTS else None
-    strategy = PipeDAPStrategy(schedule="dear", wait_timeout_s=TIMEOUT, compression=compression,
+    extra = {"torch_ddp_margin": float(OPTS["torch_ddp_margin"])} if "torch_ddp_margin" in OPTS else {}
+    strategy = PipeDAPStrategy(schedule=OPTS.get("schedule", "dear"), wait_timeout_s=TIMEOUT, compression=compression,
                                compression_kwargs=kwargs, defer_update=defer, nonfinite=OPTS.get("nonfinite", "warn"),
-                               check_params_every_n_steps=check)
+                               check_params_every_n_steps=check, **extra)
     trainer = pl.Trainer(accelerator="cpu", devices=int(OPTS.get("devices", 2)), num_nodes=int(OPTS.get("nodes", 1)),
                          strategy=strategy, max_epochs=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=OPTS.get("save_on_exception") == "1",
                          callbacks=callbacks, use_distributed_sampler=False)
-    trainer.fit(Net(hidden))
+    try:
+        trainer.fit(Net(hidden))
+    finally:
+        if OPTS.get("resignal") == "1":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # (never reached: the strategy's handler ends the pre-empted process at once)
     with open(os.path.join(OUT, f"done.{trainer.global_rank}"), "w") as f:
         f.write(str(trainer.global_step))
 
