@@ -215,3 +215,33 @@ def test_sharded_step_equals_the_whole_step(world, opt_name, clip_spec):
 
 def test_the_comparison_catches_a_wrong_shard_offset():
     assert _compare(2, "adam", None, mutate=True) > 1e-3
+
+
+# ----------------------------------------------------------------------------------------------- a real fit
+@pytest.fixture(scope="module")
+def fit_results(tmp_path_factory):
+    import json
+    from pathlib import Path
+
+    from tests._dist_util import run_lightning_ranks
+
+    out = tmp_path_factory.mktemp("shard_fit") / "results.json"
+    run_lightning_ranks(["-m", "tests.shard_cases", str(out)], world=2, timeout_s=600,
+                        cwd=str(Path(__file__).resolve().parents[1]))
+    return json.loads(out.read_text())
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_fit_shows_what_ddp_shows_and_refuses_sharded_state_reads(fit_results):
+    """``tests/shard_cases.py``: parameters and the ``.grad`` read in ``training_step`` equal DDP's; a read of
+    ``optimizer.state[p]`` or ``optimizer.state_dict()`` raises naming the parameter and the way out; the rank holds
+    about half the state; ``optimizer_state`` gives the whole state on rank 0; after the fit the state is whole."""
+    ddp, shard = fit_results["ddp"], fit_results["shard"]
+    assert len(shard["grads"]) == 2 and shard["grads"] == ddp["grads"]
+    assert shard["params"] == ddp["params"]
+    assert len(shard["errors"]) == 4 and not ddp["errors"], shard["errors"]
+    assert all("ShardedStateError" in e and "trainer.strategy.optimizer_state" in e for e in shard["errors"])
+    assert "net.0.weight" in shard["errors"][0] and "state_dict()" in shard["errors"][1]
+    assert ddp["nbytes"] * 0.45 < shard["nbytes"] < ddp["nbytes"] * 0.6, (shard["nbytes"], ddp["nbytes"])
+    assert shard["state_keys"] == ddp["state_keys"] == [0, 1, 2, 3]  # (rank 0: every parameter's state)
+    assert len(shard["after_fit"]) == 4 and all(d == "cpu" for st in shard["after_fit"].values() for d in st.values())
