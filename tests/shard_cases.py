@@ -59,14 +59,17 @@ class LastStep(pl.Callback):
 
     def __init__(self) -> None:
         self.nbytes = None
+        self.max_nbytes = 0
         self.state_keys: list[int] = []
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        opt = trainer.optimizers[0]
+        nbytes = getattr(trainer.strategy, "optimizer_state_nbytes", None)
+        now = nbytes(opt) if nbytes else sum(v.numel() * v.element_size() for s in opt.state.values()
+                                             for v in s.values() if torch.is_tensor(v))
+        self.max_nbytes = max(self.max_nbytes, now)  # (the start-up's sync steps included)
         if trainer.global_step == STEPS - 1:
-            opt = trainer.optimizers[0]
-            nbytes = getattr(trainer.strategy, "optimizer_state_nbytes", None)
-            self.nbytes = nbytes(opt) if nbytes else sum(v.numel() * v.element_size() for s in opt.state.values()
-                                                          for v in s.values() if torch.is_tensor(v))
+            self.nbytes = now
             self.state_keys = sorted(trainer.strategy.optimizer_state(opt).get("state", {}))
 
 
@@ -80,7 +83,8 @@ def fit(strategy: Any) -> dict[str, Any]:
                          callbacks=[cb])
     trainer.fit(model, DataLoader(data, batch_size=8))
     opt = trainer.optimizers[0]
-    return {"grads": model.grads, "errors": model.errors, "nbytes": cb.nbytes, "state_keys": cb.state_keys,
+    return {"grads": model.grads, "errors": model.errors, "nbytes": cb.nbytes, "max_nbytes": cb.max_nbytes,
+            "state_keys": cb.state_keys,
             "after_fit": {str(i): {k: str(v.device) for k, v in st.items() if torch.is_tensor(v)}
                           for i, st in enumerate(opt.state.values())},
             "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}

@@ -235,7 +235,8 @@ def fit_results(tmp_path_factory):
 def test_a_sharded_fit_shows_what_ddp_shows_and_refuses_sharded_state_reads(fit_results):
     """``tests/shard_cases.py``: parameters and the ``.grad`` read in ``training_step`` equal DDP's; a read of
     ``optimizer.state[p]`` or ``optimizer.state_dict()`` raises naming the parameter and the way out; the rank holds
-    about half the state; ``optimizer_state`` gives the whole state on rank 0; after the fit the state is whole."""
+    about half the state at every step, the start-up's included; ``optimizer_state`` gives the whole state on
+    rank 0; after the fit the state is whole, in CPU memory."""
     ddp, shard = fit_results["ddp"], fit_results["shard"]
     assert len(shard["grads"]) == 2 and shard["grads"] == ddp["grads"]
     assert shard["params"] == ddp["params"]
@@ -243,5 +244,7 @@ def test_a_sharded_fit_shows_what_ddp_shows_and_refuses_sharded_state_reads(fit_
     assert all("ShardedStateError" in e and "trainer.strategy.optimizer_state" in e for e in shard["errors"])
     assert "net.0.weight" in shard["errors"][0] and "state_dict()" in shard["errors"][1]
     assert ddp["nbytes"] * 0.45 < shard["nbytes"] < ddp["nbytes"] * 0.6, (shard["nbytes"], ddp["nbytes"])
+    # (the start-up's sync-mode steps are sharded too: the whole state never exists during the fit)
+    assert shard["max_nbytes"] == shard["nbytes"] and ddp["max_nbytes"] == ddp["nbytes"], (shard, ddp)
     assert shard["state_keys"] == ddp["state_keys"] == [0, 1, 2, 3]  # (rank 0: every parameter's state)
     assert len(shard["after_fit"]) == 4 and all(d == "cpu" for st in shard["after_fit"].values() for d in st.values())

@@ -70,8 +70,9 @@ class CommEngine(EngineWaits):
         bucket_view: ``gradient_as_bucket_view`` (:mod:`.views`): every ``.grad`` is its view of the bucket
             where :func:`view_refusal` allows it; :attr:`view_refusals` says why not elsewhere.
         param_names: the parameters' names in ``params`` order, for messages (optional).
-        shard: the sharded optimizer step (``shard_optimizer``, :mod:`.shard_step`): the op list becomes
-            :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule``.
+        shard: the sharded optimizer step (``shard_optimizer``, :mod:`.shard_step`); with ``shard_ops`` (deferred
+            sharded rounds) the op list becomes :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule``,
+            without it (warm-up engines: sync-mode steps only) it runs as planned.
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
@@ -80,9 +81,9 @@ class CommEngine(EngineWaits):
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
                  transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False,
-                 param_names: Optional[Sequence[str]] = None, shard: bool = False) -> None:
+                 param_names: Optional[Sequence[str]] = None, shard: bool = False, shard_ops: bool = True) -> None:
         schedule.validate(len(params), [p.numel() for p in params])
-        if shard:  # (every gradient op before the first all-gather of parameters: see sharded_ops)
+        if shard and shard_ops:  # (every gradient op before the first all-gather of parameters: see sharded_ops)
             schedule = sharded_ops(schedule, compressed=transport_factory is not None)
         if schedule.num_wire16 and wire_dtype not in C.WIRE_DTYPES:
             raise ValueError(f"schedule {schedule.name!r} sends {schedule.num_wire16} bucket(s) in the 16-bit wire "

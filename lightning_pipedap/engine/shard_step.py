@@ -32,7 +32,7 @@ import collections
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -41,7 +41,6 @@ from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient
 from lightning_pipedap.engine.worker import EngineError
-from lightning_pipedap.schedule import OpKind
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer", "ShardedState",
            "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
@@ -275,13 +274,9 @@ class ShardedOptimizer:
             self.state.clear()
             self.absorbed = False
 
-    def gather_state(self, comm: C.CommGroup, buckets: Sequence[FlatBucket], device: Optional[torch.device] = None,
-                     keep: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
-        """The sharded parameters' whole optimizer state, ``parameter -> {entry: value}`` (element-wise entries as
-        full tensors shaped like the parameter, on ``device``, default the parameter's): one ``all_gather_object``
-        of the entries' kinds and scalars, then one all-gather of the bucket's layout per (bucket, entry, dtype),
-        one bucket at a time. A collective: every rank calls it at the same point. ``keep=False``: this rank takes
-        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are."""
+    def _merged_info(self, comm: C.CommGroup) -> dict[int, dict[str, Any]]:
+        """Every rank's entries, ``param index -> {entry: ("elem", dtype) | ("value", value, device)}`` (scalars from
+        the rank holding the parameter's first element): one ``all_gather_object``."""
         info: dict[int, dict[str, Any]] = {}
         for sl in self.slices.values():
             for s in sl:
@@ -292,28 +287,44 @@ class ShardedOptimizer:
                 for k, v in st.items():
                     if torch.is_tensor(v) and v.dim() == 1 and v.numel() == s.hi - s.lo:
                         mine[k] = ("elem", str(v.dtype).replace("torch.", ""))
-                    elif s.p_lo == 0:  # (scalars from the rank holding the parameter's first element)
+                    elif s.p_lo == 0:
                         mine[k] = ("value", v.cpu(), str(v.device)) if torch.is_tensor(v) else ("value", v, None)
         merged: dict[int, dict[str, Any]] = {}
         for part in C.all_gather_object(info):
             for i, entries in part.items():
                 merged.setdefault(i, {}).update(entries)
-        full: dict[int, dict[str, torch.Tensor]] = {}
+        return merged
+
+    def _gathered(self, comm: C.CommGroup, buckets: Sequence[FlatBucket],
+                  merged: dict[int, dict[str, Any]]) -> Iterator[tuple[FlatBucket, str, torch.Tensor]]:
+        """Per sharded bucket and element-wise entry (sorted: the same sequence on every rank): a buffer of the
+        bucket's layout holding that entry of every rank's slices, all-gathered (one bucket's size at a time)."""
         for bucket in buckets:
             if bucket.index not in self.slices:
                 continue
             keys = sorted({(k, kind[1]) for i in dict.fromkeys(bucket.param_indices) for k, kind in
                            merged.get(i, {}).items() if kind[0] == "elem"})
             for k, dtype_name in keys:
-                dtype = getattr(torch, dtype_name)
-                buf = torch.zeros(bucket.buffer.numel(), dtype=dtype, device=bucket.buffer.device)
+                buf = torch.zeros(bucket.buffer.numel(), dtype=getattr(torch, dtype_name), device=bucket.buffer.device)
                 for s in self.slices[bucket.index]:
                     v = self.state.get(s.tensor, {}).get(k)
                     if v is not None:
                         buf[s.lo:s.hi].copy_(v.reshape(-1))
                 C.all_gather_(buf, comm)
-                if keep:
-                    self._assemble(bucket, k, buf, merged, full, device)
+                yield bucket, k, buf
+
+    def gather_state(self, comm: C.CommGroup, buckets: Sequence[FlatBucket], device: Optional[torch.device] = None,
+                     keep: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
+        """The sharded parameters' whole optimizer state, ``parameter -> {entry: value}`` (element-wise entries as
+        full tensors shaped like the parameter, on ``device``, default the parameter's): one ``all_gather_object``
+        of the entries' kinds and scalars, then one all-gather of the bucket's layout per (bucket, entry, dtype),
+        one bucket at a time. A collective: every rank calls it at the same point. ``keep=False``: this rank takes
+        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are."""
+        merged = self._merged_info(comm)
+        full: dict[int, dict[str, torch.Tensor]] = {}
+        for bucket, k, buf in self._gathered(comm, buckets, merged):
+            if keep:
+                self._assemble(bucket, k, buf, merged, full, device)
         if not keep:
             return {}
         out: dict[torch.Tensor, dict[str, Any]] = {}
@@ -323,6 +334,40 @@ class ShardedOptimizer:
                           else kind[1].to(kind[2]) if torch.is_tensor(kind[1]) else kind[1])
                       for k, kind in entries.items()}
         return out
+
+    def transfer(self, new: "ShardedOptimizer", comm: C.CommGroup, buckets: Sequence[FlatBucket]) -> None:
+        """Move the state into ``new`` (the same optimizer over another engine's slices, the same sharded
+        parameters) without gathering it whole anywhere: per bucket and entry of this layout one all-gather (one
+        bucket's size at a time), from which each rank copies the elements its new slices hold. A collective.
+        Afterwards the state is in ``new`` and ``optimizer.state`` stays the :class:`ShardedState`."""
+        merged = self._merged_info(comm)
+        new_of: dict[int, list[ShardSlice]] = {}
+        for sl in new.slices.values():
+            for ns in sl:
+                new_of.setdefault(id(ns.param), []).append(ns)
+        for bucket, k, buf in self._gathered(comm, buckets, merged):
+            for slot, i in enumerate(bucket.param_indices):
+                if merged.get(i, {}).get(k, ("",))[0] != "elem":
+                    continue
+                a, b = bucket.ranges[slot]
+                off = bucket.offsets[slot]
+                for ns in new_of.get(id(self.params[i]), ()):
+                    lo, hi = max(a, ns.p_lo), min(b, ns.p_hi)
+                    if lo >= hi:
+                        continue
+                    t = new.state[ns.tensor].get(k)
+                    if t is None:
+                        t = new.state[ns.tensor][k] = torch.zeros(ns.hi - ns.lo, dtype=buf.dtype,
+                                                                  device=ns.tensor.device)
+                    t[lo - ns.p_lo:hi - ns.p_lo].copy_(buf[off + lo - a:off + hi - a])
+        for i, entries in merged.items():
+            for ns in new_of.get(id(self.params[i]), ()):
+                for k, kind in entries.items():
+                    if kind[0] == "value":  # (a tensor of its own per slice: Adam increments ``step`` in place)
+                        new.state[ns.tensor][k] = kind[1].to(kind[2]).clone() if torch.is_tensor(kind[1]) else kind[1]
+        new.absorbed = True
+        self.state.clear()
+        self.absorbed = False
 
     def _assemble(self, bucket: FlatBucket, k: str, buf: torch.Tensor, merged: dict, full: dict,
                   device: Optional[torch.device]) -> None:
@@ -373,18 +418,20 @@ class ShardedOptimizer:
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     # ------------------------------------------------------------------ the step
-    def step(self, b: int, buffer: torch.Tensor, used: Sequence[bool], hparams: list[dict[str, Any]]) -> None:
-        """Step this rank's slices of bucket ``b`` (worker thread): a slice of a parameter some rank produced a
-        gradient for is stepped with the averaged (clipped) gradient in ``buffer[lo:hi]``; one no rank did is
-        stepped with its own ``.grad`` where that is not None (as DDP), and skipped otherwise. Runs the optimizer
-        class's ``step`` on a shallow view of ``optimizer`` whose ``param_groups`` hold the slices (hyper-parameters
-        ``hparams``) and whose ``state`` is :attr:`state`."""
+    def step(self, b: int, buffer: Optional[torch.Tensor], used: Sequence[bool],
+             hparams: list[dict[str, Any]]) -> None:
+        """Step this rank's slices of bucket ``b``: a slice of a parameter some rank produced a gradient for is
+        stepped with the averaged (clipped) gradient in ``buffer[lo:hi]`` (``buffer`` None, a sync-mode step: with
+        its elements of ``.grad``, which then holds it); one no rank did is stepped with its own ``.grad`` where that
+        is not None (as DDP), and skipped otherwise. Runs the optimizer class's ``step`` on a shallow view of
+        ``optimizer`` whose ``param_groups`` hold the slices (hyper-parameters ``hparams``) and whose ``state`` is
+        :attr:`state`."""
         per_group: list[dict[str, Any]] = []
         stepped: list[ShardSlice] = []
         for gi, sl in self.by_group.get(b, []):
             plist = []
             for s in sl:
-                if used[s.slot]:
+                if used[s.slot] and buffer is not None:
                     g = buffer[s.lo:s.hi]
                 elif s.param.grad is not None:
                     g = s.param.grad.detach().reshape(-1)[s.p_lo:s.p_hi]
@@ -453,13 +500,11 @@ class ShardedStep:
 
     @classmethod
     def for_engine(cls, engine: Any, param_transport: Any) -> "ShardedStep":
-        """The sharded step of ``engine`` (a :class:`~.engine.CommEngine` built with ``shard``): its buckets whose
-        gradient op is a reduce-scatter of a dense bucket are sharded; its worker steps them before their
-        all-gather, which ``param_transport`` performs (the parameters' own dtype)."""
-        kinds = {op.bucket: op.kind for op in engine.schedule.ops if op.kind is not OpKind.ALL_GATHER}
+        """The sharded step of ``engine`` (a :class:`~.engine.CommEngine` built with ``shard``): its uncompressed
+        buckets are sharded; in a deferred round its worker steps them before their all-gather, which
+        ``param_transport`` performs (the parameters' own dtype); a sync-mode step runs :meth:`sync_step`."""
         compressed = engine.transport is not None
-        sharded = [b for b, k in kinds.items() if k is OpKind.REDUCE_SCATTER
-                   and not (compressed and engine.schedule.is_compressed(b))]
+        sharded = [b for b in range(len(engine.buckets)) if not (compressed and engine.schedule.is_compressed(b))]
         step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(engine, opt),
                    engine.param_names)
         engine.worker.shard, engine.worker.param_transport = step, param_transport
@@ -495,6 +540,46 @@ class ShardedStep:
         elif self.optimizer.optimizer is not optimizer:
             raise RuntimeError("pipedap: shard_optimizer steps one optimizer per engine; a second one was given")
         return self.optimizer
+
+    def adopt(self, old: "ShardedStep") -> None:
+        """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard
+        (:meth:`ShardedOptimizer.transfer`) when both shard the same parameters, else gathered whole into
+        ``optimizer.state`` (it is sliced again at this engine's first sharded step). A collective."""
+        prev = old.optimizer
+        if prev is None or not prev.absorbed:
+            return
+        if {id(old.params[i]) for i in old.params_sharded} != {id(self.params[i]) for i in self.params_sharded}:
+            old.consolidate()
+            return
+        prev.transfer(self.attach(prev.optimizer), self.comm, old.buckets)
+
+    def sync_step(self, optimizer: Optimizer) -> None:
+        """A sync-mode optimizer step (main thread, after backward wrote the averaged gradients to ``.grad`` and the
+        round's ops ended): the optimizer's own step on the parameters of no sharded bucket, this rank's slices
+        stepped from their ``.grad`` elements (clipped as Lightning clipped them), then per bucket the parameter
+        slices all-gathered (a collective) and copied into the model. The state stays sliced; one all-gather of
+        parameters per bucket more than an unsharded sync step."""
+        opt = self.attach(optimizer)
+        opt.absorb(self.params_sharded)
+        hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        mine = {id(self.params[i]) for i in self.params_sharded}
+        rest = [dict(g, params=[p for p in g["params"] if id(p) not in mine]) for g in optimizer.param_groups]
+        if any(g["params"] for g in rest):
+            view = object.__new__(type(optimizer))
+            view.__dict__.update(optimizer.__dict__)
+            view.param_groups = [g for g in rest if g["params"]]
+            type(optimizer).step(view)
+        with torch.no_grad():
+            for b in self.sharded:
+                bucket = self.buckets[b]
+                for s in self.slices[b]:
+                    if s.master:
+                        s.tensor.copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
+                opt.step(b, None, [True] * len(bucket.params), hparams)
+                for s in self.slices[b]:
+                    bucket.buffer[s.lo:s.hi].copy_(s.tensor)
+                C.all_gather_(bucket.buffer, self.comm)
+                land_params(bucket)
 
     def begin_round(self) -> None:
         """A reduction round starts: sharded (:attr:`armed`, a deferred step) or gathering gradients."""

@@ -11,8 +11,9 @@ closes the engine and wraps the model (:class:`~lightning_pipedap.strategy.hando
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
@@ -164,14 +165,16 @@ class EngineSlot:
         # parameters that earlier micro-batches of this accumulation window used: the new engine reduces them
         # too (a candidate switch comes in the optimizer step, after those micro-batches)
         used_so_far = [self._engine_params[k] for k in self.engine.local_gradients()] if self.engine is not None else []
-        self.close_engine()
+        old_shard = self.close_engine(keep_shards=cfg.shard_optimizer)
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params
         factory = self._compression_factory() if final and cfg.compression else None
         self.engine = engine = CommEngine(ctx.comm, params, schedule, cfg.wait_timeout_s, transport_factory=factory,
                                           wire_dtype=cfg.wire_dtype, bucket_view=cfg.gradient_as_bucket_view,
                                           param_names=[self.tset.name_of(p) for p in params],
-                                          shard=cfg.shard_optimizer and final)
+                                          shard=cfg.shard_optimizer, shard_ops=final)
+        if old_shard is not None:
+            engine.shard.adopt(old_shard)  # (the sliced optimizer state moves shard to shard: never whole)
         for b, reason in sorted(engine.view_refusals.items()):
             names = ", ".join(self.tset.name_of(p) for p in engine.buckets[b].params[:3])
             ctx.say(f"view:{reason}", f"pipedap: gradient_as_bucket_view: bucket {b} ({names}, ...) keeps the copy "
@@ -223,21 +226,63 @@ class EngineSlot:
         if self.deferred is not None and self.deferred.saw_partial_use:
             self.saw_unused = True
 
-    def close_engine(self) -> None:
-        """Finish and close the current engine, or leave DDP's reducer."""
+    def close_engine(self, keep_shards: bool = False) -> Optional[Any]:
+        """Finish and close the current engine, or leave DDP's reducer. A sharded optimizer state is gathered back
+        into ``optimizer.state`` (for DDP's reducer), or with ``keep_shards`` left in the closed engine's
+        :class:`~lightning_pipedap.engine.shard_step.ShardedStep`, returned for the next engine to adopt."""
         self.note_partial_use()
         if self.handover is not None:
             self.handover.leave()
+        kept = None
         if self.engine is not None:
             self.engine.wait_idle()
             if self.deferred is not None:
                 self.deferred.write_unwritten()  # .grad shows the averaged gradients, as under DDP
             if self.engine.shard is not None:
-                self.engine.shard.consolidate()  # (the optimizer's own state again, for the next engine or DDP)
+                if keep_shards:
+                    kept = self.engine.shard
+                else:
+                    self.engine.shard.consolidate()  # (the optimizer's own state again, for DDP's reducer)
             if self.carry is not None:
                 self.carry.keep(self.engine)
             self.engine.close()
             self.engine, self.deferred = None, None
+        return kept
+
+    @contextlib.contextmanager
+    def sharded_sync(self, optimizer: Any) -> Iterator[None]:
+        """Inside the block (a sync-mode optimizer step with ``shard_optimizer``), ``optimizer.step(closure)`` runs
+        the closure (forward, backward, hooks, clipping), then :meth:`sync_sharded_step`; under DDP's reducer (no
+        engine) the optimizer's own step, on the state gathered back at the hand-over. ``step`` is replaced on the
+        instance for the block and restored after."""
+        original = optimizer.step
+        saved = optimizer.__dict__.get("step")
+
+        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
+            result = closure() if closure is not None else None
+            if not self.sync_sharded_step(optimizer):
+                original(**kwargs)
+            return result
+
+        optimizer.step = step
+        try:
+            yield
+        finally:
+            if saved is not None:
+                optimizer.step = saved
+            else:
+                optimizer.__dict__.pop("step", None)
+
+    def sync_sharded_step(self, optimizer: Any) -> bool:
+        """A sync-mode step with ``shard_optimizer``: :meth:`ShardedStep.sync_step
+        <lightning_pipedap.engine.shard_step.ShardedStep.sync_step>` on the installed engine (after its round).
+        Returns False (nothing done) when no engine with a sharded step is installed (DDP's reducer runs)."""
+        shard = self.engine.shard if self.engine is not None else None
+        if shard is None:
+            return False
+        self.engine.wait_idle()
+        shard.sync_step(optimizer)
+        return True
 
     def flush(self) -> None:
         """Apply every pending update."""

@@ -307,14 +307,14 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.no_update_time()
-                if rt.slot.state_sharded:
-                    rt.slot.consolidate()  # (a sync step runs the whole optimizer: its full state, every rank)
                 if self.config.shard_optimizer and rt.controller.phase.deferrable and not rt.handed_over:
-                    rt.ctx.say("shard-sync", "pipedap: shard_optimizer: this step runs in sync mode, unsharded (a "
-                               "hook reads the gradients: defer_update='auto' keeps such steps in sync mode; "
-                               "defer_update=True defers and shards them)")
+                    rt.ctx.say("shard-sync", "pipedap: shard_optimizer: steps run in sync mode (a hook reads the "
+                               "gradients: defer_update='auto' keeps such steps in sync mode; defer_update=True "
+                               "defers them): still sharded, with one more all-gather (of parameters) per bucket")
             skip = rt is not None and rt.nonfinite.decides_first
-            with skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
+            shard = rt is not None and self.config.shard_optimizer
+            with rt.slot.sharded_sync(optimizer) if shard else nullcontext(), \
+                    skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)
             if rt is not None:
                 if rt.handed_over:
