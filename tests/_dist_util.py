@@ -81,7 +81,8 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
     logs = []
     for r in range(world):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                   NODE_RANK="0", LOCAL_RANK=str(r), RANK=str(r), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                   NODE_RANK="0", LOCAL_RANK=str(r), RANK=str(r), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTHONFAULTHANDLER="1")  # (a crashed rank prints every thread's stack)
         log = tempfile.TemporaryFile("w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
