@@ -445,6 +445,10 @@ def run_compression_case() -> dict[str, float]:
                              compression_mode=mode)
         out = train("mlp", {"opt": "sgd"}, {}, st)
         res[name] = max_diff(out, ref)
+        if name == "powersgd":  # shard_optimizer: every bucket compressed, so stepped unsharded: the same bits
+            st = PipeDAPStrategy(schedule="dear", bucket_cap_mb=0.002, compression=name, compression_kwargs=kw,
+                                 compression_mode=mode, shard_optimizer=True)
+            res["powersgd_shard_vs_unsharded"] = max_diff(train("mlp", {"opt": "sgd"}, {}, st), out)
     return res
 
 

@@ -88,6 +88,7 @@ def test_compressed_training_through_the_engine(parity_results):
     for lossy in ("powersgd", "topk", "efsignsgd"):
         # approximate methods follow DDP's trajectory loosely (DDP itself moved the weights by 0.26)
         assert 0.0 < res[lossy] < 0.2, (lossy, res[lossy])
+    assert res["powersgd_shard_vs_unsharded"] == 0.0  # (shard_optimizer with every bucket compressed: unsharded)
 
 
 @pytest.mark.multiprocess

@@ -583,7 +583,7 @@ class ShardedStep:
 
     def begin_round(self) -> None:
         """A reduction round starts: sharded (:attr:`armed`, a deferred step) or gathering gradients."""
-        self.round = ShardRound() if self.armed else None
+        self.round = ShardRound() if self.armed and self.sharded else None  # (every bucket compressed: nothing)
 
     def mark_ready(self, b: int) -> None:
         """Bucket ``b``'s gradients are complete: keep its local used flags (the reduce-scatter overwrites them)."""

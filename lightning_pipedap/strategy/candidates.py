@@ -83,8 +83,9 @@ class CandidatePlanner:
             # the partitioned plan is a candidate beside the others: first when it is kept, else last
             k = cfg.plan_trials - (part is not None)
             candidates = trial_candidates(profile, self.cost_model, self.world_size, schedule,
-                                          cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16,
-                                          sharded=sharded)
+                                          cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16)
+            # (planned unsharded: several fusions, so measured selection has candidates to compare, DDP's reducer
+            # among them; the engine runs each as its sharded op list, sharded_ops)
         maps: list[Optional[tuple]] = [None] * len(candidates)
         profiles = [profile] * len(candidates)
         if part is not None and part.schedule is not None:

@@ -442,8 +442,9 @@ class DeferredUpdates:
         engine = self.engine
         if engine.syncs[b].params_gathered:  # (a sharded step: its averaged gradients exist as shards only)
             seconds = engine.gather_grads(b)
-            self.say("shard-grad-gather", f"pipedap: shard_optimizer: a .grad read all-gathers the averaged gradients "
-                     f"(bucket {b}: {engine.buckets[b].nbytes} bytes, {seconds * 1e3:.1f} ms; said once)")
+            self.say("shard-grad-gather", "pipedap: shard_optimizer: showing the averaged gradients in .grad (a read "
+                     "by user code or a hook, or the end of the fit) all-gathers them from the shards (bucket "
+                     f"{b}: {engine.buckets[b].nbytes} bytes, {seconds * 1e3:.1f} ms; said once)")
         with torch.no_grad(), disable_torch_function():
             write_back_grads(engine.buckets[b], engine.used_flags(b))
         engine.syncs[b].write()

@@ -46,14 +46,17 @@ class ScheduleRecord:
         self.running: Optional[str] = None
         self._logged: Optional[str] = None  # the last "pipedap: schedule ..." line, not repeated
 
-    def engine_runs(self, schedule: Schedule, final: bool) -> None:
-        """An engine with ``schedule`` was installed (``final``: the schedule training runs with); its line is
-        logged unless it repeats the last one (the profiling steps re-install the set-up's warm-up schedule)."""
+    def engine_runs(self, schedule: Schedule, final: bool, sharded: bool = False) -> None:
+        """An engine with ``schedule`` was installed (``final``: the schedule training runs with; ``sharded``: its
+        optimizer step is sharded, ``shard_optimizer``); its line is logged unless it repeats the last one (the
+        profiling steps re-install the set-up's warm-up schedule)."""
         if final:
             self.installed, self.final = schedule.describe(), schedule
         self.running = schedule.name
         what = "schedule" if final else "warm-up schedule (sync mode, until the plan is ready)"
         line = f"pipedap: {what} {schedule.describe()[:300]}"
+        if sharded:
+            line += " (shard_optimizer: each rank steps its reduce-scatter shard, parameters all-gathered)"
         if line != self._logged:
             self._info(line)
         self._logged = line
@@ -197,7 +200,12 @@ class EngineSlot:
         self.deferred.set_owners(owners, ctx.module)
         if owners is not None:  # (a first consumer without parameters of its own reads another module's)
             self.hooks.add_modules([o for o in dict.fromkeys(owners) if o is not None])
-        self.schedules.engine_runs(schedule, final)
+        shard = engine.shard
+        self.schedules.engine_runs(schedule, final, sharded=shard is not None and bool(shard.sharded) and final)
+        if shard is not None and final and len(shard.sharded) < engine.num_buckets:
+            ctx.say("shard-compressed", f"pipedap: shard_optimizer: {engine.num_buckets - len(shard.sharded)} "
+                    f"compressed bucket(s) of {engine.num_buckets} are stepped unsharded (the compressed reduction "
+                    "leaves the whole bucket on every rank; their optimizer state is whole)")
 
     def hand_over(self, candidate: TorchDDPCandidate) -> None:
         """Close the engine and let DDP's reducer run ``candidate`` (a collective on the default group, at the
