@@ -106,7 +106,7 @@ def test_quick_table_parses(bench, quick_run):
             for col in ("optimizer state MiB", "peak RSS MiB", "step ms", "CPU ms/step", "fit s"):
                 assert float(m[col]) > 0, (v, col, m)
     ratios = [i for i, h in enumerate(header) if h == "x ddp"]
-    assert len(ratios) == 5
+    assert len(ratios) == 6
     assert all(r[i] == "1.00" for r in rows if r[1] == "ddp" for i in ratios)
 
 
