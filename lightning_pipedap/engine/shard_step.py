@@ -345,7 +345,11 @@ class ShardedOptimizer:
         for sl in new.slices.values():
             for ns in sl:
                 new_of.setdefault(id(ns.param), []).append(ns)
+        done: Optional[int] = None
         for bucket, k, buf in self._gathered(comm, buckets, merged):
+            if done is not None and done != bucket.index:  # (that bucket's entries are all moved: free its slices'
+                self._free(done)                           # state now, so old and new never coexist whole)
+            done = bucket.index
             for slot, i in enumerate(bucket.param_indices):
                 if merged.get(i, {}).get(k, ("",))[0] != "elem":
                     continue
@@ -368,6 +372,11 @@ class ShardedOptimizer:
         new.absorbed = True
         self.state.clear()
         self.absorbed = False
+
+    def _free(self, b: int) -> None:
+        """Drop the state of this rank's slices of bucket ``b`` (moved already: :meth:`transfer`)."""
+        for s in self.slices.get(b, ()):
+            self.state.pop(s.tensor, None)
 
     def _assemble(self, bucket: FlatBucket, k: str, buf: torch.Tensor, merged: dict, full: dict,
                   device: Optional[torch.device]) -> None:
