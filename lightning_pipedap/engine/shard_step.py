@@ -481,7 +481,6 @@ class ShardedStep:
     Attributes:
         round: the current :class:`ShardRound`, or None when this round gathers gradients (sync mode).
         optimizer: the :class:`ShardedOptimizer`, from the first sharded step on.
-        grad_gathers: all-gathers of gradients run for ``.grad`` reads, and their seconds (``grad_gather_s``).
     """
 
     def __init__(self, buckets: Sequence[FlatBucket], sharded: Sequence[int], comm: C.CommGroup,
@@ -502,8 +501,6 @@ class ShardedStep:
         self.round: Optional[ShardRound] = None
         self.optimizer: Optional[ShardedOptimizer] = None
         self.armed = False
-        self.grad_gathers = 0
-        self.grad_gather_s = 0.0
         #: engine indices of the parameters held by sharded buckets
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
 
@@ -581,12 +578,7 @@ class ShardedStep:
         with torch.no_grad():
             for b in self.sharded:
                 bucket = self.buckets[b]
-                for s in self.slices[b]:
-                    if s.master:
-                        s.tensor.copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
-                opt.step(b, None, [True] * len(bucket.params), hparams)
-                for s in self.slices[b]:
-                    bucket.buffer[s.lo:s.hi].copy_(s.tensor)
+                self._step_slices(b, None, [True] * len(bucket.params), hparams)
                 C.all_gather_(bucket.buffer, self.comm)
                 land_params(bucket)
 
@@ -634,10 +626,7 @@ class ShardedStep:
         C.all_gather_(bucket.buffer, self.comm)
         bucket.flags.copy_(self.reduced_flags[b])
         sync.params_gathered = False
-        dt = time.perf_counter() - t0
-        self.grad_gathers += 1
-        self.grad_gather_s += dt
-        return dt
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ worker side
     def wait_go(self, timeout_s: float, closed: Callable[[], bool]) -> bool:
@@ -754,12 +743,20 @@ class ShardedStep:
         Returns whether the shard was stepped."""
         r = self.round
         bucket = self.buckets[b]
+        self._step_slices(b, bucket.buffer, self.used[b], r.hparams if r.stepped else None)
+        bucket.flags.copy_(self.reduced_flags[b])
+        return r.stepped
+
+    def _step_slices(self, b: int, grads: Optional[torch.Tensor], used: Sequence[bool],
+                     hparams: Optional[list[dict[str, Any]]]) -> None:
+        """Step this rank's slices of bucket ``b`` (:meth:`ShardedOptimizer.step`; ``grads``: the buffer holding
+        the averaged gradients, or None: their ``.grad`` elements; ``hparams`` None: not stepped) and write the
+        parameter slices into the bucket's buffer for the all-gather."""
         for s in self.slices[b]:
             if s.master:  # (a non-contiguous parameter: its slice is a copy, refreshed here)
                 s.tensor.copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
-        if r.stepped and self.optimizer is not None:
-            self.optimizer.step(b, bucket.buffer, self.used[b], r.hparams)
+        if hparams is not None and self.optimizer is not None:
+            self.optimizer.step(b, grads, used, hparams)
+        buffer = self.buckets[b].buffer
         for s in self.slices[b]:
-            bucket.buffer[s.lo:s.hi].copy_(s.tensor)
-        bucket.flags.copy_(self.reduced_flags[b])
-        return r.stepped
+            buffer[s.lo:s.hi].copy_(s.tensor)
