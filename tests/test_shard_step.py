@@ -73,8 +73,10 @@ def test_refusals_name_the_bad_value_and_the_choices():
     with pytest.raises(ValueError, match="shard_optimizer must be"):
         PipeDAPConfig(shard_optimizer="auto")
     p = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match=r"got Adafactor\. Valid: SGD, Adam, AdamW"):
-        refuse_unshardable([torch.optim.Adafactor(p)], True, None)
+    with pytest.raises(ValueError, match=r"element-wise \(sharded by element range: SGD, Adam, AdamW.*whole-tensor "
+                                         r"\(sharded by parameter ownership: Muon, Adafactor\); got LBFGS"):
+        refuse_unshardable([torch.optim.LBFGS(p)], True, None)
+    refuse_unshardable([torch.optim.Adafactor(p)], True, None)
     with pytest.raises(ValueError, match="manual optimization"):
         refuse_unshardable([torch.optim.SGD(p, lr=0.1)], False, None)
     with pytest.raises(ValueError, match="2 optimizers"):
@@ -99,6 +101,21 @@ BUCKETS = ((0,), (1, 2), (3, 4, 5))
 ROUNDS = 4
 
 
+def _params_2d() -> list[torch.nn.Parameter]:
+    """Muon steps 2-D parameters only; Adafactor factors them (and steps 1-D ones whole)."""
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(9, 7, generator=g)),
+            torch.nn.Parameter(torch.randn(13, 3, generator=g)),
+            torch.nn.Parameter(torch.randn(5, 4, generator=g).t()),  # non-contiguous (a transposed view)
+            torch.nn.Parameter(torch.randn(2, 11, generator=g)),
+            torch.nn.Parameter(torch.randn(6, 5, generator=g))]  # no rank produces a gradient for it
+
+
+#: parameter ownership: whole parameters (no pieces), so each lies in one rank's shard
+OWNED_BUCKETS = ((0, 1), (2, 3, 4))
+WHOLE_TENSOR = ("muon", "adafactor")
+
+
 def _grad(rank: int, k: int, i: int, p: torch.Tensor) -> torch.Tensor:
     g = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * k + 10 * rank + i))
     return g * (40.0 if i == 1 else 1.0)  # (a large one: clip by norm bites)
@@ -110,12 +127,16 @@ def _optimizer(name: str, params: list) -> torch.optim.Optimizer:
     if name == "adamw_groups":  # (a no-decay group, as Hugging Face's Trainer builds them)
         return torch.optim.AdamW([{"params": params[:2], "weight_decay": 0.1},
                                   {"params": params[2:], "weight_decay": 0.0}], lr=1e-2)
+    if name == "muon":
+        return torch.optim.Muon(params, lr=0.02, weight_decay=0.01)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-2)
     return torch.optim.Adam(params, lr=1e-2)
 
 
 def _reference(world: int, opt_name: str, clip):
     """The whole optimizer on the averaged gradients, as DDP steps it (every rank the same)."""
-    params = _params()
+    params = _params_2d() if opt_name in WHOLE_TENSOR else _params()
     opt = _optimizer(opt_name, params)
     for k in range(ROUNDS):
         for i, p in enumerate(params):
@@ -142,18 +163,27 @@ def _rank(rank: int, world: int, opt_name: str, clip_spec, mutate: bool):
         def shifted(bucket, r):
             out = real(bucket, r)
             for s in out:
-                if s.p_hi < s.param.numel() and not s.master:
+                if s.whole and not s.master:  # (parameter ownership: the gradient read one element off)
+                    s.lo, s.hi = s.lo + 1, s.hi + 1
+                elif s.p_hi < s.param.numel() and not s.master:
                     s.p_lo, s.p_hi = s.p_lo + 1, s.p_hi + 1
                     s.tensor = s.param.detach().view(-1)[s.p_lo:s.p_hi]
             return out
 
         SS.shard_slices = shifted
     comm = C.new_comm_group(timeout_s=30, chunk_bytes=64)
-    params = _params()
+    owned = opt_name in WHOLE_TENSOR
+    params = _params_2d() if owned else _params()
     opt = _optimizer(opt_name, params)
-    engine = CommEngine(comm, params, Schedule(BUCKETS, dear_ops(3), "dear", pieces=PIECES), wait_timeout_s=30,
-                        shard=True)
-    assert [str(op) for op in engine.schedule.ops] == ["RS2", "RS1", "RS0", "AG0", "AG1", "AG2"]
+    schedule = (Schedule(OWNED_BUCKETS, dear_ops(2), "dear") if owned else
+                Schedule(BUCKETS, dear_ops(3), "dear", pieces=PIECES))
+    engine = CommEngine(comm, params, schedule, wait_timeout_s=30, shard=True, shard_owned=owned)
+    assert [str(op) for op in engine.schedule.ops] == (["RS1", "RS0", "AG0", "AG1"] if owned else
+                                                       ["RS2", "RS1", "RS0", "AG0", "AG1", "AG2"])
+    if owned and not mutate:  # (every parameter whole in one rank's shard, each rank owning some of them)
+        assert all(s.whole and (s.lo, s.hi) == (b.offsets[s.slot], b.offsets[s.slot] + s.param.numel())
+                   for b in engine.buckets for s in SS.shard_slices(b, rank))
+        assert {o for b in engine.buckets for o in b.owners} == set(range(world))
     for k in range(ROUNDS):
         engine.shard.armed = True
         engine.begin_iteration()
@@ -197,10 +227,16 @@ def _compare(world: int, opt_name: str, clip_spec, mutate: bool = False) -> floa
         for key, v in ref_state.items():
             if state[key].shape != v.shape:
                 return float("inf")
-            worst = max(worst, float((state[key].double() - v.double()).abs().max()))
+            scale = max(1.0, float(v.double().abs().max()))  # (relative for large entries: Adafactor's row sums)
+            worst = max(worst, float((state[key].double() - v.double()).abs().max()) / scale)
         full = sum(v.numel() * v.element_size() for k, v in ref_state.items() if v.dim() > 0 or "step" not in k)
-        if not mutate and opt_name != "sgd":  # (1/N of the moments, plus a step count per slice)
+        if not mutate and opt_name not in ("sgd",) + WHOLE_TENSOR:  # (1/N of the moments, plus a step per slice)
             assert nbytes <= full / world + 64 * 4 * 3, (rank, nbytes, full)
+        if not mutate and opt_name in WHOLE_TENSOR:  # (whole parameters: each one's state on its owner only)
+            assert nbytes < full, (rank, nbytes, full)
+    if not mutate and opt_name in WHOLE_TENSOR:
+        every = sum(v.numel() * v.element_size() for v in ref_state.values())
+        assert sum(n for _, _, n in out.values()) == every
     for p in range(len(ref_params)):  # replicas equal
         assert all(torch.equal(out[0][0][p], out[r][0][p]) for r in out)
     return worst
@@ -208,13 +244,36 @@ def _compare(world: int, opt_name: str, clip_spec, mutate: bool = False) -> floa
 
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("opt_name,clip_spec", [("adam", None), ("adamw_groups", (1.0, "norm")),
-                                                ("sgd", (0.5, "value"))])
+                                                ("sgd", (0.5, "value")), ("muon", (1.0, "norm")),
+                                                ("adafactor", None)])
 def test_sharded_step_equals_the_whole_step(world, opt_name, clip_spec):
     assert _compare(world, opt_name, clip_spec) <= TOL
 
 
-def test_the_comparison_catches_a_wrong_shard_offset():
-    assert _compare(2, "adam", None, mutate=True) > 1e-3
+@pytest.mark.parametrize("opt_name", ["adam", "muon"])
+def test_the_comparison_catches_a_wrong_shard_offset(opt_name):
+    assert _compare(2, opt_name, None, mutate=True) > 1e-3
+
+
+def test_owned_layout_puts_each_parameter_whole_in_its_owners_shard():
+    from lightning_pipedap.plan.sharding import assign_owners
+
+    params = _params_2d()
+    owners = assign_owners([[params[i].numel() for i in b] for b in OWNED_BUCKETS], 3)
+    buckets = allocate_buckets(Schedule(OWNED_BUCKETS, dear_ops(2), "dear"), params, 3, owners)
+    for b in buckets:
+        S = b.shard_size
+        for slot, p in enumerate(b.params):
+            r = b.owners[slot]
+            assert r * S <= b.offsets[slot] and b.offsets[slot] + p.numel() <= (r + 1) * S
+        spans = sorted((b.offsets[s], b.offsets[s] + p.numel()) for s, p in enumerate(b.params))
+        assert all(a[1] <= c[0] for a, c in zip(spans, spans[1:]))  # (no overlap)
+        assert b.numel + len(b.params) <= b.buffer.numel() == 3 * S  # (the used flags after the last rank's data)
+        assert b.flags.data_ptr() == b.buffer[b.numel:].data_ptr()
+    with pytest.raises(ValueError, match="owners .* a rank in 0..2"):
+        allocate_buckets(Schedule(((0, 1),), dear_ops(1), "dear"), params[:2], 3, [[0, 3]])
+    with pytest.raises(ValueError, match="partition_mb"):
+        allocate_buckets(Schedule(BUCKETS, dear_ops(3), "dear", pieces=PIECES), _params(), 2, [None] * 3)
 
 
 # ----------------------------------------------------------------------------------------------- a real fit

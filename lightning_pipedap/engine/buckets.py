@@ -38,7 +38,8 @@ class FlatBucket:
             a split parameter appears in every bucket holding one of its pieces.
         params: per slot, the parameter itself.
         offsets: element offset of each slot's gradient in ``buffer``.
-        numel: number of gradient elements (sum of the slots' sizes).
+        numel: elements before the used flags: the slots' sizes summed (with parameter ownership, ``owners``,
+            the gaps between the ranks' regions included).
         buffer: 1-D tensor, ``world_size · shard_size`` elements, dtype of the parameters.
         shard_size: elements per rank after reduce-scatter (``S``).
         world_size: ranks sharing the bucket (``N``).
@@ -51,6 +52,9 @@ class FlatBucket:
         pieces: per slot, whether it holds a piece of a split parameter (not the whole parameter).
         as_view: ``gradient_as_bucket_view`` is on for this bucket: each parameter's ``.grad`` is its view
             (set by the engine), so backward accumulates into the buffer and nothing is copied back.
+        owners: with parameter ownership (``shard_optimizer`` with a whole-tensor optimizer), per slot the rank
+            whose shard ``[r·S, (r+1)·S)`` holds the whole parameter (padding fills each rank's region up to
+            ``S``); empty otherwise.
     """
 
     index: int
@@ -67,6 +71,7 @@ class FlatBucket:
     flag_view: torch.Tensor = field(default=None, repr=False)  # type: ignore[assignment]
     pieces: list[bool] = field(default_factory=list, repr=False)
     as_view: bool = False
+    owners: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.ranges:
@@ -81,7 +86,8 @@ class FlatBucket:
     @classmethod
     def allocate(cls, index: int, param_indices: tuple[int, ...], params: list[torch.Tensor], world_size: int,
                  ranges: Optional[Sequence[tuple[int, int]]] = None,
-                 units: Optional[Sequence[int]] = None) -> "FlatBucket":
+                 units: Optional[Sequence[int]] = None,
+                 owners: Optional[Sequence[int]] = None) -> "FlatBucket":
         """Allocate the buffer for the slots on their parameters' device.
 
         Args:
@@ -91,10 +97,13 @@ class FlatBucket:
             world_size: ranks sharing the bucket.
             ranges: per slot, ``(start, stop)`` elements of the parameter flattened (None: every slot whole).
             units: per slot, the schedule's unit index (None: the parameter indices).
+            owners: per slot, the rank that owns the whole parameter (parameter ownership: each rank's slots lie
+                in its own shard, ``S`` = the largest rank's elements, the used flags after the last rank's; the
+                padding travels with the reduce-scatter and all-gather). None: slots packed in order.
 
         Raises:
-            ValueError: if the parameters do not share one dtype and device, or a range is empty or
-                outside its parameter.
+            ValueError: if the parameters do not share one dtype and device, a range is empty or
+                outside its parameter, or ``owners`` has a rank outside ``0..world_size-1`` or a piece.
         """
         kinds = {(p.dtype, p.device) for p in params}
         if len(kinds) != 1:
@@ -107,15 +116,19 @@ class FlatBucket:
             if not (0 <= start <= stop <= p.numel() and (start < stop or p.numel() == 0)):
                 raise ValueError(f"bucket {index} slot {slot}: elements [{start}, {stop}) are not a non-empty range "
                                  f"of parameter {param_indices[slot]} ({p.numel()} elements)")
-        offsets, off = [], 0
-        for start, stop in spans:
-            offsets.append(off)
-            off += stop - start
-        total = off + len(params)  # data + one used-flag per slot
-        shard = -(-total // world_size)
+        if owners is not None:
+            offsets, off, shard = _owned_layout(index, spans, params, world_size, owners)
+        else:
+            offsets, off = [], 0
+            for start, stop in spans:
+                offsets.append(off)
+                off += stop - start
+            total = off + len(params)  # data + one used-flag per slot
+            shard = -(-total // world_size)
         buffer = torch.zeros(shard * world_size, dtype=dtype, device=device)
         return cls(index, tuple(param_indices), list(params), offsets, off, buffer, shard, world_size,
-                   spans, tuple(param_indices if units is None else units))
+                   spans, tuple(param_indices if units is None else units),
+                   owners=tuple(owners) if owners is not None else ())
 
     @property
     def nbytes(self) -> int:
@@ -158,12 +171,41 @@ class FlatBucket:
         return min(start, self.numel), min(start + self.shard_size, self.numel)
 
 
-def allocate_buckets(schedule, params: Sequence[torch.Tensor], world_size: int) -> list[FlatBucket]:
+def _owned_layout(index: int, spans: Sequence[tuple[int, int]], params: Sequence[torch.Tensor], world_size: int,
+                  owners: Sequence[int]) -> tuple[list[int], int, int]:
+    """Offsets, flag offset and shard size of a bucket whose slots lie whole in their owners' shards."""
+    if len(owners) != len(params) or any(not (0 <= int(r) < world_size) for r in owners):
+        raise ValueError(f"bucket {index}: owners {list(owners)} must give each of the {len(params)} slots a rank in "
+                         f"0..{world_size - 1}")
+    for slot, ((start, stop), p) in enumerate(zip(spans, params)):
+        if stop - start != p.numel():
+            raise ValueError(f"bucket {index} slot {slot}: parameter ownership needs whole parameters, got elements "
+                             f"[{start}, {stop}) of {p.numel()}")
+    load = [0] * world_size
+    for (start, stop), r in zip(spans, owners):
+        load[int(r)] += stop - start
+    shard = max(max(load[:-1], default=0), load[-1] + len(params))  # (the flags follow the last rank's slots)
+    pos = [r * shard for r in range(world_size)]
+    offsets = []
+    for (start, stop), r in zip(spans, owners):
+        offsets.append(pos[int(r)])
+        pos[int(r)] += stop - start
+    return offsets, (world_size - 1) * shard + load[-1], shard
+
+
+def allocate_buckets(schedule, params: Sequence[torch.Tensor], world_size: int,
+                     owners: Optional[Sequence[Optional[Sequence[int]]]] = None) -> list[FlatBucket]:
     """One :class:`FlatBucket` per bucket of ``schedule`` (a :class:`~lightning_pipedap.schedule.Schedule`), on the
-    parameters' device: its units are whole parameters, or with ``schedule.pieces`` element ranges of them."""
+    parameters' device: its units are whole parameters, or with ``schedule.pieces`` element ranges of them.
+    ``owners``: per bucket, per slot the owning rank (parameter ownership, :func:`~lightning_pipedap.plan.sharding.
+    assign_owners`), or None for a bucket packed in order."""
     if schedule.pieces is None:
-        return [FlatBucket.allocate(b, idxs, [params[i] for i in idxs], world_size)
+        return [FlatBucket.allocate(b, idxs, [params[i] for i in idxs], world_size,
+                                    owners=owners[b] if owners else None)
                 for b, idxs in enumerate(schedule.buckets)]
+    if owners is not None:
+        raise ValueError("parameter ownership (shard_optimizer with a whole-tensor optimizer) needs whole parameters; "
+                         "the schedule splits parameters into pieces (partition_mb): remove partition_mb")
     pieces = schedule.pieces
     return [FlatBucket.allocate(b, tuple(pieces[u][0] for u in units), [params[pieces[u][0]] for u in units],
                                 world_size, [pieces[u][1:] for u in units], units)

@@ -34,6 +34,7 @@ import torch
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.bucket_sync import BucketState, BucketSync
 from lightning_pipedap.engine.buckets import FlatBucket, allocate_buckets, param_places
+from lightning_pipedap.plan.sharding import assign_owners
 from lightning_pipedap.engine.carry import GradientCarry
 from lightning_pipedap.engine.shard_step import ShardedStep
 from lightning_pipedap.engine.transport import DenseTransport, bucket_transports
@@ -73,6 +74,10 @@ class CommEngine(EngineWaits):
         shard: the sharded optimizer step (``shard_optimizer``, :mod:`.shard_step`); with ``shard_ops`` (deferred
             sharded rounds) the op list becomes :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule``,
             without it (warm-up engines: sync-mode steps only) it runs as planned.
+        shard_owned: with ``shard``, parameter ownership (a whole-tensor optimizer such as Muon or Adafactor):
+            each uncompressed bucket's parameters are assigned whole to the ranks
+            (:func:`~lightning_pipedap.plan.sharding.assign_owners`, balancing elements) and laid out in their
+            owners' shards, padded to the largest (:meth:`FlatBucket.allocate`).
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
@@ -81,7 +86,8 @@ class CommEngine(EngineWaits):
 
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
                  transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False,
-                 param_names: Optional[Sequence[str]] = None, shard: bool = False, shard_ops: bool = True) -> None:
+                 param_names: Optional[Sequence[str]] = None, shard: bool = False, shard_ops: bool = True,
+                 shard_owned: bool = False) -> None:
         schedule.validate(len(params), [p.numel() for p in params])
         if shard and shard_ops:  # (every gradient op before the first all-gather of parameters: see sharded_ops)
             schedule = sharded_ops(schedule, compressed=transport_factory is not None)
@@ -94,7 +100,13 @@ class CommEngine(EngineWaits):
         self.param_names = list(param_names) if param_names is not None else []
         self.wait_timeout_s = float(wait_timeout_s)
         self._params = list(params)
-        self.buckets = allocate_buckets(schedule, params, comm.world_size)
+        owners = None
+        if shard and shard_owned:  # (a whole-tensor optimizer: each parameter stepped whole by one rank)
+            compressed = transport_factory is not None
+            owners = assign_owners([None if compressed and schedule.is_compressed(b) else
+                                    [params[i].numel() for i in idxs] for b, idxs in enumerate(schedule.buckets)],
+                                   comm.world_size)
+        self.buckets = allocate_buckets(schedule, params, comm.world_size, owners)
         #: param index -> its ``(bucket, slot, start, stop)`` places, in element order (whole: one place);
         #: split param index -> the buckets holding its pieces (element order; empty without splits)
         self.places, self.split = param_places(self.buckets)

@@ -14,10 +14,13 @@ FSDP2 with ``reshard_after_forward=False``) with pipedap's planned fusion and or
 
 Only *element-wise* optimizers are sharded (:data:`ELEMENTWISE_OPTIMIZERS`: the update of an element depends on
 that element's gradient and state and on per-parameter scalars such as the step count), so stepping a slice of a
-parameter equals that slice of the full step. Optimizer state lives in :attr:`ShardedOptimizer.state`, keyed by
-each slice's tensor; :meth:`ShardedOptimizer.consolidate` gathers it back into the optimizer's own ``state`` (full
-tensors shaped like the parameters) for checkpoints, a step in sync mode or another engine, and
-:meth:`ShardedOptimizer.absorb` moves it back into the slices at the next sharded round.
+parameter equals that slice of the full step. *Whole-tensor* optimizers (:data:`WHOLE_TENSOR_OPTIMIZERS`: Muon,
+Adafactor) are sharded by parameter ownership instead: each parameter lies whole in one rank's shard (the bucket's
+layout padded so shards end at parameter boundaries, :attr:`FlatBucket.owners`) and that rank steps it whole
+(DeepSpeed and Megatron-Core shard such optimizers the same way, by parameter). Optimizer state lives in
+:attr:`ShardedOptimizer.state`, keyed by each slice's tensor; :meth:`ShardedOptimizer.consolidate` gathers it back
+into the optimizer's own ``state`` (full tensors shaped like the parameters) for checkpoints, a step in sync mode
+or another engine, and :meth:`ShardedOptimizer.absorb` moves it back into the slices at the next sharded round.
 
 The rank's averaged (clipped) gradient shard is kept so a later read of ``.grad`` can be served by an all-gather
 of the gradients (:meth:`ShardedStep.gather_grads`): in the same elements of the parameter's own ``.grad`` (after
@@ -42,8 +45,8 @@ from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient
 from lightning_pipedap.engine.worker import EngineError
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer", "ShardedState",
-           "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "WHOLE_TENSOR_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer",
+           "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
 
 #: torch optimizers whose update of one element depends only on that element's gradient and state and on
 #: per-parameter scalars (step count, hyper-parameters): a slice of a parameter can be stepped on its own
@@ -51,6 +54,13 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name)
     for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
     if hasattr(torch.optim, name)
+)
+
+#: torch optimizers whose step needs the whole parameter (Muon's Newton-Schulz orthogonalisation of the 2-D update,
+#: Adafactor's factored row/column statistics): sharded by parameter ownership, each parameter stepped whole by one
+#: rank (:func:`~lightning_pipedap.plan.sharding.assign_owners`; :attr:`FlatBucket.owners`)
+WHOLE_TENSOR_OPTIMIZERS: tuple[type, ...] = tuple(
+    getattr(torch.optim, name) for name in ("Muon", "Adafactor") if hasattr(torch.optim, name)
 )
 
 
@@ -66,8 +76,10 @@ class ShardSlice:
         lo, hi: element range ``[lo, hi)`` of the bucket buffer (inside this rank's shard).
         p_lo, p_hi: the same elements as a range of the parameter flattened (row-major).
         tensor: what the optimizer steps: a 1-D view of the parameter's storage (contiguous parameter) or a copy
-            refreshed from the parameter before each step (:attr:`master`).
+            refreshed from the parameter before each step (:attr:`master`); shaped like the parameter when
+            :attr:`whole`.
         master: whether :attr:`tensor` is a copy (a non-contiguous parameter).
+        whole: the slice is the whole parameter, owned by this rank (parameter ownership: whole-tensor optimizers).
     """
 
     bucket: int
@@ -80,11 +92,24 @@ class ShardSlice:
     p_hi: int
     tensor: torch.Tensor
     master: bool
+    whole: bool = False
 
 
 def shard_slices(bucket: FlatBucket, rank: int) -> list[ShardSlice]:
-    """The slots' element ranges inside ``rank``'s shard of ``bucket`` (``[rank·S, (rank+1)·S)``), slot order."""
+    """The slots' element ranges inside ``rank``'s shard of ``bucket`` (``[rank·S, (rank+1)·S)``), slot order; with
+    parameter ownership (``bucket.owners``) the whole parameters this rank owns, shaped like them."""
     start, end = bucket.own_data_range(rank)
+    if bucket.owners:
+        out = []
+        for slot, p in enumerate(bucket.params):
+            if bucket.owners[slot] != rank:
+                continue
+            off, n = bucket.offsets[slot], p.numel()
+            master = not p.is_contiguous()
+            t = p.detach().clone(memory_format=torch.contiguous_format) if master else p.detach()
+            out.append(ShardSlice(bucket.index, slot, bucket.param_indices[slot], p, off, off + n, 0, n, t, master,
+                                  whole=True))
+        return out
     out = []
     for slot, p in enumerate(bucket.params):
         off, (a, b) = bucket.offsets[slot], bucket.ranges[slot]
@@ -96,6 +121,13 @@ def shard_slices(bucket: FlatBucket, rank: int) -> list[ShardSlice]:
         t = p.detach().reshape(-1)[p_lo:p_hi].clone() if master else p.detach().view(-1)[p_lo:p_hi]
         out.append(ShardSlice(bucket.index, slot, bucket.param_indices[slot], p, lo, hi, p_lo, p_hi, t, master))
     return out
+
+
+def _is_elem(v: Any, s: ShardSlice) -> bool:
+    """Whether optimizer-state entry ``v`` of slice ``s`` is element-wise (one value per element of the slice: 1-D,
+    or shaped like the parameter for a whole one), so it is gathered in the bucket's layout."""
+    return (torch.is_tensor(v) and v.numel() == s.hi - s.lo
+            and (v.dim() == 1 or (s.whole and v.shape == s.param.shape)))
 
 
 def land_params(bucket: FlatBucket) -> None:
@@ -255,7 +287,7 @@ class ShardedOptimizer:
                 mine = self.state[s.tensor]
                 for k, v in st.items():
                     if torch.is_tensor(v) and v.shape == s.param.shape:
-                        mine[k] = v.detach().reshape(-1)[s.p_lo:s.p_hi].clone()
+                        mine[k] = v.detach().clone() if s.whole else v.detach().reshape(-1)[s.p_lo:s.p_hi].clone()
                     else:
                         mine[k] = v.clone() if torch.is_tensor(v) else v
         for i in owned:
@@ -285,7 +317,7 @@ class ShardedOptimizer:
                     continue
                 mine = info.setdefault(s.param_index, {})
                 for k, v in st.items():
-                    if torch.is_tensor(v) and v.dim() == 1 and v.numel() == s.hi - s.lo:
+                    if _is_elem(v, s):
                         mine[k] = ("elem", str(v.dtype).replace("torch.", ""))
                     elif s.p_lo == 0:
                         mine[k] = ("value", v.cpu(), str(v.device)) if torch.is_tensor(v) else ("value", v, None)
@@ -361,9 +393,9 @@ class ShardedOptimizer:
                         continue
                     t = new.state[ns.tensor].get(k)
                     if t is None:
-                        t = new.state[ns.tensor][k] = torch.zeros(ns.hi - ns.lo, dtype=buf.dtype,
-                                                                  device=ns.tensor.device)
-                    t[lo - ns.p_lo:hi - ns.p_lo].copy_(buf[off + lo - a:off + hi - a])
+                        t = torch.zeros(ns.hi - ns.lo, dtype=buf.dtype, device=ns.tensor.device)
+                        new.state[ns.tensor][k] = t.view(ns.tensor.shape) if ns.whole else t
+                    t.view(-1)[lo - ns.p_lo:hi - ns.p_lo].copy_(buf[off + lo - a:off + hi - a])
         for i, entries in merged.items():
             for ns in new_of.get(id(self.params[i]), ()):
                 for k, kind in entries.items():
@@ -446,7 +478,7 @@ class ShardedOptimizer:
                     g = s.param.grad.detach().reshape(-1)[s.p_lo:s.p_hi]
                 else:
                     continue
-                s.tensor.grad = g
+                s.tensor.grad = g.view(s.tensor.shape)
                 plist.append(s.tensor)
                 stepped.append(s)
             if plist:
@@ -754,9 +786,9 @@ class ShardedStep:
         parameter slices into the bucket's buffer for the all-gather."""
         for s in self.slices[b]:
             if s.master:  # (a non-contiguous parameter: its slice is a copy, refreshed here)
-                s.tensor.copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
+                s.tensor.view(-1).copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
         if hparams is not None and self.optimizer is not None:
             self.optimizer.step(b, grads, used, hparams)
         buffer = self.buckets[b].buffer
         for s in self.slices[b]:
-            buffer[s.lo:s.hi].copy_(s.tensor)
+            buffer[s.lo:s.hi].copy_(s.tensor.reshape(-1))

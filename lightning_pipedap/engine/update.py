@@ -24,7 +24,8 @@ from lightning_pipedap.engine.buckets import FlatBucket
 #: hyper-parameters), so running it bucket by bucket equals one full step.
 PER_PARAMETER_OPTIMIZERS: tuple[type, ...] = tuple(
     getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD")
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "Rprop", "ASGD",
+                 "Muon", "Adafactor")
     if hasattr(torch.optim, name)
 )
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Sequence, Union
 
-__all__ = ["PREPARE_BYTES_PER_LAYER", "Sharding", "resolve_sharding"]
+__all__ = ["PREPARE_BYTES_PER_LAYER", "Sharding", "assign_owners", "resolve_sharding"]
 
 #: bytes per profile layer of the round's preparation all-reduce (float64 "used" flags, one per bucket slot; a
 #: profile layer stands for its parameters): one all-reduce after the last gradient op, before the first step
@@ -65,3 +65,44 @@ def resolve_sharding(sharded: ShardingArg) -> Sharding | None:
     if isinstance(sharded, Sharding):
         return sharded
     raise TypeError(f"sharded must be a bool or a Sharding(clip_norm=..., land_s_per_byte=...), got {sharded!r}")
+
+
+def assign_owners(costs: Sequence[Optional[Sequence[float]]], world_size: int) -> list[Optional[list[int]]]:
+    """Parameter ownership for a whole-tensor optimizer (``shard_optimizer`` with Muon, Adafactor): per bucket, the
+    rank that steps each slot's whole parameter.
+
+    Longest processing time first (Graham, 1969) inside each bucket, so every rank's region of the bucket (the
+    reduce-scatter shard, padded to the largest) stays small; ties go to the rank with the least cost over the
+    buckets assigned so far, so the optimizer state and step time spread over the ranks.
+
+    Args:
+        costs: per bucket, per slot the cost to balance (elements, or seconds of the parameter's optimizer step);
+            None for a bucket that is not owned (compressed: stepped unsharded).
+        world_size: ranks.
+
+    Returns:
+        Per bucket, per slot the owning rank (``0..world_size-1``), or None where ``costs`` has None.
+
+    Raises:
+        ValueError: if ``world_size < 1`` or a cost is negative or not finite.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    total = [0.0] * world_size
+    out: list[Optional[list[int]]] = []
+    for b, row in enumerate(costs):
+        if row is None:
+            out.append(None)
+            continue
+        for c in row:
+            if not (math.isfinite(c) and c >= 0):
+                raise ValueError(f"bucket {b}: costs must be finite and >= 0, got {c!r}")
+        load = [0.0] * world_size
+        owners = [0] * len(row)
+        for slot in sorted(range(len(row)), key=lambda k: (-row[k], k)):
+            r = min(range(world_size), key=lambda q: (load[q], total[q], q))
+            owners[slot] = r
+            load[r] += row[slot]
+            total[r] += row[slot]
+        out.append(owners)
+    return out

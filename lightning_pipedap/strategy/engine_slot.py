@@ -115,6 +115,8 @@ class EngineSlot:
         self.owners: list[Optional[torch.nn.Module]] = []
         self.handover: Optional[TorchDDPHandover] = None
         self.saw_unused = False
+        #: ``shard_optimizer`` with a whole-tensor optimizer (Muon, Adafactor): parameter ownership (set at set-up)
+        self.shard_owned = False
         self.schedules = ScheduleRecord(ctx.info)
         self._index_of: dict[int, int] = {}
         self._engine_params: list[Tensor] = []
@@ -175,7 +177,7 @@ class EngineSlot:
         self.engine = engine = CommEngine(ctx.comm, params, schedule, cfg.wait_timeout_s, transport_factory=factory,
                                           wire_dtype=cfg.wire_dtype, bucket_view=cfg.gradient_as_bucket_view,
                                           param_names=[self.tset.name_of(p) for p in params],
-                                          shard=cfg.shard_optimizer, shard_ops=final)
+                                          shard=cfg.shard_optimizer, shard_ops=final, shard_owned=self.shard_owned)
         if old_shard is not None:
             engine.shard.adopt(old_shard)  # (the sliced optimizer state moves shard to shard: never whole)
         for b, reason in sorted(engine.view_refusals.items()):

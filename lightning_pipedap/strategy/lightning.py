@@ -44,6 +44,7 @@ import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
 from lightning_pipedap import compat
 from lightning_pipedap.engine.threads import lower_current_thread_priority
+from lightning_pipedap.engine.shard_step import WHOLE_TENSOR_OPTIMIZERS
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
 from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import (CompressionOptions, DeferUpdate, PipeDAPConfig, PlanningOptions,
@@ -198,6 +199,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         if self.config.shard_optimizer:
             refuse_unshardable(self.optimizers, lm.automatic_optimization,
                                getattr(self.precision_plugin, "scaler", None))
+            self._rt.slot.shard_owned = isinstance(self.optimizers[0], WHOLE_TENSOR_OPTIMIZERS)
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")

@@ -103,7 +103,7 @@ def refuse_unshardable(optimizers: list, automatic: bool, scaler: Any) -> None:
             (it unscales and checks the whole gradient), or an optimizer that is not element-wise (named, with the
             valid classes).
     """
-    from lightning_pipedap.engine.shard_step import ELEMENTWISE_OPTIMIZERS  # noqa: PLC0415
+    from lightning_pipedap.engine.shard_step import ELEMENTWISE_OPTIMIZERS, WHOLE_TENSOR_OPTIMIZERS  # noqa: PLC0415
 
     if not automatic or len(optimizers) != 1:
         raise ValueError(f"pipedap: shard_optimizer=True needs automatic optimization with one optimizer (got "
@@ -114,11 +114,14 @@ def refuse_unshardable(optimizers: list, automatic: bool, scaler: Any) -> None:
                          "unscales and checks the whole gradient on every rank); use precision='bf16-mixed' or "
                          "shard_optimizer=False")
     for opt in optimizers:
-        if not isinstance(opt, ELEMENTWISE_OPTIMIZERS):
+        if not isinstance(opt, ELEMENTWISE_OPTIMIZERS + WHOLE_TENSOR_OPTIMIZERS):
             valid = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-            raise ValueError(f"pipedap: shard_optimizer=True steps slices of parameters, which needs an element-wise "
-                             f"optimizer; got {type(opt).__name__}. Valid: {valid}. Whole-tensor optimizers (Muon, "
-                             "Adafactor, LAMB/LARS trust ratios) are not sharded: use shard_optimizer=False")
+            whole = ", ".join(c.__name__ for c in WHOLE_TENSOR_OPTIMIZERS)
+            raise ValueError(f"pipedap: shard_optimizer=True needs an optimizer whose step it can split: element-wise "
+                             f"(sharded by element range: {valid}) or whole-tensor (sharded by parameter ownership: "
+                             f"{whole}); got {type(opt).__name__}, which is neither as far as pipedap knows (its "
+                             "step may mix elements of a parameter or of several parameters): use "
+                             "shard_optimizer=False")
 
 
 def register_names(registry: Any, cls: type, description: str) -> None:
