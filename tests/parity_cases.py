@@ -53,6 +53,8 @@ class Base(pl.LightningModule):
     def configure_optimizers(self):
         if self.opt == "sgd":
             opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+        elif self.opt == "adafactor":  # (a whole-tensor optimizer: factored second moments of the matrices)
+            opt = torch.optim.Adafactor(self.parameters(), lr=1e-2)
         else:
             decay = [p for n, p in self.named_parameters() if p.ndim > 1]
             no_decay = [p for n, p in self.named_parameters() if p.ndim <= 1]
@@ -213,7 +215,33 @@ class TwoOptimizers(MLP):
                 torch.optim.Adam(self.net[2:].parameters(), lr=1e-2))
 
 
+class MuonAdamW(MLP):
+    """Muon for the 2-D weights, AdamW for the biases (the split of Keller Jordan's Muon recipe, and of
+    ``torch.optim.Muon``'s own docstring example); manual optimization steps both after one backward."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opts = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        mats = [p for p in self.parameters() if p.ndim == 2]
+        rest = [p for p in self.parameters() if p.ndim != 2]
+        return torch.optim.Muon(mats, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3)
+
+
 MODELS: dict[str, Callable[..., Base]] = {
+    "muon_adamw": MuonAdamW,
     "lbfgs": LBFGSNet, "two_opt": TwoOptimizers,
     "mlp": MLP, "bn": BNNet, "tied": Tied, "frozen": Frozen, "unused": Unused, "unused_keep": UnusedKeepGrad,
     "unused_late": UnusedLate,
@@ -244,6 +272,8 @@ CASES: dict[str, tuple[str, dict, dict]] = {
     "bf16_mixed": ("mlp", {"opt": "adamw"}, {"precision": "bf16-mixed"}),
     "lbfgs_closure": ("lbfgs", {}, {}),
     "manual_two_optimizers": ("two_opt", {}, {}),
+    "adafactor": ("mlp", {"opt": "adafactor"}, {}),
+    "muon_adamw": ("muon_adamw", {}, {}),
 }
 
 
@@ -276,6 +306,27 @@ def make_data(seed: int = 7) -> tuple[DataLoader, DataLoader]:
     return ResumableLoader(ds, batch_size=BATCH, shuffle=True), DataLoader(ds, batch_size=BATCH)
 
 
+class StateBytes(pl.Callback):
+    """With ``shard_optimizer``: at each batch start, the fraction of the whole optimizer state (every optimizer)
+    this rank holds (``trainer.strategy.optimizer_state_nbytes``; the whole size from an unsharded count of the
+    same optimizers' state kept by the last DDP run: :data:`FULL_STATE_BYTES`). An observer that reads no
+    parameter."""
+
+    pipedap_reads_model = False
+
+    def __init__(self) -> None:
+        self.fraction = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step >= 2 and FULL_STATE_BYTES:
+            held = sum(trainer.strategy.optimizer_state_nbytes(o) for o in trainer.optimizers)
+            self.fraction = held / FULL_STATE_BYTES[0]
+
+
+#: the whole optimizer state's bytes of the last reference (DDP) run of :func:`train`
+FULL_STATE_BYTES: list[int] = []
+
+
 def train(model_name: str, model_kw: dict, trainer_kw: dict, strategy: Any, epochs: int = 3,
           callbacks: list | None = None, ckpt_path: str | None = None, max_steps: int = -1,
           root_dir: str | None = None) -> dict[str, torch.Tensor]:
@@ -289,8 +340,15 @@ def train(model_name: str, model_kw: dict, trainer_kw: dict, strategy: Any, epoc
     )
     kw.update(trainer_kw)
     has_val = "val_check_interval" in kw
-    trainer = pl.Trainer(strategy=strategy, callbacks=callbacks or [], **kw)
+    sharded = isinstance(strategy, PipeDAPStrategy) and strategy.config.shard_optimizer
+    observers = [StateBytes()] if sharded else []
+    trainer = pl.Trainer(strategy=strategy, callbacks=(callbacks or []) + observers, **kw)
     trainer.fit(model, train_dl, val_dl if has_val or callbacks else None, ckpt_path=ckpt_path)
+    if sharded:
+        strategy.state_fraction = observers[0].fraction
+    elif strategy in ("ddp", "ddp_find_unused_parameters_true"):
+        FULL_STATE_BYTES[:] = [sum(v.numel() * v.element_size() for o in trainer.optimizers
+                                   for st in o.state.values() for v in st.values() if torch.is_tensor(v))]
     out = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for i, opt in enumerate(trainer.optimizers):  # (the optimizer state too: pipedap's sharded state gathered)
         for j, st in opt.state_dict()["state"].items():
@@ -332,6 +390,7 @@ def run_case(name: str) -> dict[str, float]:
             out = train(model_name, model_kw, trainer_kw, strategy)
             res[f"{sched}_shard"] = max_diff(out, ref)
             res[f"{sched}_shard_updates_in_forward"] = strategy.update_counts["forward"]
+            res[f"{sched}_shard_state_fraction"] = strategy.state_fraction
     return res
 
 
@@ -479,10 +538,11 @@ VARIANTS: dict[str, dict[str, dict[str, Any]]] = {
 }
 
 
-#: shard_optimizer=True is run with these schedules for every case but ``NO_SHARD`` (manual optimization, LBFGS and
-#: two optimizers are refused at set-up: their steps run in sync mode), with the case's ``SHARD_OPTIONS``
+#: shard_optimizer=True is run with these schedules for every case but ``NO_SHARD`` (LBFGS is refused at set-up: its
+#: step is neither element-wise nor per parameter), with the case's ``SHARD_OPTIONS``; manual optimization runs
+#: sharded in sync mode
 SHARD_SCHEDULES = ("dear", "optimal")
-NO_SHARD = {"manual_optimization", "lbfgs_closure", "manual_two_optimizers"}
+NO_SHARD = {"lbfgs_closure"}
 SHARD_OPTIONS = {"unused_zero_grad_keep": {"defer_update": True}}  # ("auto": its zero_grad override -> sync mode)
 
 

@@ -15,7 +15,7 @@ from tests.parity_cases import CASES, NO_SHARD, SHARD_SCHEDULES, SPECIAL, VARIAN
 
 TOL = 1e-6
 # manual optimization and closure-based optimizers run the synchronous path by design
-SYNC_PATH_CASES = {"manual_optimization", "lbfgs_closure", "manual_two_optimizers",
+SYNC_PATH_CASES = {"manual_optimization", "lbfgs_closure", "manual_two_optimizers", "muon_adamw",
                    "unused_zero_grad_keep"}  # (an optimizer_zero_grad override: "auto" runs in sync mode)
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,10 +42,13 @@ def test_parity_with_ddp(parity_results, case):
             # a variant that defers must really defer; one in sync mode must not
             defers = options["defer_update"] is True if "defer_update" in options else case not in SYNC_PATH_CASES
             assert (res[f"{key}_updates_in_forward"] > 0) == defers, (key, res)
-        if schedule in SHARD_SCHEDULES and case not in NO_SHARD:  # (sharded steps are deferred steps)
+        if schedule in SHARD_SCHEDULES and case not in NO_SHARD:  # (deferred sharded steps; manual: sync mode)
             key = f"{schedule}_shard"
             assert res[key] <= TOL, f"{case}/{key}: max |param or optimizer state - ddp| = {res[key]:.3e}"
-            assert res[f"{key}_updates_in_forward"] > 0, (key, res)
+            defers = case not in SYNC_PATH_CASES - {"unused_zero_grad_keep"}  # (that one: defer_update=True)
+            assert (res[f"{key}_updates_in_forward"] > 0) == defers, (key, res)
+            # the state really sharded: this rank holds well under the whole (1/2 plus scalars and padding)
+            assert res[f"{key}_state_fraction"] is not None and res[f"{key}_state_fraction"] < 0.8, (key, res)
     if case not in SYNC_PATH_CASES:
         # updates must really be deferred into the next forward (not silently flushed)
         assert res["dear_updates_in_forward"] > 0

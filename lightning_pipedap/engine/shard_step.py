@@ -265,6 +265,10 @@ class ShardedOptimizer:
         self.sharded_params = sorted({s.param_index for sl in slices.values() for s in sl})
         self.state: dict[torch.Tensor, dict[str, Any]] = collections.defaultdict(dict)
         self.absorbed = False
+        #: engine indices of the sharded parameters of this optimizer (every rank's; set by ShardedStep.attach)
+        self.owned: list[int] = list(self.sharded_params)
+        #: the sharded buckets holding some of them (the same list on every rank)
+        self.buckets: list[int] = sorted(slices)
 
     def state_nbytes(self) -> int:
         """Bytes of the sharded optimizer state this rank holds."""
@@ -512,7 +516,8 @@ class ShardedStep:
 
     Attributes:
         round: the current :class:`ShardRound`, or None when this round gathers gradients (sync mode).
-        optimizer: the :class:`ShardedOptimizer`, from the first sharded step on.
+        opts: ``id(optimizer) -> ShardedOptimizer`` in the order they first stepped (several with manual
+            optimization, e.g. Muon for the matrices and AdamW for the rest; a deferred round steps one).
     """
 
     def __init__(self, buckets: Sequence[FlatBucket], sharded: Sequence[int], comm: C.CommGroup,
@@ -531,7 +536,7 @@ class ShardedStep:
         self.reduced_flags = {b: torch.zeros_like(self.buckets[b].flags) for b in self.sharded}
         self.used: dict[int, list[bool]] = {}
         self.round: Optional[ShardRound] = None
-        self.optimizer: Optional[ShardedOptimizer] = None
+        self.opts: dict[int, ShardedOptimizer] = {}
         self.armed = False
         #: engine indices of the parameters held by sharded buckets
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
@@ -567,29 +572,53 @@ class ShardedStep:
         return r
 
     # ------------------------------------------------------------------ trainer side
+    @property
+    def optimizer(self) -> Optional[ShardedOptimizer]:
+        """The first optimizer stepped sharded (the one a deferred round steps), or None before any."""
+        return next(iter(self.opts.values()), None)
+
+    def sharded_of(self, optimizer: Optimizer) -> Optional[ShardedOptimizer]:
+        """``optimizer``'s :class:`ShardedOptimizer` when it has stepped sharded on this engine, else None."""
+        return self.opts.get(id(optimizer))
+
     def attach(self, optimizer: Optimizer) -> ShardedOptimizer:
-        """The optimizer the sharded steps run (built once; a different optimizer object is refused).
+        """``optimizer``'s :class:`ShardedOptimizer` (built at its first sharded step): this rank's slices of the
+        optimizer's own parameters (several optimizers share the engine's buckets, each parameter in one of them).
 
         Raises:
-            RuntimeError: if another optimizer was attached before.
+            ValueError: if a parameter belongs to this optimizer and to one attached before (named).
         """
-        if self.optimizer is None:
-            self.optimizer = ShardedOptimizer(optimizer, self.slices, self.params, self.names, self.comm.world_size)
-        elif self.optimizer.optimizer is not optimizer:
-            raise RuntimeError("pipedap: shard_optimizer steps one optimizer per engine; a second one was given")
-        return self.optimizer
+        opt = self.opts.get(id(optimizer))
+        if opt is None:
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            for other in self.opts.values():
+                both = [i for i in other.sharded_params if id(self.params[i]) in mine]
+                if both:
+                    raise ValueError(f"pipedap: shard_optimizer: parameter {self._name(both[0])} is in two optimizers "
+                                     f"({type(other.optimizer).__name__} and {type(optimizer).__name__}); give each "
+                                     "parameter to one optimizer")
+            slices = {b: [s for s in sl if id(s.param) in mine] for b, sl in self.slices.items()}
+            opt = self.opts[id(optimizer)] = ShardedOptimizer(optimizer, slices, self.params, self.names,
+                                                              self.comm.world_size)
+            opt.owned = [i for i in self.params_sharded if id(self.params[i]) in mine]
+            opt.buckets = [b for b in self.sharded if any(id(p) in mine for p in self.buckets[b].params)]
+        return opt
+
+    def _name(self, i: int) -> str:
+        return self.names[i] if i < len(self.names) else f"parameter {i}"
 
     def adopt(self, old: "ShardedStep") -> None:
         """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard
         (:meth:`ShardedOptimizer.transfer`) when both shard the same parameters, else gathered whole into
         ``optimizer.state`` (it is sliced again at this engine's first sharded step). A collective."""
-        prev = old.optimizer
-        if prev is None or not prev.absorbed:
+        if not any(prev.absorbed for prev in old.opts.values()):
             return
         if {id(old.params[i]) for i in old.params_sharded} != {id(self.params[i]) for i in self.params_sharded}:
             old.consolidate()
             return
-        prev.transfer(self.attach(prev.optimizer), self.comm, old.buckets)
+        for prev in old.opts.values():
+            if prev.absorbed:
+                prev.transfer(self.attach(prev.optimizer), self.comm, old.buckets)
 
     def sync_step(self, optimizer: Optimizer) -> None:
         """A sync-mode optimizer step (main thread, after backward wrote the averaged gradients to ``.grad`` and the
@@ -598,9 +627,9 @@ class ShardedStep:
         slices all-gathered (a collective) and copied into the model. The state stays sliced; one all-gather of
         parameters per bucket more than an unsharded sync step."""
         opt = self.attach(optimizer)
-        opt.absorb(self.params_sharded)
+        opt.absorb(opt.owned)
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        mine = {id(self.params[i]) for i in self.params_sharded}
+        mine = {id(self.params[i]) for i in opt.owned}
         rest = [dict(g, params=[p for p in g["params"] if id(p) not in mine]) for g in optimizer.param_groups]
         if any(g["params"] for g in rest):
             view = object.__new__(type(optimizer))
@@ -608,9 +637,9 @@ class ShardedStep:
             view.param_groups = [g for g in rest if g["params"]]
             type(optimizer).step(view)
         with torch.no_grad():
-            for b in self.sharded:
+            for b in opt.buckets:  # (the buckets holding this optimizer's parameters: the same on every rank)
                 bucket = self.buckets[b]
-                self._step_slices(b, None, [True] * len(bucket.params), hparams)
+                self._step_slices(b, None, [True] * len(bucket.params), hparams, opt)
                 C.all_gather_(bucket.buffer, self.comm)
                 land_params(bucket)
 
@@ -629,19 +658,20 @@ class ShardedStep:
         r = self.round
         if r is None:
             return
-        self.attach(optimizer).absorb(self.params_sharded)
+        opt = self.attach(optimizer)
+        opt.absorb(opt.owned)
         r.hparams, r.clip, r.nonfinite = hparams, clip, nonfinite
         r.go.set()
 
     def consolidate(self, device: Optional[torch.device] = None) -> None:
         """The optimizer state back into ``optimizer.state`` (a collective; worker idle; ``device``: where)."""
-        if self.optimizer is not None:
-            self.optimizer.consolidate(self.comm, self.buckets, device)
+        for opt in self.opts.values():
+            opt.consolidate(self.comm, self.buckets, device)
 
     def release(self) -> None:
         """After a failure: :meth:`ShardedOptimizer.release` (local; the sharded state is dropped)."""
-        if self.optimizer is not None:
-            self.optimizer.release()
+        for opt in self.opts.values():
+            opt.release()
 
     def gather_grads(self, b: int, sync: Any) -> float:
         """The averaged gradients of bucket ``b`` back into its buffer (its parameters have landed): this rank's
@@ -775,20 +805,20 @@ class ShardedStep:
         Returns whether the shard was stepped."""
         r = self.round
         bucket = self.buckets[b]
-        self._step_slices(b, bucket.buffer, self.used[b], r.hparams if r.stepped else None)
+        self._step_slices(b, bucket.buffer, self.used[b], r.hparams if r.stepped else None, self.optimizer)
         bucket.flags.copy_(self.reduced_flags[b])
         return r.stepped
 
     def _step_slices(self, b: int, grads: Optional[torch.Tensor], used: Sequence[bool],
-                     hparams: Optional[list[dict[str, Any]]]) -> None:
-        """Step this rank's slices of bucket ``b`` (:meth:`ShardedOptimizer.step`; ``grads``: the buffer holding
-        the averaged gradients, or None: their ``.grad`` elements; ``hparams`` None: not stepped) and write the
-        parameter slices into the bucket's buffer for the all-gather."""
+                     hparams: Optional[list[dict[str, Any]]], opt: Optional[ShardedOptimizer]) -> None:
+        """Step ``opt``'s slices of bucket ``b`` on this rank (:meth:`ShardedOptimizer.step`; ``grads``: the buffer
+        holding the averaged gradients, or None: their ``.grad`` elements; ``hparams`` None: not stepped) and write
+        every parameter slice of this rank into the bucket's buffer for the all-gather (the others unchanged)."""
         for s in self.slices[b]:
             if s.master:  # (a non-contiguous parameter: its slice is a copy, refreshed here)
                 s.tensor.view(-1).copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
-        if hparams is not None and self.optimizer is not None:
-            self.optimizer.step(b, grads, used, hparams)
+        if hparams is not None and opt is not None:
+            opt.step(b, grads, used, hparams)
         buffer = self.buckets[b].buffer
         for s in self.slices[b]:
             buffer[s.lo:s.hi].copy_(s.tensor.reshape(-1))

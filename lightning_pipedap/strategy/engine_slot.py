@@ -115,8 +115,10 @@ class EngineSlot:
         self.owners: list[Optional[torch.nn.Module]] = []
         self.handover: Optional[TorchDDPHandover] = None
         self.saw_unused = False
-        #: ``shard_optimizer`` with a whole-tensor optimizer (Muon, Adafactor): parameter ownership (set at set-up)
+        #: ``shard_optimizer`` with a whole-tensor optimizer (Muon, Adafactor): parameter ownership
+        #: (:meth:`use_ownership`, at set-up)
         self.shard_owned = False
+        self._installed: Optional[tuple] = None
         self.schedules = ScheduleRecord(ctx.info)
         self._index_of: dict[int, int] = {}
         self._engine_params: list[Tensor] = []
@@ -167,6 +169,7 @@ class EngineSlot:
         profiling steps communicate uncompressed).
         """
         cfg, ctx = self.ctx.config, self.ctx
+        self._installed = (params, schedule, owners, final)
         # parameters that earlier micro-batches of this accumulation window used: the new engine reduces them
         # too (a candidate switch comes in the optimizer step, after those micro-batches)
         used_so_far = [self._engine_params[k] for k in self.engine.local_gradients()] if self.engine is not None else []
@@ -208,6 +211,16 @@ class EngineSlot:
             ctx.say("shard-compressed", f"pipedap: shard_optimizer: {engine.num_buckets - len(shard.sharded)} "
                     f"compressed bucket(s) of {engine.num_buckets} are stepped unsharded (the compressed reduction "
                     "leaves the whole bucket on every rank; their optimizer state is whole)")
+
+    def use_ownership(self) -> None:
+        """``shard_optimizer`` with a whole-tensor optimizer (known once the optimizers exist, after the warm-up
+        engine was built): every later engine lays its buckets out by parameter ownership, and the installed one,
+        which has not stepped yet, is built again so."""
+        if self.shard_owned:
+            return
+        self.shard_owned = True
+        if self.engine is not None and self._installed is not None:
+            self.install(*self._installed)
 
     def hand_over(self, candidate: TorchDDPCandidate) -> None:
         """Close the engine and let DDP's reducer run ``candidate`` (a collective on the default group, at the
@@ -303,7 +316,13 @@ class EngineSlot:
     def state_sharded(self) -> bool:
         """Whether the optimizer state is held in shards by the engine (``shard_optimizer``) right now."""
         shard = self.engine.shard if self.engine is not None else None
-        return shard is not None and shard.optimizer is not None and shard.optimizer.absorbed
+        return shard is not None and any(opt.absorbed for opt in shard.opts.values())
+
+    def holds_sharded(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s state is held in shards by the engine right now (the same on every rank)."""
+        shard = self.engine.shard if self.engine is not None else None
+        opt = shard.sharded_of(optimizer) if shard is not None else None
+        return opt is not None and opt.absorbed
 
     def consolidate(self, device: Optional[torch.device] = None) -> None:
         """The sharded optimizer state back into ``optimizer.state`` (a collective: every rank at the same point;
@@ -313,19 +332,21 @@ class EngineSlot:
             self.engine.wait_idle()
             self.engine.shard.consolidate(device)
 
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """The optimizer's whole state dict on rank 0, in CPU memory, the shards left in place (a collective;
-        :meth:`~lightning_pipedap.engine.shard_step.ShardedOptimizer.state_dict`); ``{}`` on the other ranks."""
+    def sharded_state_dict(self, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s whole state dict on rank 0, in CPU memory, the shards left in place (a collective;
+        :meth:`~lightning_pipedap.engine.shard_step.ShardedOptimizer.state_dict`); ``{}`` on the other ranks.
+        Call only when :meth:`holds_sharded` is true."""
         self.engine.wait_idle()
-        return self.engine.shard.optimizer.state_dict(self.engine.comm, self.engine.buckets)
+        return self.engine.shard.sharded_of(optimizer).state_dict(self.engine.comm, self.engine.buckets)
 
     def state_nbytes(self, optimizer: Any) -> int:
         """Bytes of ``optimizer``'s state this rank holds: its own ``state`` plus the engine's shards."""
         own = sum(v.numel() * v.element_size() for st in optimizer.state.values() for v in st.values()
                   if torch.is_tensor(v))
         shard = self.engine.shard if self.engine is not None else None
-        if shard is not None and shard.optimizer is not None and shard.optimizer.optimizer is optimizer:
-            own += shard.optimizer.state_nbytes()
+        opt = shard.sharded_of(optimizer) if shard is not None else None
+        if opt is not None:
+            own += opt.state_nbytes()
         return own
 
     def close(self, abort: bool) -> None:

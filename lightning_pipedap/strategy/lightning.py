@@ -197,9 +197,10 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if self.config.shard_optimizer:
-            refuse_unshardable(self.optimizers, lm.automatic_optimization,
-                               getattr(self.precision_plugin, "scaler", None))
-            self._rt.slot.shard_owned = isinstance(self.optimizers[0], WHOLE_TENSOR_OPTIMIZERS)
+            refuse_unshardable(self.optimizers, getattr(self.precision_plugin, "scaler", None))
+            # (a whole-tensor optimizer among them: every parameter stepped whole by one rank)
+            if any(isinstance(o, WHOLE_TENSOR_OPTIMIZERS) for o in self.optimizers):
+                self._rt.slot.use_ownership()
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")

@@ -62,8 +62,8 @@ class FlushPoints:
         writes nothing and says why."""
         self.flush()
         rt = self._rt
-        if rt is not None and rt.slot.state_sharded:
-            return {} if self._aborted else rt.slot.sharded_state_dict()
+        if rt is not None and rt.slot.holds_sharded(optimizer):
+            return {} if self._aborted else rt.slot.sharded_state_dict(optimizer)
         return super().optimizer_state(optimizer)
 
     def optimizer_state_nbytes(self, optimizer: Optimizer) -> int:

@@ -95,20 +95,18 @@ def refuse_self_communicating(optimizers: list) -> None:
                              "pipedap; use a local optimizer (torch.optim.SGD, Adam, AdamW, ...) or strategy='ddp'")
 
 
-def refuse_unshardable(optimizers: list, automatic: bool, scaler: Any) -> None:
+def refuse_unshardable(optimizers: list, scaler: Any) -> None:
     """``shard_optimizer=True``: the fit must be one the sharded step can run (checked at set-up, once per rank).
 
+    Manual optimization and several optimizers (Muon for the matrices, AdamW for the rest) run sharded in sync
+    mode (each ``optimizer.step()`` steps its own parameters' shards and all-gathers them).
+
     Raises:
-        ValueError: manual optimization or several optimizers (their steps run in sync mode), the fp16 grad scaler
-            (it unscales and checks the whole gradient), or an optimizer that is not element-wise (named, with the
-            valid classes).
+        ValueError: the fp16 grad scaler (it unscales and checks the whole gradient), or an optimizer that is
+            neither element-wise nor whole-tensor (named, with the valid classes).
     """
     from lightning_pipedap.engine.shard_step import ELEMENTWISE_OPTIMIZERS, WHOLE_TENSOR_OPTIMIZERS  # noqa: PLC0415
 
-    if not automatic or len(optimizers) != 1:
-        raise ValueError(f"pipedap: shard_optimizer=True needs automatic optimization with one optimizer (got "
-                         f"{'manual optimization' if not automatic else f'{len(optimizers)} optimizers'}: their "
-                         "steps run in sync mode, unsharded); set shard_optimizer=False")
     if scaler is not None:
         raise ValueError("pipedap: shard_optimizer=True does not run under the fp16 grad scaler (precision='16-mixed' "
                          "unscales and checks the whole gradient on every rank); use precision='bf16-mixed' or "
