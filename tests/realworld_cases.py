@@ -411,8 +411,7 @@ def run_case(c: Case, xchg: Exchange) -> dict[str, Any]:
                                                           for step in zip(*(i["called"] for i in info)))
 
     variants = (c.variants if c.variants is not None else PIPEDAP_VARIANTS) + c.extra_variants
-    no_shard = c.no_shard or ("" if c.build().model.automatic_optimization else "manual optimization: "
-                              "shard_optimizer is refused at set-up (tests/test_shard_step.py)")
+    no_shard = c.no_shard
     if no_shard and any("shard" in v for v in variants):
         res["no_shard"] = no_shard
         variants = [v for v in variants if "shard" not in v]

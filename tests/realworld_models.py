@@ -66,8 +66,8 @@ class Case:
     no_torch_ddp: str = ""
     # steps at which the ranks took different control flow in the reference run (info "called"), asserted when set
     per_rank_steps: Optional[int] = None
-    # why the shard_optimizer variants (``*_shard``) are not run for this case (they are not for manual optimization
-    # either: refused at set-up, see tests/test_shard_step.py); empty: they run and are judged as the others
+    # why the shard_optimizer variants (``*_shard``) are not run for this case; empty: they run and are judged as the
+    # others (manual optimization included: sharded in sync mode)
     no_shard: str = ""
 
 
@@ -306,6 +306,43 @@ def build_nanogpt() -> Spec:
     with F.scaled_dot_product_attention, AdamW with decay / no-decay groups by p.dim().
     Source: karpathy/nanoGPT model.py (GPT.__init__, configure_optimizers)."""
     return Spec(TinyGPT(), loader(tokens()))
+
+
+class MuonGPT(TinyGPT):
+    """TinyGPT trained as modded-nanogpt trains GPT-2: Muon for the hidden 2-D matrices of the blocks, AdamW for the
+    embeddings (tied to the head), the norms and the biases; two optimizers, manual optimization."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opts = self.optimizers()
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        for opt in opts:
+            opt.step()
+        return loss
+
+    def configure_optimizers(self):
+        hidden = [p for p in self.transformer.h.parameters() if p.ndim == 2]
+        ids = {id(p) for p in hidden}
+        rest = [p for p in self.parameters() if id(p) not in ids]
+        return (torch.optim.Muon(hidden, lr=0.02, momentum=0.95, weight_decay=0.01),
+                torch.optim.AdamW(rest, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0))
+
+
+@case("nanogpt_muon")
+def build_nanogpt_muon() -> Spec:
+    """nanoGPT's model trained with Muon for the blocks' hidden matrices and AdamW for the embeddings (tied head),
+    norms and biases, stepped after one backward (manual optimization, two optimizers). Sources: KellerJordan/
+    modded-nanogpt train_gpt.py (Muon for hidden matrices, Adam for embeddings/head/scalars), torch.optim.Muon's
+    docstring (2-D parameters only), karpathy/nanoGPT model.py (the model)."""
+    return Spec(MuonGPT(), loader(tokens()))
 
 
 class ChildWeightLM(pl.LightningModule):

@@ -39,7 +39,7 @@ from tests import realworld_cases as rc
 from tests.realworld_models import CASES
 
 THREE_RANK_CASES = ["mha", "nanogpt_tied", "clip_grad_norm_override", "resnet_batchnorm", "bert_finetune_clip_adamw",
-                    "vqvae_ema_codebook"]
+                    "vqvae_ema_codebook", "nanogpt_muon"]
 DDP_RUNS = ("ddp", "ddp_small_buckets", "ddp_tiny_buckets")
 RUNS = {**dict.fromkeys(DDP_RUNS, 1), "default_deterministic": 2, "default": 2, "shard_deterministic": 2}
 
