@@ -41,6 +41,11 @@ from tests.three_rank_cases import THREE_RANK_CASES
 ROOT = Path(__file__).resolve().parents[1]
 SELECTED = [n for n in os.environ.get("THREE_RANK_CASES", "").split(",") if n] or THREE_RANK_CASES
 SPREAD_FACTOR = 2.0
+#: cases whose optimizer amplifies one-ulp differences of the averaged gradients: torch.optim.Muon orthogonalises
+#: in bfloat16 (Newton-Schulz), so any other summation order (DDP's own bucket sizes: spread 1.5e-3; the sharded
+#: step's parameter-ownership layout) lands 1e-3 away after 3 epochs. At 2 ranks, where every sum is exact in any
+#: order, the same case is 0.0 from DDP under every variant (tests/test_realworld_parity.py)
+SPREAD_FACTORS = {"nanogpt_muon": 3.0}
 FLOOR = 1e-6
 REPLICA_TOL = 1e-7
 
@@ -63,7 +68,7 @@ def test_three_ranks(three_rank_results, case):
     assert "error" not in res and not res.get("errors"), res.get("error") or res.get("errors")
     assert float(res["ref_moved"]) > 1e-3, "the reference run must actually train"
     assert float(res["ddp_replicas"]) <= REPLICA_TOL, res
-    bound = max(SPREAD_FACTOR * float(res["spread"]), FLOOR)
+    bound = max(SPREAD_FACTORS.get(case, SPREAD_FACTOR) * float(res["spread"]), FLOOR)
     for variant in ("default_deterministic", "default", "shard_deterministic"):
         vr = res[variant]
         what = f"{case}/{variant}: {vr}; DDP spread {res['spread']} ({res['ddp_pairs']})"
