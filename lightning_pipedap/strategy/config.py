@@ -161,9 +161,12 @@ class ScheduleOptions:
     DDP. ``True`` (ZeRO stage 2, as Megatron-Core's distributed optimizer and FSDP2 without resharding): each rank
     steps only the shard of each bucket its reduce-scatter left it, holding optimizer state for that shard only
     (Adam: 1/N of its two moment tensors), and the updated *parameters* are all-gathered before their first use in
-    the next forward; same bytes on the wire. Deferred steps only (``defer_update`` not False), element-wise
-    optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD); a compressed
-    bucket is stepped unsharded. ``optimizer.state`` is empty while sharded: checkpoints and
+    the next forward; same bytes on the wire. Deferred steps only (``defer_update`` not False). Element-wise
+    optimizers (SGD, Adam, AdamW, Adamax, NAdam, RAdam, RMSprop, Adagrad, Adadelta, Rprop, ASGD) are sharded by
+    element range; whole-tensor ones (Muon, Adafactor) by parameter ownership (each parameter stepped whole by one
+    rank; shards padded to parameter boundaries); manual optimization and several optimizers (Muon + AdamW) step
+    sharded in sync mode; a compressed bucket is stepped unsharded. ``optimizer.state`` raises while sharded:
+    checkpoints and
     ``trainer.strategy.optimizer_state`` gather the full state. With ``gradient_as_bucket_view`` a sharded bucket
     keeps the copy path (after its step it holds parameters), logged once. Trainer only (Fabric runs sync mode)."""
 
