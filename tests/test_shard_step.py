@@ -82,6 +82,33 @@ def test_refusals_name_the_bad_value_and_the_choices():
     refuse_unshardable([torch.optim.AdamW(p)], None)
 
 
+def test_assign_owners_balances_each_bucket_longest_first():
+    from lightning_pipedap.plan.sharding import assign_owners
+
+    assert assign_owners([[10, 1, 1, 8], None, [3, 3, 3]], 2) == [[0, 1, 1, 1], None, [0, 1, 0]]
+    assert assign_owners([[10, 2], [4, 4, 4]], 2) == [[0, 1], [1, 0, 1]]  # (ties: the rank with less so far)
+    assert assign_owners([[5.0]], 3) == [[0]]
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        assign_owners([[1]], 0)
+    with pytest.raises(ValueError, match="bucket 0: costs must be finite and >= 0, got -1"):
+        assign_owners([[-1]], 2)
+
+
+def test_optimizer_step_times_rank_muon_matrices_by_their_cost_not_their_elements():
+    from lightning_pipedap.probe.optimizer_time import optimizer_step_times
+
+    square, wide = torch.nn.Parameter(torch.randn(384, 384)), torch.nn.Parameter(torch.randn(36, 4096))
+    bias = torch.nn.Parameter(torch.randn(7))
+    muon, adamw = torch.optim.Muon([square, wide], lr=0.02), torch.optim.AdamW([bias])
+    before = [square.detach().clone(), wide.detach().clone()]
+    t_square, t_wide, t_bias, t_none = optimizer_step_times([muon, adamw], [square, wide, bias,
+                                                                             torch.nn.Parameter(torch.zeros(2))])
+    assert t_square > t_wide > 0 and t_bias > 0 and t_none == 0.0  # (Newton-Schulz: m·n·min(m, n))
+    assert torch.equal(square, before[0]) and torch.equal(wide, before[1]) and not muon.state  # (untouched)
+    with pytest.raises(ValueError, match="repeats must be >= 1, got 0"):
+        optimizer_step_times([muon], [square], repeats=0)
+
+
 # ----------------------------------------------------------------------------------------------- gloo ranks
 def _params() -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)

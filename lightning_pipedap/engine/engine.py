@@ -76,8 +76,10 @@ class CommEngine(EngineWaits):
             without it (warm-up engines: sync-mode steps only) it runs as planned.
         shard_owned: with ``shard``, parameter ownership (a whole-tensor optimizer such as Muon or Adafactor):
             each uncompressed bucket's parameters are assigned whole to the ranks
-            (:func:`~lightning_pipedap.plan.sharding.assign_owners`, balancing elements) and laid out in their
-            owners' shards, padded to the largest (:meth:`FlatBucket.allocate`).
+            (:func:`~lightning_pipedap.plan.sharding.assign_owners`, balancing ``owner_costs``, else elements) and
+            laid out in their owners' shards, padded to the largest (:meth:`FlatBucket.allocate`).
+        owner_costs: per parameter (``params`` order), the cost ownership balances (seconds of its optimizer step,
+            :func:`~lightning_pipedap.probe.optimizer_time.optimizer_step_times`); identical on every rank.
 
     Raises:
         ValueError: if the schedule does not partition ``params`` or is not executable, or flags
@@ -87,7 +89,7 @@ class CommEngine(EngineWaits):
     def __init__(self, comm: C.CommGroup, params: Sequence[torch.Tensor], schedule: Schedule, wait_timeout_s: float,
                  transport_factory=None, wire_dtype: str = "fp32", bucket_view: bool = False,
                  param_names: Optional[Sequence[str]] = None, shard: bool = False, shard_ops: bool = True,
-                 shard_owned: bool = False) -> None:
+                 shard_owned: bool = False, owner_costs: Optional[Sequence[float]] = None) -> None:
         schedule.validate(len(params), [p.numel() for p in params])
         if shard and shard_ops:  # (every gradient op before the first all-gather of parameters: see sharded_ops)
             schedule = sharded_ops(schedule, compressed=transport_factory is not None)
@@ -103,8 +105,9 @@ class CommEngine(EngineWaits):
         owners = None
         if shard and shard_owned:  # (a whole-tensor optimizer: each parameter stepped whole by one rank)
             compressed = transport_factory is not None
+            cost = list(owner_costs) if owner_costs is not None else [p.numel() for p in params]
             owners = assign_owners([None if compressed and schedule.is_compressed(b) else
-                                    [params[i].numel() for i in idxs] for b, idxs in enumerate(schedule.buckets)],
+                                    [cost[i] for i in idxs] for b, idxs in enumerate(schedule.buckets)],
                                    comm.world_size)
         self.buckets = allocate_buckets(schedule, params, comm.world_size, owners)
         #: param index -> its ``(bucket, slot, start, stop)`` places, in element order (whole: one place);

@@ -118,6 +118,9 @@ class EngineSlot:
         #: ``shard_optimizer`` with a whole-tensor optimizer (Muon, Adafactor): parameter ownership
         #: (:meth:`use_ownership`, at set-up)
         self.shard_owned = False
+        #: with it, ``id(parameter) -> seconds of its optimizer step`` (measured on rank 0, the same on every rank),
+        #: or None: owners balanced by elements
+        self.owner_costs: Optional[dict[int, float]] = None
         self._installed: Optional[tuple] = None
         self.schedules = ScheduleRecord(ctx.info)
         self._index_of: dict[int, int] = {}
@@ -180,7 +183,9 @@ class EngineSlot:
         self.engine = engine = CommEngine(ctx.comm, params, schedule, cfg.wait_timeout_s, transport_factory=factory,
                                           wire_dtype=cfg.wire_dtype, bucket_view=cfg.gradient_as_bucket_view,
                                           param_names=[self.tset.name_of(p) for p in params],
-                                          shard=cfg.shard_optimizer, shard_ops=final, shard_owned=self.shard_owned)
+                                          shard=cfg.shard_optimizer, shard_ops=final, shard_owned=self.shard_owned,
+                                          owner_costs=None if self.owner_costs is None else
+                                          [self.owner_costs.get(id(p), 0.0) for p in params])
         if old_shard is not None:
             engine.shard.adopt(old_shard)  # (the sliced optimizer state moves shard to shard: never whole)
         for b, reason in sorted(engine.view_refusals.items()):
@@ -207,18 +212,21 @@ class EngineSlot:
             self.hooks.add_modules([o for o in dict.fromkeys(owners) if o is not None])
         shard = engine.shard
         self.schedules.engine_runs(schedule, final, sharded=shard is not None and bool(shard.sharded) and final)
+        if shard is not None and final and self.shard_owned:
+            ctx.say("shard-owners", "pipedap: shard_optimizer: " + _ownership_summary(engine, self.owner_costs))
         if shard is not None and final and len(shard.sharded) < engine.num_buckets:
             ctx.say("shard-compressed", f"pipedap: shard_optimizer: {engine.num_buckets - len(shard.sharded)} "
                     f"compressed bucket(s) of {engine.num_buckets} are stepped unsharded (the compressed reduction "
                     "leaves the whole bucket on every rank; their optimizer state is whole)")
 
-    def use_ownership(self) -> None:
+    def use_ownership(self, costs: Optional[dict[int, float]] = None) -> None:
         """``shard_optimizer`` with a whole-tensor optimizer (known once the optimizers exist, after the warm-up
         engine was built): every later engine lays its buckets out by parameter ownership, and the installed one,
-        which has not stepped yet, is built again so."""
+        which has not stepped yet, is built again so. ``costs``: ``id(parameter) -> seconds`` of its optimizer step
+        (the same on every rank) to balance, else elements."""
         if self.shard_owned:
             return
-        self.shard_owned = True
+        self.shard_owned, self.owner_costs = True, costs
         if self.engine is not None and self._installed is not None:
             self.install(*self._installed)
 
@@ -371,3 +379,25 @@ class EngineSlot:
             return CompressedTransport(self.pipe, self.ctx.comm, owns_pipeline=False)
 
         return factory
+
+
+def _ownership_summary(engine: CommEngine, costs: Optional[dict[int, float]]) -> str:
+    """One line on the parameter-ownership layout: per rank its parameters (and measured step ms), and the padding
+    the layout adds to the sharded buckets' bytes on the wire."""
+    n = engine.comm.world_size
+    count, ms = [0] * n, [0.0] * n
+    data = padded = 0
+    for b in engine.buckets:
+        if not b.owners:
+            continue
+        padded += b.buffer.numel()
+        for slot, p in enumerate(b.params):
+            r = b.owners[slot]
+            count[r] += 1
+            data += p.numel()
+            ms[r] += 1e3 * (costs or {}).get(id(p), 0.0)
+    ranks = ", ".join(f"rank {r}: {count[r]}" + (f" ({ms[r]:.1f} ms)" if costs else "") for r in range(n))
+    pad = 100.0 * (padded - data) / padded if padded else 0.0
+    return (f"parameters stepped whole by their owners ({ranks}); the shards end at parameter boundaries, "
+            f"padding {pad:.1f}% of the sharded buckets' elements (sent in the reduce-scatter and the all-gather)")
+

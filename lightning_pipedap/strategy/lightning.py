@@ -200,7 +200,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
             refuse_unshardable(self.optimizers, getattr(self.precision_plugin, "scaler", None))
             # (a whole-tensor optimizer among them: every parameter stepped whole by one rank)
             if any(isinstance(o, WHOLE_TENSOR_OPTIMIZERS) for o in self.optimizers):
-                self._rt.slot.use_ownership()
+                self._rt.slot.use_ownership(self._rt.owner_costs(self.optimizers))
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")
