@@ -48,7 +48,8 @@ from typing import Any, Mapping, Sequence
 #: ``format`` tag of :meth:`Schedule.to_dict`
 SCHEDULE_FORMAT = "lightning_pipedap.schedule"
 SCHEDULE_VERSION = 1
-_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s", "wire16", "pieces")
+_DICT_KEYS = ("format", "version", "name", "buckets", "ops", "compressed", "predicted_iteration_s", "wire16", "pieces",
+              "sharded")
 
 
 class OpKind(str, enum.Enum):
@@ -96,6 +97,8 @@ class Schedule:
             ``param`` flattened (a whole parameter is ``(param, 0, numel)``); or ``None``: unit ``u`` is
             parameter ``u``. A parameter's pieces are consecutive, non-overlapping ranges from 0 to its numel,
             listed in element order. A compressed bucket holds no piece of a split parameter.
+        sharded: whether the engine steps the optimizer sharded with this schedule (``shard_optimizer``; a
+            candidate of ``shard_optimizer="auto"``), or ``None``: as the strategy is configured.
 
     Raises:
         ValueError: from :meth:`validate` when the op list is not executable.
@@ -108,6 +111,7 @@ class Schedule:
     compressed: tuple[bool, ...] | None = None
     wire16: tuple[bool, ...] | None = None
     pieces: tuple[tuple[int, int, int], ...] | None = None
+    sharded: bool | None = None
 
     @property
     def num_units(self) -> int:
@@ -258,7 +262,8 @@ class Schedule:
         of ``[kind, bucket]`` pairs, kind ``"RS"``, ``"AG"`` or ``"AR"``); ``compressed`` (a list of
         bools, or ``None``); ``predicted_iteration_s`` (seconds, or ``None``); ``wire16`` (a list of
         bools, or ``None``; left out by readers older than it, which then send every bucket in fp32);
-        ``pieces`` (a list of ``[param, start, stop]`` triples, or ``None``: buckets name whole parameters).
+        ``pieces`` (a list of ``[param, start, stop]`` triples, or ``None``: buckets name whole parameters);
+        ``sharded`` (a bool, or ``None``: as configured; left out when ``None``, for readers older than it).
         """
         return {
             "format": SCHEDULE_FORMAT, "version": SCHEDULE_VERSION, "name": self.name,
@@ -267,7 +272,7 @@ class Schedule:
             "predicted_iteration_s": self.predicted_iteration_s,
             "wire16": None if self.wire16 is None else list(self.wire16),
             "pieces": None if self.pieces is None else [list(pc) for pc in self.pieces],
-        }
+        } | ({} if self.sharded is None else {"sharded": self.sharded})
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Schedule":
@@ -301,6 +306,7 @@ class Schedule:
             compressed=_flags_from(data.get("compressed")),
             wire16=_flags_from(data.get("wire16"), "wire16"),
             pieces=_pieces_from(data.get("pieces")),
+            sharded=_sharded_from(data.get("sharded")),
         ).validate()
 
     def describe(self) -> str:
@@ -316,6 +322,12 @@ class Schedule:
         head = f"{self.name}: {len(self.buckets)} buckets" + (f" ({', '.join(counts)})" if counts else "")
         return head + ": " + " ".join(("C" if self.is_compressed(o.bucket) else "H" if self.is_wire16(o.bucket) else "")
                                       + str(o) for o in self.ops)
+
+
+def _sharded_from(value: Any) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"sharded must be true, false or null, got {value!r}")
+    return value
 
 
 def _is_int(v: Any) -> bool:

@@ -406,6 +406,17 @@ def run_trials_case() -> dict[str, Any]:
             "installed": strategy.installed_schedule}
 
 
+def run_trials_auto_case() -> dict[str, Any]:
+    """``shard_optimizer="auto"``: measured selection between the plan sharded and unsharded (and DDP's reducer):
+    the optimizer state moves between the shards and the whole optimizer at every switch, and nothing changes."""
+    kw = {"opt": "adamw", "sched": "step"}
+    ref = train("mlp", kw, {}, "ddp", epochs=6)
+    strategy = PipeDAPStrategy(schedule="optimal", bucket_cap_mb=0.002, plan_trials=2, trial_steps=1, trial_rounds=2,
+                               startup_budget=None, trial_window_s=0, shard_optimizer="auto")
+    out = train("mlp", kw, {}, strategy, epochs=6)
+    return {"optimal": max_diff(out, ref), "trials": strategy.trial_results, "installed": strategy.installed_schedule}
+
+
 def run_val_ckpt_case() -> dict[str, float]:
     """Validation every 2 steps and a checkpoint every step must not change the trajectory."""
     plain = train("mlp", {"opt": "adamw", "sched": "step"}, {}, PipeDAPStrategy(bucket_cap_mb=0.002))
@@ -608,7 +619,7 @@ def run_torch_ddp_case() -> dict[str, Any]:
 
 
 SPECIAL = {"torch_ddp_forced": run_torch_ddp_case, "resume_epoch_boundary": run_resume_boundary_case,
-           "plan_trials": run_trials_case, "compression": run_compression_case, "replan_on_drift": run_replan_case,
+           "plan_trials": run_trials_case, "plan_trials_auto": run_trials_auto_case, "compression": run_compression_case, "replan_on_drift": run_replan_case,
            "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 

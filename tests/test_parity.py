@@ -124,6 +124,18 @@ def test_measured_plan_selection_keeps_parity(parity_results):
 
 
 @pytest.mark.multiprocess
+def test_shard_optimizer_auto_measures_sharded_and_unsharded_and_keeps_parity(parity_results):
+    res = parity_results["plan_trials_auto"]
+    assert "error" not in res, res.get("error")
+    assert res["optimal"] <= TOL  # (parameters and optimizer state, every switch between shards and whole state)
+    names = [t["name"] for t in res["trials"]]
+    assert "optimal" in names and "optimal+shard" in names and names[-1] == "torch_ddp", names
+    assert all(t["measured_s"] > 0 for t in res["trials"])
+    chosen = [t for t in res["trials"] if t["chosen"]]
+    assert len(chosen) == 1 and res["installed"] == chosen[0]["describe"]
+
+
+@pytest.mark.multiprocess
 def test_resume_at_an_epoch_boundary_matches_ddp(parity_results):
     """Resuming at the end of an epoch (step 6) or later (step 12): pipedap's resumed run deviates from the
     uninterrupted one exactly as much as DDP's does (Lightning's epoch-boundary resume with a per-step LR

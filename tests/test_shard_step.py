@@ -70,8 +70,13 @@ def test_refusals_name_the_bad_value_and_the_choices():
 
     with pytest.raises(ValueError, match="defer_update=False"):
         PipeDAPConfig(shard_optimizer=True, defer_update=False)
-    with pytest.raises(ValueError, match="shard_optimizer must be"):
-        PipeDAPConfig(shard_optimizer="auto")
+    with pytest.raises(ValueError, match="shard_optimizer must be True, False or 'auto', got 'always'"):
+        PipeDAPConfig(shard_optimizer="always")
+    with pytest.raises(ValueError, match="shard_optimizer must be True, False or 'auto', got 1"):
+        PipeDAPConfig(shard_optimizer=1)
+    with pytest.raises(ValueError, match="shard_optimizer='auto' needs deferred steps"):
+        PipeDAPConfig(shard_optimizer="auto", defer_update=False)
+    PipeDAPConfig(shard_optimizer="auto")
     p = [torch.nn.Parameter(torch.zeros(3))]
     with pytest.raises(ValueError, match=r"element-wise \(sharded by element range: SGD, Adam, AdamW.*whole-tensor "
                                          r"\(sharded by parameter ownership: Muon, Adafactor\); got LBFGS"):

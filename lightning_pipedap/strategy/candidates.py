@@ -28,6 +28,8 @@ class CandidatePlanner:
         contention: the measured :class:`~lightning_pipedap.plan.contention.Contention`, or None.
         info: rank-0 logger.
         compression_cost: the compressor's measured cost (None: measured here when compressing).
+        shard_mode: ``shard_optimizer`` as it applies (True, False or ``"auto"``: the planner's schedule both
+            sharded and unsharded among the candidates, each with ``sharded`` set).
 
     Attributes:
         predictions: every prediction of each candidate, by name (s; see :meth:`_predict`).
@@ -36,8 +38,11 @@ class CandidatePlanner:
 
     def __init__(self, config: PipeDAPConfig, cost_model: CostModel, raw_cost_model: Optional[CostModel],
                  world_size: int, contention: Optional[Any], info: Callable[[str], None],
-                 compression_cost: Optional[Any]) -> None:
+                 compression_cost: Optional[Any], shard_mode: Any = None) -> None:
         self.config, self.cost_model, self.raw_cost_model = config, cost_model, raw_cost_model
+        self.shard_mode = config.shard_optimizer if shard_mode is None else shard_mode
+        #: ``"auto"`` with dense candidates: each candidate's ``sharded`` decides (set in :meth:`build`)
+        self.auto = self.shard_mode == "auto" and not config.compression
         self.world_size, self.contention, self.info = world_size, contention, info
         self.compression_cost = compression_cost
         self.predictions: dict[str, dict[str, float]] = {}
@@ -57,7 +62,11 @@ class CandidatePlanner:
         self.layers = layers
         planner = get_planner(PLANNED[cfg.schedule])
         wire16 = cfg.wire_dtype != "fp32"
-        sharded = cfg.shard_optimizer  # (planned and predicted with the sharded step's model: plan/sharding.py)
+        # (planned and predicted with the sharded step's model, plan/sharding.py; "auto": the unsharded plan here)
+        sharded = self.shard_mode is True
+        if self.shard_mode == "auto" and cfg.compression:
+            self.info("pipedap: shard_optimizer='auto' with compression: unsharded (a compressed bucket is stepped "
+                      "unsharded anyway)")
         schedule = planner(profile, self.cost_model, self.world_size, sharded=sharded)
         if wire16:
             fp32_s = schedule.predicted_iteration_s
@@ -71,9 +80,9 @@ class CandidatePlanner:
         candidates: list[Schedule] = [schedule]
         part = None
         if cfg.partition_mb is not None and not cfg.compression:
-            if cfg.shard_optimizer:  # (plan/partition.py predicts unsharded piece schedules only)
-                self.info("pipedap: partition_mb is not planned with shard_optimizer=True (the partition model "
-                          "predicts unsharded steps); the buckets hold whole parameters")
+            if self.shard_mode:  # (plan/partition.py predicts unsharded piece schedules only)
+                self.info(f"pipedap: partition_mb is not planned with shard_optimizer={self.shard_mode!r} (the "
+                          "partition model predicts unsharded steps); the buckets hold whole parameters")
             else:
                 part = self._plan_partitioned(profile, params, schedule, wire16)
         if cfg.compression:
@@ -86,6 +95,19 @@ class CandidatePlanner:
                                           cap_bytes=int(cfg.bucket_cap_mb * 2**20), k=k, wire16=wire16)
             # (planned unsharded: several fusions, so measured selection has candidates to compare, DDP's reducer
             # among them; the engine runs each as its sharded op list, sharded_ops)
+        if self.auto:  # (the planner's schedule planned sharded too, first when it is predicted faster)
+            candidates = [dataclasses.replace(c, sharded=False) for c in candidates]
+            twin = planner(profile, self.cost_model, self.world_size, sharded=True)
+            if wire16:  # (as the unsharded plan above)
+                twin = (planner(profile, self.cost_model, self.world_size, wire16=True, sharded=True)
+                        if PLANNED[cfg.schedule] == "optimal" else
+                        wire16_everywhere(profile, self.cost_model, twin, sharded=True))
+            twin = dataclasses.replace(twin, name=f"{twin.name}+shard", sharded=True)
+            faster = twin.predicted_iteration_s <= schedule.predicted_iteration_s
+            candidates.insert(0 if faster else 1, twin)
+            self.info(f"pipedap: shard_optimizer='auto': the plan sharded ({twin.predicted_iteration_s * 1e3:.1f} ms "
+                      f"predicted) and unsharded ({schedule.predicted_iteration_s * 1e3:.1f} ms) are both trial "
+                      "candidates; the faster measured is kept")
         maps: list[Optional[tuple]] = [None] * len(candidates)
         profiles = [profile] * len(candidates)
         if part is not None and part.schedule is not None:
@@ -152,16 +174,16 @@ class CandidatePlanner:
         if self.config.compression:
             return schedule  # compressed plans: the planner's compression-aware prediction
         raw = self.raw_cost_model or self.cost_model
+        sharded = schedule.sharded if schedule.sharded is not None else self.shard_mode is True
         if piece_map is not None:
             pred = {"ab_s": engine_period(profile, piece_map, raw, schedule),
                     "calibrated_s": engine_period(profile, piece_map, self.cost_model, schedule)}
         else:
-            sharded = self.config.shard_optimizer
             pred = {"ab_s": simulate(profile, raw, schedule, sharded=sharded).iteration_s,
                     "calibrated_s": simulate(profile, self.cost_model, schedule, sharded=sharded).iteration_s}
         keep = schedule.predicted_iteration_s
         contention = self.contention
-        if contention is not None and not self.config.shard_optimizer:  # (the contention model is unsharded)
+        if contention is not None and not sharded:  # (the contention model is unsharded)
             pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s
             pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule,
                                                                 contention).iteration_s
@@ -191,7 +213,7 @@ class CandidatePlanner:
                       f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/B ({cost.post_share:.0%} after the collective, "
                       f"R²={_r2(cost.meta.get('r2'))}), payload via {cost.collective} x{cost.rounds}")
         schedule = planner(profile, self.cost_model, self.world_size, compression=cost,
-                           sharded=cfg.shard_optimizer)
+                           sharded=self.shard_mode is True)
         self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
                   f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
                   f"{dense.predicted_iteration_s * 1e3:.1f} ms without compression")

@@ -156,7 +156,7 @@ class ScheduleOptions:
     (:func:`~lightning_pipedap.engine.engine.view_refusal`: a compressed or 16-bit wire bucket, a non-contiguous
     parameter). Values in ``.grad`` are the same either way."""
 
-    shard_optimizer: bool = False
+    shard_optimizer: Union[bool, str] = False
     """``False`` (default): every rank all-gathers the averaged gradients and runs the whole optimizer step, as
     DDP. ``True`` (ZeRO stage 2, as Megatron-Core's distributed optimizer and FSDP2 without resharding): each rank
     steps only the shard of each bucket its reduce-scatter left it, holding optimizer state for that shard only
@@ -166,9 +166,11 @@ class ScheduleOptions:
     element range; whole-tensor ones (Muon, Adafactor) by parameter ownership (each parameter stepped whole by one
     rank; shards padded to parameter boundaries); manual optimization and several optimizers (Muon + AdamW) step
     sharded in sync mode; a compressed bucket is stepped unsharded. ``optimizer.state`` raises while sharded:
-    checkpoints and
-    ``trainer.strategy.optimizer_state`` gather the full state. With ``gradient_as_bucket_view`` a sharded bucket
-    keeps the copy path (after its step it holds parameters), logged once. Trainer only (Fabric runs sync mode)."""
+    checkpoints and ``trainer.strategy.optimizer_state`` gather the full state. With ``gradient_as_bucket_view`` a
+    sharded bucket keeps the copy path (after its step it holds parameters), logged once. ``"auto"``: measured plan
+    selection runs the planner's schedule both sharded and unsharded among its trial candidates and keeps the
+    faster (step time only: choose True for the memory); unsharded where sharding is refused (the reason logged),
+    with a fixed schedule or under ``Trainer(deterministic=True)``. Trainer only (Fabric runs sync mode)."""
 
     train_thread_nice: int = 0
     """CPU training on Linux: nice-value increment (0..19) for the training thread once the communication threads
@@ -187,10 +189,12 @@ class ScheduleOptions:
         _integer("warmup_steps", self.warmup_steps, 1)
         _integer("train_thread_nice", self.train_thread_nice, 0, 19, " (0 = off)")
         _boolean("gradient_as_bucket_view", self.gradient_as_bucket_view)
-        _boolean("shard_optimizer", self.shard_optimizer)
+        if not (isinstance(self.shard_optimizer, bool) or self.shard_optimizer == "auto"):
+            raise ValueError(f"shard_optimizer must be True, False or 'auto', got {self.shard_optimizer!r}")
         if self.shard_optimizer and self.defer_update is False:
-            raise ValueError("shard_optimizer=True needs deferred steps (each rank steps its shard between the "
-                             "reduce-scatter and the all-gather); got defer_update=False: use 'auto' or True")
+            raise ValueError(f"shard_optimizer={self.shard_optimizer!r} needs deferred steps (each rank steps its "
+                             "shard between the reduce-scatter and the all-gather); got defer_update=False: use "
+                             "defer_update='auto' or True")
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ValueError(f"wire_dtype must be one of {', '.join(map(repr, WIRE_DTYPE_CHOICES))}, "
                              f"got {self.wire_dtype!r}")

@@ -115,6 +115,9 @@ class EngineSlot:
         self.owners: list[Optional[torch.nn.Module]] = []
         self.handover: Optional[TorchDDPHandover] = None
         self.saw_unused = False
+        #: ``shard_optimizer`` as it applies to this fit: True, False or "auto" (per candidate schedule:
+        #: ``Schedule.sharded``); "auto" becomes False where sharding is refused (set-up)
+        self.shard_mode = cfg.shard_optimizer
         #: ``shard_optimizer`` with a whole-tensor optimizer (Muon, Adafactor): parameter ownership
         #: (:meth:`use_ownership`, at set-up)
         self.shard_owned = False
@@ -176,14 +179,17 @@ class EngineSlot:
         # parameters that earlier micro-batches of this accumulation window used: the new engine reduces them
         # too (a candidate switch comes in the optimizer step, after those micro-batches)
         used_so_far = [self._engine_params[k] for k in self.engine.local_gradients()] if self.engine is not None else []
-        old_shard = self.close_engine(keep_shards=cfg.shard_optimizer)
+        # (a schedule's own choice counts under "auto" only: a cached or checkpointed plan of an "auto" fit installed
+        # under True or False follows the option)
+        sharded = bool(schedule.sharded) if self.shard_mode == "auto" else self.shard_mode is True
+        old_shard = self.close_engine(keep_shards=sharded)
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params
         factory = self._compression_factory() if final and cfg.compression else None
         self.engine = engine = CommEngine(ctx.comm, params, schedule, cfg.wait_timeout_s, transport_factory=factory,
                                           wire_dtype=cfg.wire_dtype, bucket_view=cfg.gradient_as_bucket_view,
                                           param_names=[self.tset.name_of(p) for p in params],
-                                          shard=cfg.shard_optimizer, shard_ops=final, shard_owned=self.shard_owned,
+                                          shard=sharded, shard_ops=final, shard_owned=self.shard_owned,
                                           owner_costs=None if self.owner_costs is None else
                                           [self.owner_costs.get(id(p), 0.0) for p in params])
         if old_shard is not None:
@@ -319,6 +325,11 @@ class EngineSlot:
         """Apply every pending update."""
         if self.deferred is not None:
             self.deferred.apply_all("flush")
+
+    @property
+    def engine_sharded(self) -> bool:
+        """Whether the installed engine steps the optimizer sharded."""
+        return self.engine is not None and self.engine.shard is not None
 
     @property
     def state_sharded(self) -> bool:

@@ -123,7 +123,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         defer_update: DeferUpdate = ScheduleOptions.defer_update,
         wire_dtype: WireDtype = ScheduleOptions.wire_dtype,
         gradient_as_bucket_view: bool = ScheduleOptions.gradient_as_bucket_view,
-        shard_optimizer: bool = ScheduleOptions.shard_optimizer,
+        shard_optimizer: Union[bool, str] = ScheduleOptions.shard_optimizer,
         plan_trials: Optional[int] = TrialOptions.plan_trials,
         startup_budget: Optional[float] = TrialOptions.startup_budget,
         plan_cache: Union[bool, str] = PlanningOptions.plan_cache,
@@ -197,10 +197,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if self.config.shard_optimizer:
-            refuse_unshardable(self.optimizers, getattr(self.precision_plugin, "scaler", None))
-            # (a whole-tensor optimizer among them: every parameter stepped whole by one rank)
-            if any(isinstance(o, WHOLE_TENSOR_OPTIMIZERS) for o in self.optimizers):
-                self._rt.slot.use_ownership(self._rt.owner_costs(self.optimizers))
+            self._resolve_shard_mode()
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")
@@ -216,6 +213,27 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         self._orig_clip = intercept_clipping(self.precision_plugin)
 
     @override
+    def _resolve_shard_mode(self) -> None:
+        """Set-up, ``shard_optimizer`` True or ``"auto"``: refuse what cannot be sharded (True) or run unsharded,
+        saying why (``"auto"``: also with a fixed schedule or a timing-free start-up, where nothing is measured to
+        choose by); with a whole-tensor optimizer, parameter ownership."""
+        rt, cfg = self._rt, self.config
+        try:
+            refuse_unshardable(self.optimizers, getattr(self.precision_plugin, "scaler", None))
+            if cfg.shard_optimizer == "auto" and (not cfg.planned or rt.timing_free):
+                raise ValueError("shard_optimizer='auto' chooses by measured plan selection, which "
+                                 + (f"schedule={cfg.schedule!r} does not run" if not cfg.planned else
+                                    f"does not run here ({rt.timing_free})"))
+        except ValueError as exc:
+            if cfg.shard_optimizer is True:
+                raise
+            rt.slot.shard_mode = False
+            M.info(f"pipedap: shard_optimizer='auto': every candidate unsharded: {exc}")
+            return
+        # (a whole-tensor optimizer among them: every parameter stepped whole by one rank)
+        if any(isinstance(o, WHOLE_TENSOR_OPTIMIZERS) for o in self.optimizers):
+            rt.slot.use_ownership(rt.owner_costs(self.optimizers))
+
     def configure_ddp(self) -> None:
         """Replace DDP wrapping: broadcast rank 0's states, build the run-time (buckets, engine), install hooks.
 
@@ -310,12 +328,14 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         if rt is None or not _can_defer(self, optimizer):
             if rt is not None:
                 rt.no_update_time()
-                if self.config.shard_optimizer and rt.controller.phase.deferrable and not rt.handed_over:
-                    rt.ctx.say("shard-sync", "pipedap: shard_optimizer: steps run in sync mode (a hook reads the "
-                               "gradients: defer_update='auto' keeps such steps in sync mode; defer_update=True "
-                               "defers them): still sharded, with one more all-gather (of parameters) per bucket")
+                if rt.slot.engine_sharded and rt.controller.phase.deferrable and not rt.handed_over:
+                    why = ("manual optimization or several optimizers" if _manual(self) or len(self.optimizers) > 1
+                           else "a hook reads the gradients: defer_update='auto' keeps such steps in sync mode; "
+                           "defer_update=True defers them")
+                    rt.ctx.say("shard-sync", f"pipedap: shard_optimizer: steps run in sync mode ({why}): still "
+                               "sharded, with one more all-gather (of parameters) per bucket")
             skip = rt is not None and rt.nonfinite.decides_first
-            shard = rt is not None and self.config.shard_optimizer
+            shard = rt is not None and bool(rt.slot.shard_mode)
             with rt.slot.sharded_sync(optimizer) if shard else nullcontext(), \
                     skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -180,7 +181,7 @@ class Planning:
 
     # ------------------------------------------------------------------ planning (rank 0) and broadcast
     def plan(self, model_name: str, layer_names: list[str], params: list[torch.Tensor],
-             engine: Any) -> tuple[list[Schedule], list[float]]:
+             engine: Any, shard_mode: Any = False) -> tuple[list[Schedule], list[float]]:
         """Rank 0 plans from the median profile and picks candidates; every rank gets engine schedules.
 
         Args:
@@ -188,6 +189,8 @@ class Planning:
             layer_names: owner module name of each layer.
             params: the trainable parameters in engine order.
             engine: the profiling engine (its busy-time prediction calibrates the α-β model).
+            shard_mode: ``shard_optimizer`` as it applies (True, False, ``"auto"``: sharded and unsharded
+                candidates, each schedule's ``sharded`` set).
 
         Rank 0's candidates come from :class:`~lightning_pipedap.strategy.candidates.CandidatePlanner` (with
         ``partition_mb`` the partitioned plan among them, whose engine schedule has ``pieces``:
@@ -211,7 +214,7 @@ class Planning:
                           f"every bucket: planned for one pass (the profiled times divided by {passes}); predictions "
                           f"are for the whole step ({passes} passes)")
             rank0 = CandidatePlanner(cfg, self.cost_model, self.raw_cost_model, self.world_size,
-                                     self.measured.contention, self.info, self.compression_cost)
+                                     self.measured.contention, self.info, self.compression_cost, shard_mode)
             candidates, no_overlap, maps = rank0.build(profile, params, self.layers, passes)
             self.compression_cost, self.predictions = rank0.compression_cost, rank0.predictions
             plan = (candidates, no_overlap, profile.to_dict(), self.cost_model, maps)
@@ -226,7 +229,8 @@ class Planning:
                 "see rank 0's log, and raise wait_timeout_s or partition_mb (fewer pieces to plan)") from exc
         keys = [(p.dtype, p.device) for p in params]
         numels = [p.numel() for p in params]
-        return [expand_layers(c, self.layers, keys) if m is None else expand_pieces(c, m, self.layers, numels, keys)
+        return [dataclasses.replace(expand_layers(c, self.layers, keys) if m is None else
+                                    expand_pieces(c, m, self.layers, numels, keys), sharded=c.sharded)
                 for c, m in zip(candidates, maps)], no_overlap
 
     def _calibrate(self, engine: Any) -> None:
