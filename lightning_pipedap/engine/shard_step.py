@@ -538,6 +538,10 @@ class ShardedStep:
         self.round: Optional[ShardRound] = None
         self.opts: dict[int, ShardedOptimizer] = {}
         self.armed = False
+        #: the last sync-mode step's optimizer update as a whole-model step would take it (s): the unsharded part
+        #: plus N times this rank's slices (the parameter all-gathers and the land copies left out), or None; what
+        #: a profile's ``t_update`` means (the planners' sharded model divides it by N again)
+        self.sync_update_s: Optional[float] = None
         #: engine indices of the parameters held by sharded buckets
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
 
@@ -631,17 +635,22 @@ class ShardedStep:
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         mine = {id(self.params[i]) for i in opt.owned}
         rest = [dict(g, params=[p for p in g["params"] if id(p) not in mine]) for g in optimizer.param_groups]
+        t0 = time.perf_counter()
         if any(g["params"] for g in rest):
             view = object.__new__(type(optimizer))
             view.__dict__.update(optimizer.__dict__)
             view.param_groups = [g for g in rest if g["params"]]
             type(optimizer).step(view)
+        whole_s, sliced_s = time.perf_counter() - t0, 0.0
         with torch.no_grad():
             for b in opt.buckets:  # (the buckets holding this optimizer's parameters: the same on every rank)
                 bucket = self.buckets[b]
+                t0 = time.perf_counter()
                 self._step_slices(b, None, [True] * len(bucket.params), hparams, opt)
+                sliced_s += time.perf_counter() - t0
                 C.all_gather_(bucket.buffer, self.comm)
                 land_params(bucket)
+        self.sync_update_s = whole_s + self.comm.world_size * sliced_s
 
     def begin_round(self) -> None:
         """A reduction round starts: sharded (:attr:`armed`, a deferred step) or gathering gradients."""

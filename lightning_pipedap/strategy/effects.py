@@ -127,8 +127,13 @@ class RunEffects:
         rec, t_backward_done = self.fit.probe.take()
         if rec is None:
             return None
-        busy_s = self.fit.slot.engine.worker.last_round_busy_s
-        return self.fit.planning.keep_step(rec, busy_s, t_backward_done, t_step_end)
+        engine = self.fit.slot.engine
+        busy_s = engine.worker.last_round_busy_s
+        # (a sharded sync step: its update as a whole-model step, without the parameter all-gathers)
+        update_s = engine.shard.sync_update_s if engine.shard is not None else None
+        if engine.shard is not None:
+            engine.shard.sync_update_s = None
+        return self.fit.planning.keep_step(rec, busy_s, t_backward_done, t_step_end, update_s)
 
     def plan(self) -> tuple[list[Schedule], list[float]]:
         fit, slot, planning = self.fit, self.fit.slot, self.fit.planning

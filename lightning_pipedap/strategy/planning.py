@@ -148,8 +148,11 @@ class Planning:
         return StepRecorder(self.layer_of_param, len(self.layers))
 
     def keep_step(self, rec: StepRecorder, busy_s: Optional[float], t_backward_done: Optional[float],
-                  t_step_end: float) -> int:
-        """Keep one profiled step (when complete); returns the number kept.
+                  t_step_end: float, update_s: Optional[float] = None) -> int:
+        """Keep one profiled step (when complete); returns the number kept. ``update_s``: the step's optimizer
+        update measured by the engine (a sharded sync step: as a whole-model update, without the parameter
+        all-gathers, :attr:`~lightning_pipedap.engine.shard_step.ShardedStep.sync_update_s`), else the time from
+        the backward's end to the step's end.
 
         A step of several backward passes (manual optimization: each pass reduces every bucket) is kept per
         pass: its times divided by the number of passes, which :meth:`plan` multiplies its predictions by."""
@@ -160,7 +163,9 @@ class Planning:
             n = rec.passes
             self._profiled.append(([t / n for t in t_f], [t / n for t in t_b]) if n > 1 else (t_f, t_b))
             self._passes.append(n)
-            if t_backward_done is not None:
+            if update_s is not None:
+                self._t_updates.append(update_s / n)
+            elif t_backward_done is not None:
                 self._t_updates.append(max(0.0, t_step_end - t_backward_done) / n)
         return len(self._profiled)
 
