@@ -619,7 +619,8 @@ def run_torch_ddp_case() -> dict[str, Any]:
 
 
 SPECIAL = {"torch_ddp_forced": run_torch_ddp_case, "resume_epoch_boundary": run_resume_boundary_case,
-           "plan_trials": run_trials_case, "plan_trials_auto": run_trials_auto_case, "compression": run_compression_case, "replan_on_drift": run_replan_case,
+           "plan_trials": run_trials_case, "plan_trials_auto": run_trials_auto_case,
+           "compression": run_compression_case, "replan_on_drift": run_replan_case,
            "val_and_ckpt_every_step": run_val_ckpt_case, "resume_mid_epoch": run_resume_case}
 
 

@@ -43,7 +43,6 @@ from torch.optim import Optimizer
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient
-from lightning_pipedap.engine.worker import EngineError
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "WHOLE_TENSOR_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer",
            "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
@@ -248,9 +247,11 @@ class ShardedOptimizer:
     def __init__(self, optimizer: Optimizer, slices: dict[int, list[ShardSlice]], params: Sequence[torch.Tensor],
                  names: Sequence[str] = (), world_size: int = 1):
         self.optimizer = optimizer
-        self.slices = slices
         self.params = list(params)
         self.names, self.world_size = list(names), world_size
+        #: ids of the optimizer's own parameters (its slices: those of ``slices`` holding one of them)
+        self.mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        self.slices = slices = {b: [s for s in sl if id(s.param) in self.mine] for b, sl in slices.items()}
         group_of = {id(p): gi for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
         #: per bucket: [(group index, [slices])] of the slices whose parameter is in a param group
         self.by_group: dict[int, list[tuple[int, list[ShardSlice]]]] = {}
@@ -269,6 +270,24 @@ class ShardedOptimizer:
         self.owned: list[int] = list(self.sharded_params)
         #: the sharded buckets holding some of them (the same list on every rank)
         self.buckets: list[int] = sorted(slices)
+
+    def name(self, i: int) -> str:
+        """Engine parameter ``i``'s name (messages)."""
+        return self.names[i] if i < len(self.names) else f"parameter {i}"
+
+    def step_unsharded(self) -> float:
+        """Step the optimizer's parameters that no sharded bucket holds (compressed buckets) with its own step, on a
+        view of it; returns the seconds it took (0 when there are none). Call after :meth:`absorb`."""
+        owned = {id(self.params[i]) for i in self.owned}
+        rest = [dict(g, params=[p for p in g["params"] if id(p) not in owned]) for g in self.optimizer.param_groups]
+        if not any(g["params"] for g in rest):
+            return 0.0
+        t0 = time.perf_counter()
+        view = object.__new__(type(self.optimizer))
+        view.__dict__.update(self.optimizer.__dict__)
+        view.param_groups = [g for g in rest if g["params"]]
+        type(self.optimizer).step(view)
+        return time.perf_counter() - t0
 
     def state_nbytes(self) -> int:
         """Bytes of the sharded optimizer state this rank holds."""
@@ -557,24 +576,6 @@ class ShardedStep:
         engine.worker.shard, engine.worker.param_transport = step, param_transport
         return step
 
-    def wait_prepared(self, timeout_s: float, check: Callable[[], None], where: Callable[[], str]) -> ShardRound:
-        """Main thread: block until the worker prepared the current round; return it.
-
-        Raises:
-            EngineError: the worker failed (raised by ``check``), or the timeout passed (naming the operation, the
-                rank and what it was doing: ``where()``).
-        """
-        r = self.round
-        if r is None:
-            raise EngineError(f"pipedap: no sharded round to wait for{where()}")
-        deadline = time.monotonic() + timeout_s
-        while not r.prepared.wait(0.1):
-            check()
-            if time.monotonic() > deadline:
-                raise EngineError(f"pipedap: timed out after {timeout_s} s waiting for the sharded step's preparation "
-                                   f"(one all-reduce of used flags, norms and NaN counts){where()}")
-        return r
-
     # ------------------------------------------------------------------ trainer side
     @property
     def optimizer(self) -> Optional[ShardedOptimizer]:
@@ -594,22 +595,17 @@ class ShardedStep:
         """
         opt = self.opts.get(id(optimizer))
         if opt is None:
-            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            opt = ShardedOptimizer(optimizer, self.slices, self.params, self.names, self.comm.world_size)
+            opt.owned = [i for i in self.params_sharded if id(self.params[i]) in opt.mine]
+            opt.buckets = [b for b in self.sharded if any(id(p) in opt.mine for p in self.buckets[b].params)]
             for other in self.opts.values():
-                both = [i for i in other.sharded_params if id(self.params[i]) in mine]
+                both = [i for i in other.owned if i in set(opt.owned)]
                 if both:
-                    raise ValueError(f"pipedap: shard_optimizer: parameter {self._name(both[0])} is in two optimizers "
+                    raise ValueError(f"pipedap: shard_optimizer: parameter {opt.name(both[0])} is in two optimizers "
                                      f"({type(other.optimizer).__name__} and {type(optimizer).__name__}); give each "
                                      "parameter to one optimizer")
-            slices = {b: [s for s in sl if id(s.param) in mine] for b, sl in self.slices.items()}
-            opt = self.opts[id(optimizer)] = ShardedOptimizer(optimizer, slices, self.params, self.names,
-                                                              self.comm.world_size)
-            opt.owned = [i for i in self.params_sharded if id(self.params[i]) in mine]
-            opt.buckets = [b for b in self.sharded if any(id(p) in mine for p in self.buckets[b].params)]
+            self.opts[id(optimizer)] = opt
         return opt
-
-    def _name(self, i: int) -> str:
-        return self.names[i] if i < len(self.names) else f"parameter {i}"
 
     def adopt(self, old: "ShardedStep") -> None:
         """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard
@@ -633,15 +629,7 @@ class ShardedStep:
         opt = self.attach(optimizer)
         opt.absorb(opt.owned)
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-        mine = {id(self.params[i]) for i in opt.owned}
-        rest = [dict(g, params=[p for p in g["params"] if id(p) not in mine]) for g in optimizer.param_groups]
-        t0 = time.perf_counter()
-        if any(g["params"] for g in rest):
-            view = object.__new__(type(optimizer))
-            view.__dict__.update(optimizer.__dict__)
-            view.param_groups = [g for g in rest if g["params"]]
-            type(optimizer).step(view)
-        whole_s, sliced_s = time.perf_counter() - t0, 0.0
+        whole_s, sliced_s = opt.step_unsharded(), 0.0
         with torch.no_grad():
             for b in opt.buckets:  # (the buckets holding this optimizer's parameters: the same on every rank)
                 bucket = self.buckets[b]

@@ -4,6 +4,7 @@ of :class:`~lightning_pipedap.engine.engine.CommEngine`)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Optional
 
 from lightning_pipedap.engine.buckets import FlatBucket
@@ -42,8 +43,23 @@ class EngineWaits:
         return self.buckets[b]
 
     def wait_prepared(self) -> "ShardRound":
-        """Sharded round: block until the worker's preparation ran (:meth:`ShardedStep.wait_prepared`)."""
-        return self.shard.wait_prepared(self.wait_timeout_s, self._check, self._where)
+        """Sharded round (main thread): block until the worker prepared the current round (one all-reduce of used
+        flags and NaN counts, :meth:`ShardedStep.prepare`); return it.
+
+        Raises:
+            EngineError: the worker failed, no sharded round is running, or the timeout passed (naming the
+                operation, the rank and what it was doing).
+        """
+        r = self.shard.round
+        if r is None:
+            raise EngineError(f"pipedap: no sharded round to wait for{self._where()}")
+        deadline = time.monotonic() + self.wait_timeout_s
+        while not r.prepared.wait(0.1):
+            self._check()
+            if time.monotonic() > deadline:
+                raise EngineError(f"pipedap: timed out after {self.wait_timeout_s} s waiting for the sharded step's "
+                                  f"preparation (one all-reduce of used flags, norms and NaN counts){self._where()}")
+        return r
 
     def gather_grads(self, b: int) -> float:
         """Sharded bucket ``b`` landed and ``.grad`` is read: all-gather its gradients (after the round's ops;

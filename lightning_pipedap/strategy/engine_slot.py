@@ -11,9 +11,8 @@ closes the engine and wraps the model (:class:`~lightning_pipedap.strategy.hando
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -28,6 +27,7 @@ from lightning_pipedap.strategy.hooks import ModelHooks
 from lightning_pipedap.strategy.numerics import NonFiniteCheck
 from lightning_pipedap.strategy.params import ParamInfo, TrainableSet
 from lightning_pipedap.strategy.resume import CompressionCarry, ResumeState
+from lightning_pipedap.strategy.sharding import ownership_summary
 from lightning_pipedap.strategy.step import Timeline
 
 
@@ -119,12 +119,13 @@ class EngineSlot:
         #: ``Schedule.sharded``); "auto" becomes False where sharding is refused (set-up)
         self.shard_mode = cfg.shard_optimizer
         #: ``shard_optimizer`` with a whole-tensor optimizer (Muon, Adafactor): parameter ownership
-        #: (:meth:`use_ownership`, at set-up)
+        #: (:func:`~lightning_pipedap.strategy.sharding.use_ownership`, at set-up)
         self.shard_owned = False
         #: with it, ``id(parameter) -> seconds of its optimizer step`` (measured on rank 0, the same on every rank),
         #: or None: owners balanced by elements
         self.owner_costs: Optional[dict[int, float]] = None
-        self._installed: Optional[tuple] = None
+        #: the arguments of the last :meth:`install` (built again with parameter ownership)
+        self.installed: Optional[tuple] = None
         self.schedules = ScheduleRecord(ctx.info)
         self._index_of: dict[int, int] = {}
         self._engine_params: list[Tensor] = []
@@ -175,7 +176,7 @@ class EngineSlot:
         profiling steps communicate uncompressed).
         """
         cfg, ctx = self.ctx.config, self.ctx
-        self._installed = (params, schedule, owners, final)
+        self.installed = (params, schedule, owners, final)
         # parameters that earlier micro-batches of this accumulation window used: the new engine reduces them
         # too (a candidate switch comes in the optimizer step, after those micro-batches)
         used_so_far = [self._engine_params[k] for k in self.engine.local_gradients()] if self.engine is not None else []
@@ -219,22 +220,11 @@ class EngineSlot:
         shard = engine.shard
         self.schedules.engine_runs(schedule, final, sharded=shard is not None and bool(shard.sharded) and final)
         if shard is not None and final and self.shard_owned:
-            ctx.say("shard-owners", "pipedap: shard_optimizer: " + _ownership_summary(engine, self.owner_costs))
+            ctx.say("shard-owners", "pipedap: shard_optimizer: " + ownership_summary(engine, self.owner_costs))
         if shard is not None and final and len(shard.sharded) < engine.num_buckets:
             ctx.say("shard-compressed", f"pipedap: shard_optimizer: {engine.num_buckets - len(shard.sharded)} "
                     f"compressed bucket(s) of {engine.num_buckets} are stepped unsharded (the compressed reduction "
                     "leaves the whole bucket on every rank; their optimizer state is whole)")
-
-    def use_ownership(self, costs: Optional[dict[int, float]] = None) -> None:
-        """``shard_optimizer`` with a whole-tensor optimizer (known once the optimizers exist, after the warm-up
-        engine was built): every later engine lays its buckets out by parameter ownership, and the installed one,
-        which has not stepped yet, is built again so. ``costs``: ``id(parameter) -> seconds`` of its optimizer step
-        (the same on every rank) to balance, else elements."""
-        if self.shard_owned:
-            return
-        self.shard_owned, self.owner_costs = True, costs
-        if self.engine is not None and self._installed is not None:
-            self.install(*self._installed)
 
     def hand_over(self, candidate: TorchDDPCandidate) -> None:
         """Close the engine and let DDP's reducer run ``candidate`` (a collective on the default group, at the
@@ -285,41 +275,6 @@ class EngineSlot:
             self.engine.close()
             self.engine, self.deferred = None, None
         return kept
-
-    @contextlib.contextmanager
-    def sharded_sync(self, optimizer: Any) -> Iterator[None]:
-        """Inside the block (a sync-mode optimizer step with ``shard_optimizer``), ``optimizer.step(closure)`` runs
-        the closure (forward, backward, hooks, clipping), then :meth:`sync_sharded_step`; under DDP's reducer (no
-        engine) the optimizer's own step, on the state gathered back at the hand-over. ``step`` is replaced on the
-        instance for the block and restored after."""
-        original = optimizer.step
-        saved = optimizer.__dict__.get("step")
-
-        def step(closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
-            result = closure() if closure is not None else None
-            if not self.sync_sharded_step(optimizer):
-                original(**kwargs)
-            return result
-
-        optimizer.step = step
-        try:
-            yield
-        finally:
-            if saved is not None:
-                optimizer.step = saved
-            else:
-                optimizer.__dict__.pop("step", None)
-
-    def sync_sharded_step(self, optimizer: Any) -> bool:
-        """A sync-mode step with ``shard_optimizer``: :meth:`ShardedStep.sync_step
-        <lightning_pipedap.engine.shard_step.ShardedStep.sync_step>` on the installed engine (after its round).
-        Returns False (nothing done) when no engine with a sharded step is installed (DDP's reducer runs)."""
-        shard = self.engine.shard if self.engine is not None else None
-        if shard is None:
-            return False
-        self.engine.wait_idle()
-        shard.sync_step(optimizer)
-        return True
 
     def flush(self) -> None:
         """Apply every pending update."""
@@ -390,25 +345,4 @@ class EngineSlot:
             return CompressedTransport(self.pipe, self.ctx.comm, owns_pipeline=False)
 
         return factory
-
-
-def _ownership_summary(engine: CommEngine, costs: Optional[dict[int, float]]) -> str:
-    """One line on the parameter-ownership layout: per rank its parameters (and measured step ms), and the padding
-    the layout adds to the sharded buckets' bytes on the wire."""
-    n = engine.comm.world_size
-    count, ms = [0] * n, [0.0] * n
-    data = padded = 0
-    for b in engine.buckets:
-        if not b.owners:
-            continue
-        padded += b.buffer.numel()
-        for slot, p in enumerate(b.params):
-            r = b.owners[slot]
-            count[r] += 1
-            data += p.numel()
-            ms[r] += 1e3 * (costs or {}).get(id(p), 0.0)
-    ranks = ", ".join(f"rank {r}: {count[r]}" + (f" ({ms[r]:.1f} ms)" if costs else "") for r in range(n))
-    pad = 100.0 * (padded - data) / padded if padded else 0.0
-    return (f"parameters stepped whole by their owners ({ranks}); the shards end at parameter boundaries, "
-            f"padding {pad:.1f}% of the sharded buckets' elements (sent in the reduce-scatter and the all-gather)")
 

@@ -44,7 +44,6 @@ import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
 from lightning_pipedap import compat
 from lightning_pipedap.engine.threads import lower_current_thread_priority
-from lightning_pipedap.engine.shard_step import WHOLE_TENSOR_OPTIMIZERS
 from lightning_pipedap.engine.update import PER_PARAMETER_OPTIMIZERS
 from lightning_pipedap.probe.consumers import eager_modules
 from lightning_pipedap.strategy.config import (CompressionOptions, DeferUpdate, PipeDAPConfig, PlanningOptions,
@@ -58,8 +57,9 @@ from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.lightning_state import CheckpointHooks, FlushPoints
 from lightning_pipedap.strategy.results import RunResults
 from lightning_pipedap.strategy.refusals import (group_timeout, refuse_kwargs, refuse_self_communicating,
-                                                 refuse_unshardable, register_names)
+                                                 register_names)
 from lightning_pipedap.strategy.resume import ResumeState, install_plan
+from lightning_pipedap.strategy.sharding import resolve_shard_mode, sharded_sync
 
 
 class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, CollectivesOffAfterFailure, DDPStrategy):
@@ -197,7 +197,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         refuse_self_communicating(self.optimizers)
         lm = self.lightning_module
         if self.config.shard_optimizer:
-            self._resolve_shard_mode()
+            resolve_shard_mode(self)
         if not lm.automatic_optimization or len(self.optimizers) != 1:
             M.info("pipedap: manual optimization or several optimizers -> sync mode (reduce in backward); each "
                    "training_step is one step of the start-up (traced, profiled and measured whole)")
@@ -213,27 +213,6 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         self._orig_clip = intercept_clipping(self.precision_plugin)
 
     @override
-    def _resolve_shard_mode(self) -> None:
-        """Set-up, ``shard_optimizer`` True or ``"auto"``: refuse what cannot be sharded (True) or run unsharded,
-        saying why (``"auto"``: also with a fixed schedule or a timing-free start-up, where nothing is measured to
-        choose by); with a whole-tensor optimizer, parameter ownership."""
-        rt, cfg = self._rt, self.config
-        try:
-            refuse_unshardable(self.optimizers, getattr(self.precision_plugin, "scaler", None))
-            if cfg.shard_optimizer == "auto" and (not cfg.planned or rt.timing_free):
-                raise ValueError("shard_optimizer='auto' chooses by measured plan selection, which "
-                                 + (f"schedule={cfg.schedule!r} does not run" if not cfg.planned else
-                                    f"does not run here ({rt.timing_free})"))
-        except ValueError as exc:
-            if cfg.shard_optimizer is True:
-                raise
-            rt.slot.shard_mode = False
-            M.info(f"pipedap: shard_optimizer='auto': every candidate unsharded: {exc}")
-            return
-        # (a whole-tensor optimizer among them: every parameter stepped whole by one rank)
-        if any(isinstance(o, WHOLE_TENSOR_OPTIMIZERS) for o in self.optimizers):
-            rt.slot.use_ownership(rt.owner_costs(self.optimizers))
-
     def configure_ddp(self) -> None:
         """Replace DDP wrapping: broadcast rank 0's states, build the run-time (buckets, engine), install hooks.
 
@@ -336,7 +315,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
                                "sharded, with one more all-gather (of parameters) per bucket")
             skip = rt is not None and rt.nonfinite.decides_first
             shard = rt is not None and bool(rt.slot.shard_mode)
-            with rt.slot.sharded_sync(optimizer) if shard else nullcontext(), \
+            with sharded_sync(rt.slot, optimizer) if shard else nullcontext(), \
                     skippable_step(optimizer, rt.nonfinite) if skip else nullcontext():
                 out = super().optimizer_step(optimizer, closure, model, **kwargs)
             if rt is not None:

@@ -277,26 +277,6 @@ class Runtime:
         """Why DDP's backward failed here when another rank stalled, or None (:meth:`.ddp_stall.DDPStall.elsewhere`)."""
         return self.stall.elsewhere()
 
-    def owner_costs(self, optimizers: list) -> Optional[dict[int, float]]:
-        """``shard_optimizer`` with a whole-tensor optimizer: ``id(parameter) -> seconds`` of each trainable
-        parameter's optimizer step, measured on rank 0 (:func:`~lightning_pipedap.probe.optimizer_time.
-        optimizer_step_times`) and broadcast, so every rank lays the buckets out alike; None (owners balanced by
-        elements) under ``Trainer(deterministic=True)`` where the layout sets the bits (:attr:`timing_free`)."""
-        from lightning_pipedap.probe.optimizer_time import optimizer_step_times  # noqa: PLC0415
-
-        if self.timing_free:
-            self.ctx.info("pipedap: shard_optimizer: parameter owners balanced by elements, not by measured optimizer "
-                          f"time ({self.timing_free})")
-            return None
-        params = list(self.params)
-        t0 = time.perf_counter()
-        times = optimizer_step_times(optimizers, params) if self.ctx.rank == 0 else None
-        times = C.broadcast_object(times, what="the parameters' optimizer step times")
-        self.ctx.info(f"pipedap: shard_optimizer: parameter owners balanced by each parameter's measured optimizer "
-                      f"step ({sum(times) * 1e3:.1f} ms per step in all, measured in "
-                      f"{time.perf_counter() - t0:.2f} s)")
-        return {id(p): t for p, t in zip(params, times)}
-
     def remember_trainable_set(self) -> None:
         """The current trainable set and param groups are the reference of :meth:`retrain_if_changed`."""
         self.trainables.remember()
