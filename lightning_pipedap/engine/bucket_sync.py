@@ -38,9 +38,9 @@ import enum
 import threading
 from typing import Optional
 
-import torch
 
 from lightning_pipedap.engine.buckets import FlatBucket
+from lightning_pipedap.engine.streams import DeviceStreams, Stream, streams_for
 from lightning_pipedap.schedule import OpKind
 
 __all__ = ["BucketState", "BucketStateError", "BucketSync", "TRANSITIONS"]
@@ -96,9 +96,10 @@ class BucketSync:
 
     Args:
         flat: the bucket's buffer and slots (``[N·S]`` elements; :class:`~.buckets.FlatBucket`).
-        cuda: whether the buffer lives on a CUDA device: each hand-off then also records a CUDA event
-            (gradients ready on the compute stream, reduced/gathered on the comm stream), so neither
-            side synchronises the host.
+        streams: the streams of the buffer's device (default: :func:`~.streams.streams_for` its device). Each
+            hand-off records an event (gradients ready on the compute stream, reduced/gathered on the comm
+            stream) that the other side's stream waits for, so neither side synchronises the host; on CPU
+            the events are :class:`~.streams.HostEvent` stand-ins that check the order.
 
     Attributes:
         index: the bucket's number (forward order).
@@ -106,7 +107,7 @@ class BucketSync:
         missing: slots still without a gradient in this round (:meth:`fill`).
     """
 
-    def __init__(self, flat: FlatBucket, cuda: bool = False) -> None:
+    def __init__(self, flat: FlatBucket, streams: Optional[DeviceStreams] = None) -> None:
         self.flat = flat
         self.index = flat.index
         self.state = S.IDLE
@@ -114,10 +115,9 @@ class BucketSync:
         #: the buffer holds gathered *parameters* (a sharded step's all-gather), not averaged gradients
         self.params_gathered = False
         self._ready, self._reduced, self._gathered = threading.Event(), threading.Event(), threading.Event()
-        self._cuda = cuda
-        if cuda:
-            self._ready_ev, self._reduced_ev = torch.cuda.Event(), torch.cuda.Event()
-            self._gathered_ev = torch.cuda.Event()
+        self.streams = streams if streams is not None else streams_for(flat.buffer.device)
+        ev = self.streams.new_event
+        self._ready_ev, self._reduced_ev, self._gathered_ev = ev("ready"), ev("reduced"), ev("gathered")
 
     def __repr__(self) -> str:
         return f"BucketSync({self.index}, {self.state.name})"
@@ -149,8 +149,7 @@ class BucketSync:
     def mark_ready(self) -> None:
         """COLLECTING -> READY: hand the bucket to the worker (after the gradient copies on the compute stream)."""
         self._to(S.READY)
-        if self._cuda:
-            self._ready_ev.record()
+        self._ready_ev.record(self.streams.current())
         self._ready.set()
 
     @property
@@ -159,8 +158,9 @@ class BucketSync:
         return self._ready.is_set()
 
     # ------------------------------------------------------------------ worker: the collectives
-    def wait_ready(self, timeout_s: float, stream: Optional[torch.cuda.Stream] = None) -> bool:
-        """Worker: block until :meth:`mark_ready` (False on timeout); on CUDA the comm stream waits for the copies."""
+    def wait_ready(self, timeout_s: float, stream: Optional[Stream] = None) -> bool:
+        """Worker: block until :meth:`mark_ready` (False on timeout); ``stream`` (the comm stream) then waits for
+        the gradient copies (raises :class:`~.streams.StreamOrderError` on CPU if that event was never recorded)."""
         if not self._ready.wait(timeout_s):
             return False
         if stream is not None:
@@ -171,14 +171,13 @@ class BucketSync:
         """READY -> REDUCING: the reduce-scatter or all-reduce starts."""
         self._to(S.REDUCING)
 
-    def finish_grad_sync(self, done: OpKind, stream: Optional[torch.cuda.Stream] = None) -> None:
+    def finish_grad_sync(self, done: OpKind, stream: Optional[Stream] = None) -> None:
         """REDUCING -> REDUCED (``done`` is a reduce-scatter: this rank's shard is averaged) or -> GATHERED
         (an all-reduce, or a compressed reduction, averaged the whole bucket)."""
         if done is OpKind.ALL_GATHER:
             raise BucketStateError(f"pipedap: bucket {self.index}: finish_grad_sync after an all-gather")
         self._to(S.REDUCED if done is OpKind.REDUCE_SCATTER else S.GATHERED)
-        if stream is not None:
-            self._reduced_ev.record(stream)
+        self._reduced_ev.record(stream if stream is not None else self.streams.current())
         self._reduced.set()
         if done is not OpKind.REDUCE_SCATTER:
             self._gathered_done(stream)
@@ -191,16 +190,15 @@ class BucketSync:
         """REDUCED (or STEPPED) -> GATHERING: the all-gather starts."""
         self._to(S.GATHERING)
 
-    def finish_param_sync(self, stream: Optional[torch.cuda.Stream] = None, params: bool = False) -> None:
+    def finish_param_sync(self, stream: Optional[Stream] = None, params: bool = False) -> None:
         """GATHERING -> GATHERED: every rank holds the whole averaged bucket, or (``params``: a sharded step) the
         bucket's updated parameters."""
         self._to(S.GATHERED)
         self.params_gathered = params
         self._gathered_done(stream)
 
-    def _gathered_done(self, stream: Optional[torch.cuda.Stream]) -> None:
-        if stream is not None:
-            self._gathered_ev.record(stream)
+    def _gathered_done(self, stream: Optional[Stream]) -> None:
+        self._gathered_ev.record(stream if stream is not None else self.streams.current())
         self._gathered.set()
 
     def fail(self) -> None:
@@ -215,8 +213,8 @@ class BucketSync:
         stream waits for the collective instead of the host."""
         if not self._gathered.wait(timeout_s):
             return False
-        if self._cuda and self.state is not S.FAILED:
-            torch.cuda.current_stream().wait_event(self._gathered_ev)
+        if self.state is not S.FAILED:
+            self.streams.current().wait_event(self._gathered_ev)
         return True
 
     @property

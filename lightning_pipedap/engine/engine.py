@@ -42,6 +42,7 @@ from lightning_pipedap.engine.update import write_back_grads
 from lightning_pipedap.engine.views import BucketViews, view_refusal
 from lightning_pipedap.engine.waits import EngineWaits
 from lightning_pipedap.engine.worker import EngineError, OpWorker
+from lightning_pipedap.engine.streams import streams_for
 from lightning_pipedap.measure.timeline import OpTiming
 from lightning_pipedap.schedule import Schedule, sharded_ops
 
@@ -130,10 +131,10 @@ class CommEngine(EngineWaits):
         device = self.buckets[0].buffer.device if self.buckets else torch.device("cpu")  # (none: sparse grads only)
         #: values added once to a parameter's next gradient (:class:`GradientCarry`: error-feedback residuals)
         self.carry = GradientCarry({i: p.numel() for i, p in enumerate(self._params) if i in self._slot_of}, device)
-        # CUDA: events hand gradients to the comm stream and results back, without host syncs.
-        cuda = device.type == "cuda"
+        # events hand gradients to the comm stream and results back, without host syncs (CPU: checked no-ops)
+        streams = streams_for(device)
         #: per bucket, its life-cycle object (state, hand-off events: :class:`BucketSync`)
-        self.syncs = [BucketSync(b, cuda) for b in self.buckets]
+        self.syncs = [BucketSync(b, streams) for b in self.buckets]
         self.collecting = False
         self.iteration = 0
         #: ``() -> str``: what the run-time is doing (phase, step), for error messages
@@ -141,7 +142,7 @@ class CommEngine(EngineWaits):
         #: ``(wait_s) -> str``: which peers do not answer (``Heartbeat.describe``), for error messages
         self.peers: Optional[Callable[[float], str]] = None
         #: the communication worker (its op timings: ``timeline_enabled``, ``take_timings()``, ``last_round_busy_s``)
-        self.worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device if cuda else None)
+        self.worker = OpWorker(schedule, self.syncs, self._transports, self.wait_timeout_s, device)
         #: the sharded optimizer step (``shard``; :class:`~.shard_step.ShardedStep`), or None
         self.shard = ShardedStep.for_engine(self, DenseTransport(comm)) if shard else None
     # ------------------------------------------------------------------ trainer side

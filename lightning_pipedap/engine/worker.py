@@ -10,7 +10,6 @@ and is re-raised in the training process at its next wait, as :class:`EngineErro
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
 import time
@@ -19,6 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from lightning_pipedap.engine.bucket_sync import BucketSync
+from lightning_pipedap.engine.streams import streams_for
 from lightning_pipedap.engine.transport import Transport
 from lightning_pipedap.measure.timeline import OpTiming
 from lightning_pipedap.schedule import Op, OpKind, Schedule
@@ -38,8 +38,9 @@ class OpWorker:
         syncs: one :class:`BucketSync` per bucket of the schedule.
         transports: per bucket, how its ops are performed.
         wait_timeout_s: how long (s) the worker waits for a bucket's gradients before failing.
-        device: the CUDA device of the buffers, or None: on CUDA the ops run on a stream of their own and the
-            hand-offs carry CUDA events.
+        device: the device of the buffers (None: CPU). The ops run on a stream of their own
+            (:mod:`.streams`: the accelerator's, or a :class:`~.streams.HostStream` stand-in on CPU) and the
+            hand-offs carry its events.
 
     Attributes:
         timeline_enabled: record an :class:`OpTiming` per op (read at each op's start).
@@ -63,8 +64,9 @@ class OpWorker:
         self._idle = threading.Event()
         self._idle.set()
         self._jobs: "queue.Queue[object]" = queue.Queue()
-        self._device = device
-        self._stream = torch.cuda.Stream(device=device) if device is not None else None
+        self.streams = streams_for(device if device is not None else "cpu")
+        #: the communication stream the ops run on
+        self.stream = self.streams.new_stream("comm")
         self._thread = threading.Thread(target=self._run, name="pipedap-comm", daemon=True)
         self._thread.start()
 
@@ -94,8 +96,7 @@ class OpWorker:
         self._thread.join(timeout=1.0 if abort else self.wait_timeout_s)
 
     def _run(self) -> None:
-        if self._device is not None:
-            torch.cuda.set_device(self._device)
+        self.streams.bind_thread()
         while True:
             job = self._jobs.get()
             if job is None:
@@ -111,9 +112,9 @@ class OpWorker:
             self._idle.set()
 
     def _run_round(self, label: Any) -> None:
-        stream = self._stream
+        stream = self.stream
         busy = 0.0
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        with self.streams.use(stream):
             for op in self.schedule.ops:
                 sync = self.syncs[op.bucket]
                 transport, params = self.transports[op.bucket], False

@@ -98,7 +98,8 @@ def start_compression_helper(config: PipeDAPConfig, device: torch.device, rank: 
     from lightning_pipedap.compress.compressors import compressor_kwargs  # noqa: PLC0415
 
     if device.type != "cpu":
-        raise ValueError("pipedap: compression= runs on CPU/gloo in this version; on CUDA use compression=None")
+        raise ValueError(f"pipedap: compression= runs on CPU/gloo in this version (device {device}); on CUDA use "
+                         "compression=None (the CUDA transport is designed, not yet verified on a GPU: docs/GPU.md)")
     kwargs = dict(config.compression_kwargs)
     if "rank" in compressor_kwargs(config.compression) and config.compression != "powersgd":
         kwargs["rank"] = rank  # per-rank random streams (QSGD, DGC sampling)
