@@ -254,6 +254,9 @@ class SettleAfterFailure:
             return s.why if s is not None else "the failure was not settled"
         import lightning_pipedap.strategy.messages as M  # noqa: PLC0415
 
+        how = {"forward": "its update had been gathered completely and was applied on this rank",
+               "back": f"the update of the step after it did not complete: counters set back from {s.global_step + 1}"
+               if s.global_step is not None else ""}.get(s.how, "no update was pending")
         M.warn(f"pipedap: writing {filepath} after the failure: the state of global_step {s.global_step}, the last "
-               f"step whose update completed ({s.detail})")
+               f"step whose update completed ({how})")
         return None
