@@ -16,7 +16,8 @@ also saves after every step (``save_top_k=-1``); ``resume=PATH`` resumes from th
 ``sched=1`` (StepLR every 2 steps, gamma 0.5) give the optimizer state and hyper-parameters that change per step;
 ``raise_late``: a callback's ``on_train_batch_start`` raises at step ``at`` after 0.5 s (with ``defer=true``: the
 previous step's update is then gathered but not applied). At the end
-of the fit (or of a failed one) each rank writes its parameters to ``params.<rank>.pt``.
+of the fit (or of a failed one) each rank writes its parameters to ``params.<rank>.pt``. ``fail_save=1``: FAULT_RANK's
+checkpoint writes raise ``OSError(28, 'No space left on device')`` (a full disk).
 """
 
 import os
@@ -124,6 +125,11 @@ def main() -> None:
                          enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=OPTS.get("save_on_exception") == "1" or "ckpt_every" in OPTS,
                          callbacks=callbacks, use_distributed_sampler=False)
+    if OPTS.get("fail_save") == "1" and RANK == FAULT_RANK:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        trainer.strategy.checkpoint_io.save_checkpoint = full_disk
     model = Net(hidden)
     try:
         trainer.fit(model, ckpt_path=OPTS.get("resume"))
