@@ -154,3 +154,16 @@ def test_second_sigterm_during_shutdown_with_the_compression_helper_exits_143(to
                 os.killpg(pid, signal.SIGTERM)  # (each rank leads its own session: the rank and its helper)
             time.sleep(0.05)
     _assert_all_143(jobs, [j.codes() for j in jobs])
+
+
+def test_failed_checkpoint_save_on_rank_0_under_torchrun_is_named_on_the_other_rank(torchrun_jobs):
+    """Rank 0's checkpoint write fails (a full disk: ``OSError(28)`` from its ``checkpoint_io``) at step 3: rank 1,
+    waiting in Lightning's barrier after the save, fails naming itself, the barrier and rank 0; nobody hangs."""
+    (j,) = torchrun_jobs(1, "fail_save=1", "ckpt_every=3", "batches=8")
+    codes = j.codes()
+    text = j.output()
+    assert "OSError: [Errno 28] No space left on device" in text, text[-4000:]
+    assert ("PeerLostError: pipedap: rank 1: Lightning's barrier 'Trainer.save_checkpoint' failed (rank 0: failed "
+            "with an exception") in text, text[-4000:]
+    assert codes[0] == 1 and codes[1] in (1, 143), (codes, text[-4000:])  # (143: torchrun then stops rank 1)
+    assert "terminate called" not in text, text[-4000:]

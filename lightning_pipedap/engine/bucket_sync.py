@@ -114,6 +114,8 @@ class BucketSync:
         self.missing = 0
         #: the buffer holds gathered *parameters* (a sharded step's all-gather), not averaged gradients
         self.params_gathered = False
+        #: the state FAILED was entered from (what had completed before the worker failed; None: not failed)
+        self.failed_from: Optional[BucketState] = None
         self._ready, self._reduced, self._gathered = threading.Event(), threading.Event(), threading.Event()
         self.streams = streams if streams is not None else streams_for(flat.buffer.device)
         ev = self.streams.new_event
@@ -203,6 +205,8 @@ class BucketSync:
 
     def fail(self) -> None:
         """Any state -> FAILED (the worker failed): every waiter wakes up (and the engine raises)."""
+        if self.state is not S.FAILED:
+            self.failed_from = self.state
         self.state = S.FAILED
         for e in (self._ready, self._reduced, self._gathered):
             e.set()

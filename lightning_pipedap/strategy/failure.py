@@ -64,6 +64,9 @@ class CollectivesOffAfterFailure:
         # tell the peers now (they stop waiting for this rank) and stop the communication worker
         self.stop_fit_after_failure("interrupted" if isinstance(exception, KeyboardInterrupt)
                                     else "stopped" if isinstance(exception, SystemExit) or pre_empted else "failed")
+        settle = getattr(self, "settle_after_failure", None)  # (the last completed step: failure_state.settle)
+        if settle is not None:
+            settle()
         if exception is not None and not isinstance(exception, (SystemExit, KeyboardInterrupt)):
             # on every rank, so each rank's own log file (train_ddp_process_<r>.log, [rank r]-prefixed) has it; not on
             # the terminal, where Python/Hydra print the exception once (a console copy printed every error twice)

@@ -52,6 +52,7 @@ from lightning_pipedap.strategy.deferred import intercept_clipping
 from lightning_pipedap.strategy.numerics import skippable_step
 from lightning_pipedap.strategy.observers import ObservationFlush
 from lightning_pipedap.strategy.failure import CollectivesOffAfterFailure, exit_on_lost_peer, reap_children
+from lightning_pipedap.strategy.failure_state import SettleAfterFailure
 from lightning_pipedap.strategy.lightning_backward import BackwardHooks
 from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.lightning_state import CheckpointHooks, FlushPoints
@@ -62,7 +63,8 @@ from lightning_pipedap.strategy.resume import ResumeState, install_plan
 from lightning_pipedap.strategy.sharding import resolve_shard_mode, sharded_sync
 
 
-class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, CollectivesOffAfterFailure, DDPStrategy):
+class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, CollectivesOffAfterFailure,
+                      SettleAfterFailure, DDPStrategy):
     """Data-parallel training with scheduled, decoupled reduce-scatter / all-gather gradient sync.
 
     Each gradient bucket is reduce-scattered during backward and all-gathered later (for example
@@ -325,8 +327,10 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
                     rt.after_sync_step()
             return out
         lm = self.lightning_module
-        return rt.deferred.run_step(optimizer, lambda stand_in: self.precision_plugin.optimizer_step(
+        out = rt.deferred.run_step(optimizer, lambda stand_in: self.precision_plugin.optimizer_step(
             stand_in, model=model or lm, closure=closure, **kwargs), lambda: lm.global_step)
+        self.mark_deferred_step()  # (a failure before this update lands can set the counters back to here)
+        return out
 
     # ------------------------------------------------------------------ teardown
     @override

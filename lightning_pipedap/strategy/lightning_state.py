@@ -14,7 +14,7 @@ from typing_extensions import override
 
 import lightning_pipedap.strategy.messages as M
 from lightning_pipedap.strategy.lightning_reads import trainer_of
-from lightning_pipedap.strategy.resume import add_to_checkpoint
+from lightning_pipedap.strategy.resume import add_plan, add_to_checkpoint
 
 
 class FlushPoints:
@@ -85,6 +85,7 @@ class CheckpointHooks:
     _resume: Any
     config: Any
     updates_pending: bool
+    failure_checkpoint: Any
     world_size: int
     global_rank: int
 
@@ -92,18 +93,17 @@ class CheckpointHooks:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Add the final schedule and every rank's compression state (:func:`.resume.add_to_checkpoint`: one
         ``all_gather_object``, so every rank must call it, as ``Trainer.save_checkpoint`` does), then let rank 0
-        write. After a failure with an update still pending, nothing is written (the parameters would not match
-        the step count).
+        write. After a failure the state of the last step whose update completed is written, assembled on this rank
+        (:mod:`.failure_state`: no collective; the plan is added, the other ranks' compression state is not), or
+        nothing, with a warning saying why.
         """
-        if self._aborted:
-            if self.updates_pending:  # the parameters miss the update of the last step, which its global_step counts
-                M.warn(f"pipedap: not writing {filepath} after the failure: the last step's update was "
-                               "still being communicated, so the parameters would not match the step count")
+        if self._aborted:  # (the trainer was left at the last completed step, or why not: .failure_state)
+            why = self.failure_checkpoint(filepath)
+            if why is not None:
+                M.warn(f"pipedap: not writing {filepath} after the failure: {why}")
                 return
-            if self._rt is not None and self._rt.slot.state_sharded:
-                M.warn(f"pipedap: not writing {filepath} after the failure: the optimizer state is sharded over the "
-                       "ranks (shard_optimizer) and gathering it needs every rank")
-                return
+            if self._rt is not None:
+                add_plan(self._rt, checkpoint)  # (local; the other ranks' compression state cannot be gathered)
         elif self._rt is not None:
             add_to_checkpoint(self._rt, checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -233,7 +233,13 @@ def add_to_checkpoint(rt: Any, checkpoint: dict[str, Any]) -> None:
             cfg = rt.config
             checkpoint[CHECKPOINT_KEY] = checkpoint_entry(per_rank, cfg.compression, cfg.compression_kwargs,
                                                           rt.world_size)
-    if rt.controller.phase is Phase.RUN:
+    add_plan(rt, checkpoint)
+
+
+def add_plan(rt: Any, checkpoint: dict[str, Any]) -> None:
+    """Put the final plan (:data:`PLAN_KEY`; identical on every rank, no collective) into ``checkpoint``, once a
+    final plan runs on the engine (nothing under DDP's reducer or mid-trial: a resume plans again)."""
+    if rt.engine is not None and rt.controller.phase is Phase.RUN:
         modules = {id(m): n for n, m in rt.module.named_modules()}
         checkpoint[PLAN_KEY] = plan_state(
             world_size=rt.world_size, schedule_name=rt.config.schedule, bucket_cap_mb=rt.config.bucket_cap_mb,

@@ -11,7 +11,13 @@ those names; ``schedule=`` (default ``dear``). ``resignal=1``: the process sends
 callback's ``on_exception`` (while the fit stops) and after ``fit`` returns or raises (after the strategy's teardown).
 ``launch=lightning`` (default): Lightning's
 subprocess launcher starts the other rank; ``launch=external``: the test starts every rank with
-torchrun-style variables. ``save_on_exception=1`` adds ``ModelCheckpoint(save_on_exception=True)``.
+torchrun-style variables. ``save_on_exception=1`` adds ``ModelCheckpoint(save_on_exception=True)``; ``ckpt_every=1``
+also saves after every step (``save_top_k=-1``); ``resume=PATH`` resumes from that checkpoint; ``momentum=`` and
+``sched=1`` (StepLR every 2 steps, gamma 0.5) give the optimizer state and hyper-parameters that change per step;
+``raise_late``: a callback's ``on_train_batch_start`` raises at step ``at`` after 0.5 s (with ``defer=true``: the
+previous step's update is then gathered but not applied). At the end
+of the fit (or of a failed one) each rank writes its parameters to ``params.<rank>.pt``. ``fail_save=1``: FAULT_RANK's
+checkpoint writes raise ``OSError(28, 'No space left on device')`` (a full disk).
 """
 
 import os
@@ -53,7 +59,11 @@ class Net(pl.LightningModule):
         return torch.nn.functional.cross_entropy(self.net(x), y) + (self.extra * w).sum()
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        opt = torch.optim.SGD(self.parameters(), lr=0.1, momentum=float(OPTS.get("momentum", 0)))
+        if OPTS.get("sched") != "1":
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
         n = AT if FAULT == "uneven" and self.global_rank == FAULT_RANK else int(OPTS.get("batches", 40))
@@ -71,6 +81,15 @@ class Perturb(pl.Callback):
                 pl_module.net[0].weight[0, 0] += 1.0
 
 
+class RaiseLate(pl.Callback):
+    """``raise_late``: FAULT_RANK raises in ``on_train_batch_start`` of step ``at``, 0.5 s in."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_rank == FAULT_RANK and trainer.global_step == AT:
+            time.sleep(0.5)
+            raise RuntimeError(f"injected failure on rank {FAULT_RANK} at step {AT}")
+
+
 class Resignal(pl.Callback):
     """``resignal=1``: SIGTERM to this process while the fit stops (the last ``on_exception``)."""
 
@@ -84,10 +103,14 @@ def main() -> None:
     callbacks = []
     if FAULT == "perturb":
         callbacks.append(Perturb())
+    if FAULT == "raise_late":
+        callbacks.append(RaiseLate())
     if OPTS.get("resignal") == "1":
         callbacks.append(Resignal())
-    if OPTS.get("save_on_exception") == "1":
-        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_on_exception=True))
+    if OPTS.get("save_on_exception") == "1" or "ckpt_every" in OPTS:
+        every = {"every_n_train_steps": int(OPTS["ckpt_every"]), "save_top_k": -1} if "ckpt_every" in OPTS else {}
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=os.path.join(OUT, "ckpt"), save_on_exception=True,
+                                                      **every))
     compression, kwargs = OPTS.get("compression"), {}
     if FAULT == "mismatch_compression":
         compression, kwargs = "topk", {"ratio": 0.02 if RANK == FAULT_RANK else 0.01}
@@ -100,11 +123,19 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=int(OPTS.get("devices", 2)), num_nodes=int(OPTS.get("nodes", 1)),
                          strategy=strategy, max_epochs=1, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=OPTS.get("save_on_exception") == "1",
+                         enable_checkpointing=OPTS.get("save_on_exception") == "1" or "ckpt_every" in OPTS,
                          callbacks=callbacks, use_distributed_sampler=False)
+    if OPTS.get("fail_save") == "1" and RANK == FAULT_RANK:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        trainer.strategy.checkpoint_io.save_checkpoint = full_disk
+    model = Net(hidden)
     try:
-        trainer.fit(Net(hidden))
+        trainer.fit(model, ckpt_path=OPTS.get("resume"))
     finally:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
+                   os.path.join(OUT, f"params.{trainer.global_rank}.pt"))
         if OPTS.get("resignal") == "1":
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(30)  # (never reached: the strategy's handler ends the pre-empted process at once)
