@@ -26,12 +26,12 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 
 __all__ = [
-    "CHECKED_ON", "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "REPLACED_BY_PUBLIC", "CompatError", "SigtermHooks",
-    "SpawnLauncherHook", "attached_trainer", "compiled_module_type", "default_store", "disable_torch_function",
-    "forget_observed_children", "layer_sync", "pop_torch_function_mode", "push_torch_function_mode",
-    "queue_autograd_callback", "reducer_finalized", "resolve", "set_backward_sync_control", "sigterm_hooks",
-    "signal_connector", "sparse_stored_values", "start_method", "toggled_requires_grad", "transform_active",
-    "unwrap_optimizer",
+    "CHECKED_ON", "CompatError", "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "REPLACED_BY_PUBLIC", "SigtermHooks",
+    "SpawnLauncherHook", "attached_trainer", "batches_that_stepped", "compiled_module_type", "default_store",
+    "disable_torch_function", "forget_observed_children", "layer_sync", "loop_progress", "pop_torch_function_mode",
+    "push_torch_function_mode", "queue_autograd_callback", "reducer_finalized", "resolve",
+    "set_backward_sync_control", "signal_connector", "sigterm_hooks", "sparse_stored_values", "start_method",
+    "toggled_requires_grad", "transform_active", "unwrap_optimizer",
 ]
 
 #: the versions every entry was checked on
@@ -409,6 +409,34 @@ def forget_observed_children() -> int:
     return stopped
 
 
+def loop_progress(loop: Any, prefix: str = "") -> dict[str, Any]:
+    """Every progress tracker under Lightning's loop ``loop`` (its ``_Loop`` tree; trackers are
+    ``_BaseProgress``), by attribute path (``"epoch_loop.batch_progress"``): what a failure sets back to the last
+    completed step (:mod:`lightning_pipedap.strategy.failure_state`).
+
+    Raises:
+        CompatError: ``lightning.pytorch.loops.loop._Loop`` or ``...progress._BaseProgress`` moved.
+    """
+    loop_type = resolve("lightning.pytorch.loops.loop._Loop")
+    progress_type = resolve("lightning.pytorch.loops.progress._BaseProgress")
+    out: dict[str, Any] = {}
+    for name, value in vars(loop).items():
+        if isinstance(value, progress_type):
+            out[prefix + name] = value
+        elif isinstance(value, loop_type):
+            out.update(loop_progress(value, f"{prefix}{name}."))
+    return out
+
+
+def batches_that_stepped(trainer: Any, value: Optional[int] = None) -> int:
+    """The training epoch loop's ``_batches_that_stepped`` (the step logged metrics are keyed by); with ``value``,
+    set it first (a failure setting the trainer back one step). Returns the value."""
+    loop = trainer.fit_loop.epoch_loop
+    if value is not None:
+        loop._batches_that_stepped = value
+    return int(loop._batches_that_stepped)
+
+
 def _multiprocessing_launcher() -> type:
     """``lightning.pytorch.strategies.launchers._MultiProcessingLauncher`` (private): Lightning's launcher for
     ``start_method`` spawn / fork / forkserver. Checked on lightning 2.6.6.
@@ -513,6 +541,8 @@ PRIVATE_APIS: tuple[str, ...] = (
     "lightning.pytorch.trainer.connectors.signal_connector._HandlersCompose",
     "lightning.pytorch.trainer.connectors.signal_connector._SignalConnector._sigterm_notifier_fn",
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver",
+    "lightning.pytorch.loops.loop._Loop",
+    "lightning.pytorch.loops.progress._BaseProgress",
 )
 
 #: private attributes the package reads or sets on live torch / Lightning objects, by ``class.attribute`` (checked on
@@ -525,6 +555,7 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "lightning.pytorch.Trainer._signal_connector",
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver._child_processes",
     "lightning.pytorch.LightningModule._param_requires_grad_state",
+    "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._batches_that_stepped",
 )
 
 #: private names the package used before and now reaches through public APIs: private name -> the entry here

@@ -60,6 +60,8 @@ def _instance_of(owner: str) -> Any:
         return cls(main_pid=os.getpid(), child_processes=[], sleep_period=60)  # (not started)
     if owner == "lightning.pytorch.Trainer":
         return _trainer()
+    if owner.endswith("._TrainingEpochLoop"):
+        return _trainer().fit_loop.epoch_loop
     if owner == "lightning.pytorch.LightningModule":
         return _toggled_module()
     if owner == "lightning.fabric.strategies.Strategy":

@@ -28,12 +28,14 @@ been refused or skipped; it is set back when possible.
 from __future__ import annotations
 
 import copy
+import pickle
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from lightning_pipedap import compat
 from lightning_pipedap.compat import disable_torch_function
 from lightning_pipedap.engine.bucket_sync import BucketState
 from lightning_pipedap.engine.update import BucketOptimizer, averaged_grads, clip_norm_coefficient
@@ -51,14 +53,14 @@ class StepMark:
     Attributes:
         pending: the :class:`~.deferred.Pending` update recorded in that step (matched by identity).
         step: ``global_step`` then (the number of completed optimizer steps before this one).
-        progress: ``"epoch_loop.batch_progress"``-style path -> that progress tracker's ``state_dict()``.
+        progress: ``"epoch_loop.batch_progress"``-style path -> that progress tracker, pickled together (bytes).
         batches_that_stepped: the training epoch loop's ``_batches_that_stepped`` then.
         schedulers: each learning-rate scheduler's ``state_dict()`` then (``trainer.lr_scheduler_configs`` order).
     """
 
     pending: Any
     step: int
-    progress: dict[str, dict] = field(default_factory=dict)
+    progress: bytes = b""
     batches_that_stepped: int = 0
     schedulers: list[dict] = field(default_factory=list)
 
@@ -80,30 +82,27 @@ class Settled:
     why: Optional[str] = None
 
 
-def _progress_trackers(loop: Any, prefix: str = "") -> dict[str, Any]:
-    """Every progress tracker under ``loop`` (Lightning's ``_Loop`` tree), by attribute path."""
-    from lightning.pytorch.loops.loop import _Loop  # noqa: PLC0415
-    from lightning.pytorch.loops.progress import _BaseProgress  # noqa: PLC0415
+#: the fit loop last walked and its progress trackers (:func:`~lightning_pipedap.compat.loop_progress`: the loop
+#: tree is built once per Trainer, so one walk per fit)
+_TRACKERS: list = [None, {}]
 
-    out: dict[str, Any] = {}
-    for name, value in vars(loop).items():
-        if isinstance(value, _BaseProgress):
-            out[prefix + name] = value
-        elif isinstance(value, _Loop):
-            out.update(_progress_trackers(value, f"{prefix}{name}."))
-    return out
+
+def _trackers(fit_loop: Any) -> dict[str, Any]:
+    if _TRACKERS[0] is not fit_loop:
+        _TRACKERS[:] = [fit_loop, compat.loop_progress(fit_loop)]
+    return _TRACKERS[1]
 
 
 def mark_step(trainer: Any, pending: Any) -> Optional[StepMark]:
-    """A :class:`StepMark` of ``trainer`` for ``pending`` (None without a trainer or a pending update). Costs a copy
-    of the loops' counters and of the schedulers' state dicts (tens of microseconds)."""
+    """A :class:`StepMark` of ``trainer`` for ``pending`` (None without a trainer or a pending update). Costs a pickled
+    copy of the loops' progress trackers and a copy of the schedulers' state dicts: about 50-80 µs per step on this
+    project's 2-core CPU machine (``tests/test_failure_state.py`` measures nothing; BENCHMARKS.md does not either)."""
     if trainer is None or pending is None:
         return None
-    fit_loop = trainer.fit_loop
     return StepMark(
         pending=pending, step=int(trainer.global_step),
-        progress={k: copy.deepcopy(v.state_dict()) for k, v in _progress_trackers(fit_loop).items()},
-        batches_that_stepped=int(fit_loop.epoch_loop._batches_that_stepped),
+        progress=pickle.dumps(_trackers(trainer.fit_loop)),
+        batches_that_stepped=compat.batches_that_stepped(trainer),
         schedulers=[copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs])
 
 
@@ -200,11 +199,11 @@ def _apply_forward(deferred: Any, pending: Any, applied: list[int], owed: list[i
 
 def _set_back(trainer: Any, mark: StepMark, optimizer: Any, pending: Any) -> None:
     """Lightning's counters, the schedulers and the optimizer's hyper-parameters back to ``mark``."""
-    trackers = _progress_trackers(trainer.fit_loop)
-    for path, state in mark.progress.items():
+    trackers = _trackers(trainer.fit_loop)
+    for path, saved in pickle.loads(mark.progress).items():
         if path in trackers:
-            trackers[path].load_state_dict(copy.deepcopy(state))
-    trainer.fit_loop.epoch_loop._batches_that_stepped = mark.batches_that_stepped
+            trackers[path].load_state_dict(saved.state_dict())
+    compat.batches_that_stepped(trainer, mark.batches_that_stepped)
     for config, state in zip(trainer.lr_scheduler_configs, mark.schedulers):
         config.scheduler.load_state_dict(copy.deepcopy(state))
     if optimizer is not None:

@@ -299,9 +299,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: Optional[Union[Any, torch.nn.Module]] = None, **kwargs: Any) -> Any:
         rt = self._rt
-        # (manual optimization: the training_step is the run-time's step, see training_step; this is one of its
-        # optimizer steps)
-        manual = rt is not None and _manual(self)
+        manual = rt is not None and _manual(self)  # (the training_step is the run-time's step: this is one of its)
         if rt is not None and not manual:
             rt.retrain_if_changed()
             if rt.controller.phase.deferrable:
