@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import logging
 import shutil
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -231,7 +232,9 @@ def save_sharded_checkpoint(checkpoint: dict[str, Any], path: Any) -> None:
         _prepare_dir(path)
     if distributed:
         dist.barrier()
-    dcp.save(flat, storage_writer=dcp.FileSystemWriter(path), no_dist=not distributed)
+    with warnings.catch_warnings():  # (one process without a group: DCP says it saves in a single process)
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to save in a single process")
+        dcp.save(flat, storage_writer=dcp.FileSystemWriter(path), no_dist=not distributed)
     if rank == 0:
         meta = dict(checkpoint)
         if model is not None:
@@ -250,7 +253,9 @@ def _read(path: Path, keys: Iterable[str], md: Any) -> dict[str, torch.Tensor]:
         m = md.state_dict_metadata[k]
         out[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
     if out:
-        dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+        with warnings.catch_warnings():  # (DCP's note that no process group is used: the point of no_dist)
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+            dcp.load(out, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     return out
 
 
