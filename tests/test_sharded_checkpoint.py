@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
@@ -116,6 +117,59 @@ def test_consolidate_command_writes_a_torch_checkpoint(tmp_path):
     main([str(path)])
     out = torch.load(str(path) + ".consolidated", weights_only=False)
     assert _same(out["optimizer_states"][0], opt.state_dict())
+
+
+class _Regression(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 6, generator=g), torch.randn(64, 2, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _fit(strategy, epochs: int, root: Path, ckpt_path=None, save: bool = False) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    pl.seed_everything(3, verbose=False)
+    model = _Regression()
+    callbacks = [ModelCheckpoint(dirpath=str(root), filename="e-{epoch}", every_n_epochs=1)] if save else []
+    trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, max_epochs=epochs,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=save,
+                         callbacks=callbacks, default_root_dir=str(root))
+    try:
+        trainer.fit(model, ckpt_path=None if ckpt_path is None else str(ckpt_path))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    out = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in trainer.optimizers[0].state_dict()["state"].items():
+        out.update({f"opt/{i}/{k}": torch.as_tensor(v).clone() for k, v in st.items()})
+    return out
+
+
+def test_one_process_saves_and_resumes_and_ddp_resumes_the_consolidated_form(tmp_path):
+    """One process (nothing sharded, the same format): pipedap resumes from its directory, and ``ddp`` from the
+    consolidated file, exactly as the uninterrupted run."""
+    ref = _fit("ddp", 2, tmp_path / "ref")
+    _fit(PipeDAPStrategy(shard_optimizer=True, sharded_checkpoint=True), 1, tmp_path / "a", save=True)
+    path = tmp_path / "a" / "e-epoch=0.ckpt"
+    assert is_sharded_checkpoint(path)
+    resumed = _fit(PipeDAPStrategy(shard_optimizer=True), 2, tmp_path / "b", ckpt_path=path)
+    torch.save(consolidate_sharded_checkpoint(path), tmp_path / "full.ckpt")
+    resumed_ddp = _fit("ddp", 2, tmp_path / "c", ckpt_path=tmp_path / "full.ckpt")
+    assert ref.keys() == resumed.keys() == resumed_ddp.keys()
+    assert all(_same(ref[k], resumed[k]) and _same(ref[k], resumed_ddp[k]) for k in ref)
 
 
 @pytest.fixture(scope="module")
