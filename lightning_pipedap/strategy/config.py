@@ -172,6 +172,17 @@ class ScheduleOptions:
     faster (step time only: choose True for the memory); unsharded where sharding is refused (the reason logged),
     with a fixed schedule or under ``Trainer(deterministic=True)``. Trainer only (Fabric runs sync mode)."""
 
+    sharded_checkpoint: bool = False
+    """``False`` (default): a checkpoint holds the whole optimizer state, gathered on rank 0 (one file, loadable by
+    ``ddp``, one process or any world size). ``True`` (with ``shard_optimizer`` True or ``"auto"``; as Lightning's
+    FSDP ``state_dict_type="sharded"``): ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write a directory
+    through ``torch.distributed.checkpoint``, in which each rank writes its own slices of the optimizer state and
+    rank 0 the model and ``meta.pt`` (loops, callbacks, hyper-parameters): nothing is gathered whole.
+    ``optimizer_state(opt)`` then returns this rank's part. Any world size resumes from it (each rank reads the
+    pieces its own slices overlap: re-sharded); ``ddp`` resumes after
+    :func:`~lightning_pipedap.strategy.sharded_checkpoint.consolidate_sharded_checkpoint` (or ``python -m
+    lightning_pipedap.strategy.sharded_checkpoint DIR``) wrote one file (docs/SHARDING.md)."""
+
     train_thread_nice: int = 0
     """CPU training on Linux: nice-value increment (0..19) for the training thread once the communication threads
     exist, so the communication worker, gloo's I/O threads and the kernel's TCP work get the cores first when
@@ -195,6 +206,11 @@ class ScheduleOptions:
             raise ValueError(f"shard_optimizer={self.shard_optimizer!r} needs deferred steps (each rank steps its "
                              "shard between the reduce-scatter and the all-gather); got defer_update=False: use "
                              "defer_update='auto' or True")
+        _boolean("sharded_checkpoint", self.sharded_checkpoint)
+        if self.sharded_checkpoint and not self.shard_optimizer:
+            raise ValueError("sharded_checkpoint=True writes each rank's shard of the optimizer state, which needs "
+                             f"shard_optimizer=True or 'auto'; got shard_optimizer={self.shard_optimizer!r}: pass "
+                             "shard_optimizer=True, or sharded_checkpoint=False (one file, the state gathered)")
         if not isinstance(self.wire_dtype, str) or self.wire_dtype not in WIRE_DTYPE_CHOICES:
             raise ValueError(f"wire_dtype must be one of {', '.join(map(repr, WIRE_DTYPE_CHOICES))}, "
                              f"got {self.wire_dtype!r}")

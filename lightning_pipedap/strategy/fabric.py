@@ -350,6 +350,8 @@ _TRAINER_ONLY.update({k: "an option of the Trainer strategy PipeDAPStrategy: its
                       for k in ("torch_ddp_candidate", "torch_ddp_margin", "find_unused_parameters")})
 _TRAINER_ONLY["shard_optimizer"] = ("an option of the Trainer strategy PipeDAPStrategy: the sharded optimizer step "
                                     "runs in deferred steps, which Fabric's sync mode does not have")
+_TRAINER_ONLY["sharded_checkpoint"] = ("an option of the Trainer strategy PipeDAPStrategy: it needs shard_optimizer, "
+                                       "which Fabric's sync mode does not run")
 _TRAINER_ONLY["startup_budget"] = ("an option of the Trainer strategy PipeDAPStrategy: a fraction of the fit's steps, "
                                    "which the Trainer knows and Fabric does not")
 _TRAINER_ONLY.update({k: "an option of the Trainer strategy PipeDAPStrategy, whose own reduction paths it needs; "

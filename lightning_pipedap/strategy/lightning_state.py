@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_pipedap.strategy.messages as M
+import lightning_pipedap.strategy.sharded_checkpoint as SC
 from lightning_pipedap.strategy.lightning_reads import trainer_of
 from lightning_pipedap.strategy.resume import add_plan, add_to_checkpoint
 
@@ -25,6 +26,8 @@ class FlushPoints:
     _rt: Any
     _aborted: bool
     lightning_module: Any
+    config: Any
+    global_rank: int
 
     def flush(self) -> None:
         """Apply every pending update now (all ranks must call it). No-op after an exception."""
@@ -59,9 +62,12 @@ class FlushPoints:
         gathered from every rank's shards, on rank 0 in CPU memory (the other ranks get ``{}``, as with Lightning's
         FSDP strategy; the checkpoint is written by rank 0): a collective, so every rank calls it, as Lightning's
         checkpointing does. After a failure nothing can be gathered: ``{}``, and :meth:`save_checkpoint` then
-        writes nothing and says why."""
+        writes nothing and says why. With ``sharded_checkpoint``: this rank's part, no collective
+        (:func:`.sharded_checkpoint.local_optimizer_state`)."""
         self.flush()
         rt = self._rt
+        if self.config.sharded_checkpoint:  # (this rank's part only, as FSDP's sharded state dict: no collective)
+            return SC.rank_part(rt, optimizer, self.lightning_module, self.global_rank)
         if rt is not None and rt.slot.holds_sharded(optimizer):
             return {} if self._aborted else rt.slot.sharded_state_dict(optimizer)
         return super().optimizer_state(optimizer)
@@ -83,6 +89,8 @@ class CheckpointHooks:
     _rt: Any
     _aborted: bool
     _resume: Any
+    lightning_module: Any
+    optimizers: Any
     config: Any
     updates_pending: bool
     failure_checkpoint: Any
@@ -99,6 +107,9 @@ class CheckpointHooks:
         """
         if self._aborted:  # (the trainer was left at the last completed step, or why not: .failure_state)
             why = self.failure_checkpoint(filepath)
+            if why is None and self.config.sharded_checkpoint:
+                why = ("sharded_checkpoint=True writes through torch.distributed.checkpoint, a collective every rank "
+                       "must join")
             if why is not None:
                 M.warn(f"pipedap: not writing {filepath} after the failure: {why}")
                 return
@@ -106,6 +117,13 @@ class CheckpointHooks:
                 add_plan(self._rt, checkpoint)  # (local; the other ranks' compression state cannot be gathered)
         elif self._rt is not None:
             add_to_checkpoint(self._rt, checkpoint)
+        if self.config.sharded_checkpoint:  # (a directory, each rank writing its part: sharded_checkpoint.py)
+            if storage_options is not None:
+                raise TypeError("pipedap: sharded_checkpoint=True writes through torch.distributed.checkpoint, not "
+                                f"the CheckpointIO: storage_options={storage_options!r} is not supported (as with "
+                                "Lightning's FSDP strategy)")
+            SC.save_sharded_checkpoint(checkpoint, filepath)
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -116,9 +134,25 @@ class CheckpointHooks:
         directly and the compression state is applied when compression starts. A checkpoint of another
         compressor or world size gives a warning naming both values, and compression starts with fresh state.
         """
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if SC.is_sharded_checkpoint(checkpoint_path):  # (a directory: sharded_checkpoint=True wrote it)
+            checkpoint = SC.load_sharded_checkpoint(checkpoint_path, weights_only=weights_only)
+        else:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         cfg = self.config
         for note in self._resume.load_state_dict(checkpoint, cfg.compression, cfg.compression_kwargs,
                                                  self.world_size, self.global_rank):
             (M.warn if "fresh" in note else M.info)(note)
         return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """As Lightning; a sharded checkpoint's optimizer states are read by each rank for its own slices (or whole
+        where it steps unsharded): re-sharded to this world size (:func:`.sharded_checkpoint.load_optimizer_states`)."""
+        states = checkpoint["optimizer_states"]
+        if not any(SC.is_sharded_state(st) for st in states):
+            return super().load_optimizer_state_dict(checkpoint)
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        SC.load_optimizer_states(self.optimizers, states, names, SC.sharded_of(self._rt),
+                                 lambda torch_states: super(CheckpointHooks, self).load_optimizer_state_dict(
+                                     {**checkpoint, "optimizer_states": torch_states}))
+        return None

@@ -41,7 +41,8 @@ OFF_VALUES = ("0", "off", "false", "no")
 #: options that change how candidates are measured or when a run re-plans, not which plan wins: not in the key
 #: (``cost_model`` is in the key's link part; the other per-rank options are rank 0's own)
 UNKEYED_OPTIONS = ("wait_timeout_s", "warmup_steps", "profile_steps", "replan_margin", "replan_every", "max_replans",
-                   "trial_steps", "trial_rounds", "trial_window_s", "startup_budget", "plan_cache")
+                   "trial_steps", "trial_rounds", "trial_window_s", "startup_budget", "plan_cache",
+                   "sharded_checkpoint")  # (the checkpoint format: not what is planned)
 
 
 class CachedRun(Protocol):
