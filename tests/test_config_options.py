@@ -18,6 +18,7 @@ from lightning_pipedap.strategy.fabric import _TRAINER_ONLY
 
 #: a value other than the default for each option (None: the option takes no cheap non-default value here)
 CHANGED = {"schedule": "dear", "bucket_cap_mb": 4.0, "defer_update": True, "shard_optimizer": True, "warmup_steps": 2,
+           "sharded_checkpoint": True,
            "ring_chunk_mb": 1.0,
            "deferrable_optimizers": (), "wire_dtype": "bf16", "gradient_as_bucket_view": True, "train_thread_nice": 3,
            "profile_steps": 2, "cost_model": None, "cost_model_cache": False, "calibrate_cost_model": False,

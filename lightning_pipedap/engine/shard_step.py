@@ -171,8 +171,9 @@ class ShardedState(collections.defaultdict):
             raise ShardedStateError(
                 f"pipedap: the optimizer state of {name} is sharded over the {self._world} ranks "
                 "(shard_optimizer=True): each rank holds its part during the fit, so optimizer.state has no entry "
-                "for it. Read trainer.strategy.optimizer_state(optimizer) (the whole state dict, gathered: every "
-                "rank must call it), or pass shard_optimizer=False")
+                "for it. Read trainer.strategy.optimizer_state(optimizer) (every rank must call it: the whole state "
+                "dict gathered on rank 0; with sharded_checkpoint=True each rank's own part), or pass "
+                "shard_optimizer=False")
 
     def __getitem__(self, p: Any) -> Any:
         self._check(p)
@@ -198,7 +199,8 @@ class ShardedState(collections.defaultdict):
 def _refuse_state_dict() -> None:
     raise ShardedStateError("pipedap: optimizer.state_dict() during a sharded fit (shard_optimizer=True) would miss "
                             "the sharded state; call trainer.strategy.optimizer_state(optimizer) instead (every rank: "
-                            "it gathers the state), or pass shard_optimizer=False")
+                            "it gathers the state on rank 0; with sharded_checkpoint=True each rank's part), or pass "
+                            "shard_optimizer=False")
 
 
 class ShardRound:
