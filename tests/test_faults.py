@@ -325,3 +325,37 @@ def test_nonfinite_warn_run_that_ends_with_nan_parameters_exits_nonzero_naming_t
                "parameters hold NaN or inf (first: 'extra', " in text, text[-3000:]
     assert (j.tmp / "done.0").exists()  # (the fit itself finished: the exit code says the result is not usable)
     _assert_no_abort(j, codes)
+
+
+def test_sigint_under_ddps_reducer_is_named_on_the_survivor(job):
+    """SIGINT (Ctrl-C) to rank 1 while DDP's reducer runs: rank 1 stops; rank 0's error names itself, the operation
+    and rank 1 (issue 27's fault matrix: SIGINT with ``torch_ddp`` installed)."""
+    j = job("none", 0, batches=400, schedule="optimal", torch_ddp_margin=0.99)
+    pid = j.pid_at_step(1, 40)  # (trials end by step 30: the start-up budget)
+    assert "running: torch_ddp" in j.output(0), j.output(0)[-3000:]
+    os.kill(pid, signal.SIGINT)
+    t0 = time.monotonic()
+    codes = j.wait()
+    took = time.monotonic() - t0
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    assert took < BOUND_S, took
+    text = j.output(0)  # (the heartbeat's exit, or the reducer's collective wrapped: either names both ranks)
+    assert ("PeerLostError: pipedap: rank 0: " in text or "pipedap: rank 0: peer(s) gone (rank 1: was interrupted"
+            in text), text[-3000:]
+    _assert_no_abort(j, codes)
+
+
+def test_uneven_inputs_under_ddps_reducer_stop_the_rank_left_alone_with_a_named_error(job):
+    """Rank 1 runs out of batches while DDP's reducer runs: rank 0's next reduction names rank 1 (issue 27's fault
+    matrix: uneven data with ``torch_ddp`` installed)."""
+    j = job("uneven", 1, at=45, batches=400, schedule="optimal", torch_ddp_margin=0.99, startup_budget="none")
+    t0 = time.monotonic()
+    codes = j.wait(BOUND_S + 60)
+    assert time.monotonic() - t0 < BOUND_S + 60
+    assert "running: torch_ddp" in j.output(0), j.output(0)[-3000:]
+    assert codes[1] == 0, j.output(1)[-3000:]  # it finished its batches
+    assert codes[0] not in (None, 0), j.output(0)[-3000:]
+    text = j.output(0)
+    assert "PeerLostError: pipedap: rank 0: " in text and "rank 1: left the fit" in text, text[-3000:]
+    assert "the ranks expect different numbers of optimizer steps (rank 0: 400, rank 1: 45)" in text, text[-3000:]
+    _assert_no_abort(j, codes)

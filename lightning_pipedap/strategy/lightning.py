@@ -61,6 +61,7 @@ from lightning_pipedap.strategy.refusals import (group_timeout, refuse_kwargs, r
                                                  register_names)
 from lightning_pipedap.strategy.resume import ResumeState, install_plan
 from lightning_pipedap.strategy.sharding import resolve_shard_mode, sharded_sync
+from lightning_pipedap.strategy.uneven import agreed_total_steps
 
 
 class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, CollectivesOffAfterFailure,
@@ -263,7 +264,8 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
         if self._rt is not None:
             trainer = self.lightning_module.trainer
             total = trainer.estimated_stepping_batches
-            self._rt.controller.set_total_steps(total - trainer.global_step if math.isfinite(total) else None)
+            self._rt.controller.set_total_steps(agreed_total_steps(total - trainer.global_step if math.isfinite(total)
+                                                                   else None))
 
     # ------------------------------------------------------------------ hooks on parameters and modules
     def _on_grad_ready(self, p: Tensor) -> None:
