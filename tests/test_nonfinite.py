@@ -176,7 +176,7 @@ def test_a_sum_that_overflows_with_finite_values_is_not_a_finding():
     assert found is not None and (found.name, found.inf) == ("y", 1)
 
 
-def test_warn_under_ddps_reducer_checks_the_parameters_every_50_steps_once():
+def test_warn_under_ddps_reducer_checks_the_parameters_at_the_given_cadence_once():
     from lightning_pipedap.strategy.numerics import NonFiniteCheck  # noqa: PLC0415
 
     said: list[str] = []
@@ -185,13 +185,13 @@ def test_warn_under_ddps_reducer_checks_the_parameters_every_50_steps_once():
     check = NonFiniteCheck("warn", lambda p: names[id(p)], said.append)
     check.step_of = lambda: 100
     for _ in range(50):  # the check at call 50 sees finite parameters
-        check.check_params_under_ddp([a, b])
+        check.check_params_under_ddp([a, b], every=50)
     with torch.no_grad():
         b[1] = float("nan")
     for _ in range(49):
-        check.check_params_under_ddp([a, b])
+        check.check_params_under_ddp([a, b], every=50)
     assert said == []  # calls 51-99 do not look
-    check.check_params_under_ddp([a, b])  # the 100th call checks
+    check.check_params_under_ddp([a, b], every=50)  # the 100th call checks
     assert len(said) == 1 and "parameter 'net.b' is not finite under DDP's reducer" in said[0]
     for _ in range(100):
         check.check_params_under_ddp([a, b])
@@ -200,6 +200,10 @@ def test_warn_under_ddps_reducer_checks_the_parameters_every_50_steps_once():
     for _ in range(100):
         quiet.check_params_under_ddp([b])
     assert len(said) == 1
+    every_step = NonFiniteCheck("warn", lambda p: names[id(p)], said.append)  # (the default: after every step,
+    every_step.step_of = lambda: 7                                            # as the own engine's check)
+    every_step.check_params_under_ddp([a, b])
+    assert len(said) == 2 and "step 7: parameter 'net.b' is not finite" in said[1] and "after every step" in said[1]
 
 
 def test_an_fp16_wire_overflow_names_wire_dtype_instead_of_implying_ddp_sees_the_same():

@@ -388,8 +388,8 @@ class TrialOptions:
     (:mod:`~lightning_pipedap.strategy.handover`): on a small or compute-bound model, where communication is
     negligible, pipedap's per-step bookkeeping then costs nothing. Not offered with compression,
     ``nonfinite="raise"``/``"skip"`` or ``check_params_every_n_steps`` (they need pipedap's own reduction); under
-    it, non-finite gradients behave exactly as under DDP and ``nonfinite="warn"`` checks the parameters every 50
-    steps (a non-finite update leaves them non-finite) instead of each step's reduced gradients."""
+    it, non-finite gradients behave exactly as under DDP and ``nonfinite="warn"`` checks the parameters after every
+    step (a non-finite update leaves them non-finite) instead of each step's reduced gradients."""
 
     torch_ddp_margin: float = DEFAULT_TORCH_DDP_MARGIN
     """fraction in [0, 1): the ``torch_ddp`` candidate is kept unless another candidate measured faster than it by

@@ -171,10 +171,11 @@ class NonFiniteCheck:
                       "said once per fit; 'raise' stops training, 'skip' skips such steps)")
         return found
 
-    def check_params_under_ddp(self, params: Sequence[Tensor], every: int = 50) -> None:
+    def check_params_under_ddp(self, params: Sequence[Tensor], every: int = 1) -> None:
         """``"warn"`` while DDP's reducer runs (the ``torch_ddp`` candidate, whose gradients pipedap does not
-        see): every ``every`` calls (one per optimizer step), one sum per parameter; a non-finite update leaves
-        non-finite parameters, so the first one is named, once per fit (later than the step that caused it)."""
+        see): every ``every`` calls (one per optimizer step, after it: the same cadence and the same cost, one read
+        of every parameter, as the own engine's read of the reduced gradients), one sum per parameter; a non-finite
+        update leaves non-finite parameters, so the first one is named, once per fit, at the step that applied it."""
         if not self.active or self.mode != "warn" or self._warned:
             return
         self._ddp_calls = getattr(self, "_ddp_calls", 0) + 1
@@ -186,8 +187,9 @@ class NonFiniteCheck:
             return
         bad = next(p for p, t in zip(params, sums.tolist()) if not math.isfinite(t))
         self._warned = True
+        cadence = f"every {every} steps" if every > 1 else "every step"
         self.warn(f"pipedap: step {self.step_of()}: parameter {self.name_of(bad)!r} is not finite under DDP's reducer "
-                  f"(the torch_ddp candidate; checked every {every} steps): a non-finite update was applied, as DDP "
+                  f"(the torch_ddp candidate; checked after {cadence}): a non-finite update was applied, as DDP "
                   "applies it (nonfinite='warn', said once per fit)")
 
     def error(self, found: Finding) -> NonFiniteGradientError:

@@ -47,13 +47,16 @@ def resolve_shard_mode(strategy: Any) -> None:
 def owner_costs(rt: Any, optimizers: list) -> Optional[dict[int, float]]:
     """``id(parameter) -> seconds`` of each trainable parameter's optimizer step (``rt``: the run-time), measured on
     rank 0 (:func:`~lightning_pipedap.probe.optimizer_time.optimizer_step_times`) and broadcast, so every rank lays
-    the buckets out alike; None (owners balanced by elements) under ``Trainer(deterministic=True)``, where the
-    layout sets the bits (``rt.timing_free``)."""
+    the buckets out alike; None (owners balanced by elements) with a fixed schedule or under
+    ``Trainer(deterministic=True)`` (``rt.timing_free``), where the layout must not depend on timing: at 3+ ranks it
+    sets the order of the sums, and so the bits."""
     from lightning_pipedap.probe.optimizer_time import optimizer_step_times  # noqa: PLC0415
 
-    if rt.timing_free:
-        rt.ctx.info("pipedap: shard_optimizer: parameter owners balanced by elements, not by measured optimizer "
-                    f"time ({rt.timing_free})")
+    cfg = rt.ctx.config
+    if rt.timing_free or not cfg.planned:  # (a fixed schedule's layout, and so its bits, must not depend on timing)
+        why = rt.timing_free or f"schedule={cfg.schedule!r} is fixed: identical runs give identical bits"
+        rt.ctx.info(f"pipedap: shard_optimizer: parameter owners balanced by elements, not by measured optimizer "
+                    f"time ({why})")
         return None
     params = list(rt.params)
     t0 = time.perf_counter()

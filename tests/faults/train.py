@@ -6,7 +6,8 @@ the others 40), ``mismatch`` (FAULT_RANK's model is wider), ``mismatch_compressi
 top-k with ``ratio=0.02``, the others ``0.01``), ``nan`` (FAULT_RANK's gradient of the parameter ``extra``
 holds NaN and inf at step ``at``), ``perturb`` (FAULT_RANK adds 1 to ``net.0.weight[0, 0]`` after step
 ``at``). Signals are sent by the test from outside, after the rank has written ``step.<rank>`` >= ``at``.
-``nonfinite=``, ``defer=`` (auto/true/false), ``check_params=``, ``torch_ddp_margin=`` and ``startup_budget=`` (a number or ``none``) set the strategy options of
+``nonfinite=``, ``defer=`` (auto/true/false), ``check_params=``, ``torch_ddp_margin=`` and ``startup_budget=``
+(a number or ``none``) set the strategy options of
 those names; ``schedule=`` (default ``dear``). ``resignal=1``: the process sends itself SIGTERM again in the last
 callback's ``on_exception`` (while the fit stops) and after ``fit`` returns or raises (after the strategy's teardown).
 ``launch=lightning`` (default): Lightning's
