@@ -320,7 +320,8 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
     out.update(params=sum(p.numel() for p in module.parameters()),  # (a DTensor's numel is the global one)
                peak_rss_mib=peak_kib / 1024, fit_rss_mib=(peak_kib * 1024 - pre_fit_rss) / MIB,
                end_peak_rss_mib=end_kib / 1024, last_rss_mib=clock.rss_now / MIB,
-               rss_trace=clock.rss_trace, malloc_at_last=clock.malloc, tensors_at_last=clock.tensors,
+               rss_trace=clock.rss_trace, peak_trace=[round(k / 1024, 1) for k in clock.rss_kib],
+               malloc_at_last=clock.malloc, tensors_at_last=clock.tensors,
                step_ms=1e3 * statistics.median(gaps),
                cpu_ms=1e3 * (clock.cpu[first + len(gaps)] - clock.cpu[first]) / len(gaps),
                fit_s=fit_s, steps=len(gaps), first_step=first, note="; ".join(notes))
