@@ -179,6 +179,11 @@ def _classes() -> dict[str, Any]:
             self.rss_kib: list[int] = []
             self.rss_now = 0
             self.state_bytes: list[int] = []
+            #: resident set (MiB) at every training-batch start; glibc malloc's counters and the live tensors'
+            #: bytes at the last one (:func:`malloc_stats`, :func:`tensor_census`)
+            self.rss_trace: list[float] = []
+            self.malloc: dict[str, float] = {}
+            self.tensors: dict[str, float] = {}
 
         def _stamp(self) -> None:
             self.starts.append(time.perf_counter())
@@ -188,6 +193,10 @@ def _classes() -> dict[str, Any]:
             self._stamp()
             self.rss_kib.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
             self.rss_now = _rss_bytes()  # (the resident set now: the steady state's memory at the last step)
+            self.rss_trace.append(round(self.rss_now / MIB, 1))
+            self.malloc = malloc_stats()
+            if trainer.max_steps > 0 and trainer.global_step == trainer.max_steps - 1:
+                self.tensors = tensor_census()
             optimizer = trainer.optimizers[0] if trainer.optimizers else None
             if optimizer is not None:
                 nbytes = getattr(trainer.strategy, "optimizer_state_nbytes", None)
@@ -311,9 +320,50 @@ def _fit_and_measure(cfg: dict, strategy: Any, classes: dict, world: int, rank: 
     out.update(params=sum(p.numel() for p in module.parameters()),  # (a DTensor's numel is the global one)
                peak_rss_mib=peak_kib / 1024, fit_rss_mib=(peak_kib * 1024 - pre_fit_rss) / MIB,
                end_peak_rss_mib=end_kib / 1024, last_rss_mib=clock.rss_now / MIB,
+               rss_trace=clock.rss_trace, peak_trace=[round(k / 1024, 1) for k in clock.rss_kib],
+               malloc_at_last=clock.malloc, tensors_at_last=clock.tensors,
                step_ms=1e3 * statistics.median(gaps),
                cpu_ms=1e3 * (clock.cpu[first + len(gaps)] - clock.cpu[first]) / len(gaps),
                fit_s=fit_s, steps=len(gaps), first_step=first, note="; ".join(notes))
+
+
+def malloc_stats() -> dict[str, float]:
+    """glibc malloc's counters over every arena (``mallinfo2``), MiB: ``heap`` (non-mmapped arena memory obtained
+    from the system), ``mmap`` (chunks in mmapped blocks), ``in_use`` (allocated non-mmapped), ``free`` (free bytes
+    kept in the arenas: resident where touched, returned only by trimming); ``{}`` without glibc."""
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                   "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return {}
+    fn.restype = _MallInfo2
+    m = fn()
+    return {"heap": m.arena / MIB, "mmap": m.hblkhd / MIB, "in_use": m.uordblks / MIB, "free": m.fordblks / MIB}
+
+
+def tensor_census() -> dict[str, float]:
+    """The live CPU tensors the garbage collector reaches (parameters, gradients, optimizer state, buffers): their
+    storages' bytes, each storage counted once: ``total`` (MiB), ``count`` and ``largest`` (the 8 largest, MiB)."""
+    import gc
+
+    import torch
+
+    seen: dict[int, int] = {}
+    for o in gc.get_objects():
+        try:
+            if not isinstance(o, torch.Tensor) or o.device.type != "cpu" or o.is_sparse:
+                continue
+            st = o.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        except Exception:  # noqa: BLE001 - a tensor subclass without storage (DTensor, fake): not counted
+            continue
+    sizes = sorted(seen.values(), reverse=True)
+    return {"total": sum(sizes) / MIB, "count": float(len(sizes)), "largest": [round(b / MIB, 2) for b in sizes[:8]]}
 
 
 def _rss_bytes() -> int:

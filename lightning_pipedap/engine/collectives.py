@@ -183,14 +183,15 @@ def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torc
     S = seg.shape[1]
     pieces = _pieces(S, max(1, comm.chunk_bytes // buf.element_size()))
     rdtype = wire or buf.dtype
-    tmp = comm.scratch("rs_recv", 2 * S, rdtype, buf.device).view(2, S)
+    slots = min(2, n - 1)  # (step s receives into slot s % 2: with 2 ranks there is one step, one slot)
+    tmp = comm.scratch("rs_recv", slots * S, rdtype, buf.device).view(slots, S)
     out = comm.scratch("rs_send", n * S, wire, buf.device).view(n, S) if wire is not None else seg
     group, isend, irecv = comm.group, dist.isend, dist.irecv
     sends: list = []
     prev = None  # (recv works, recv views, views of the segment they are added into) of the previous step
     for s in range(n - 1):
         send_idx, recv_idx = (r - s - 1) % n, (r - s - 2) % n
-        rbuf, dst, src = tmp[s % 2], seg[send_idx], out[send_idx]
+        rbuf, dst, src = tmp[s % slots], seg[send_idx], out[send_idx]
         rviews = [rbuf[p] for p in pieces]
         rworks = [irecv(v, src=left, group=group) for v in rviews]
         for i, p in enumerate(pieces):

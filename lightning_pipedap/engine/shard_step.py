@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -573,7 +574,8 @@ class ShardedStep:
         ``param_transport`` performs (the parameters' own dtype); a sync-mode step runs :meth:`sync_step`."""
         compressed = engine.transport is not None
         sharded = [b for b in range(len(engine.buckets)) if not (compressed and engine.schedule.is_compressed(b))]
-        step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(engine, opt),
+        ref = weakref.ref(engine)  # (no cycle engine -> step -> engine: a closed engine's buffers go at once)
+        step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(ref(), opt),
                    engine.param_names)
         engine.worker.shard, engine.worker.param_transport = step, param_transport
         return step
@@ -786,6 +788,14 @@ class ShardedStep:
                         p.grad.clamp_(-clip.value, clip.value)
                     elif coef is not None:
                         p.grad.mul_(coef)
+
+    def drop_kept(self, buckets: Sequence[int]) -> None:
+        """Forget the kept gradient shards of ``buckets`` (their ``.grad`` will not be written any more: a new
+        backward starts, or ``.grad`` was cleared). A kept view of a ``.grad`` that Lightning set to None would keep
+        that whole old gradient alive next to the one the next backward allocates (one gradient's worth of memory)."""
+        for b in buckets:
+            for s in self.slices.get(b, ()):
+                self.keep.pop((b, s.slot), None)
 
     def _keep_view(self, s: ShardSlice, dtype: torch.dtype) -> torch.Tensor:
         """Where slice ``s``'s averaged gradient is kept: its elements of the parameter's ``.grad`` when that is a

@@ -460,6 +460,8 @@ class DeferredUpdates:
         overwritten), or Lightning set ``.grad`` to None (``on_validation_model_zero_grad``)."""
         for s in self.engine.syncs:
             s.retire()
+        if self.engine.shard is not None:  # (the kept shards serve only those writes: let an old .grad go now)
+            self.engine.shard.drop_kept([s.index for s in self.engine.syncs if not (s.unwritten or s.in_flight)])
 
 
 class StepVerdict:
