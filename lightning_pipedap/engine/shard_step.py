@@ -23,10 +23,12 @@ into the optimizer's own ``state`` (full tensors shaped like the parameters) for
 or another engine, and :meth:`ShardedOptimizer.absorb` moves it back into the slices at the next sharded round.
 
 The rank's averaged (clipped) gradient shard is kept so a later read of ``.grad`` can be served by an all-gather
-of the gradients (:meth:`ShardedStep.gather_grads`): in the same elements of the parameter's own ``.grad`` (after
-the reduce-scatter its local gradient is needed by nothing, and no read of ``.grad`` reaches it before that
-all-gather rewrites it), so keeping costs no memory; a slice whose ``.grad`` cannot hold it (None, not contiguous)
-gets a tensor of its own.
+of the gradients (:meth:`~lightning_pipedap.engine.waits.EngineWaits.gather_grads`): in the same elements of the
+parameter's own ``.grad`` (after the reduce-scatter its local gradient is needed by nothing, and no read of ``.grad``
+reaches it before that all-gather rewrites it), so keeping costs no memory while that ``.grad`` lives; the kept
+views are dropped before the next backward (:meth:`ShardedStep.drop_kept`), so an old ``.grad`` Lightning set to
+None is not pinned beside the new one. A slice whose ``.grad`` cannot hold it (None, not contiguous) gets a tensor
+of its own.
 """
 
 from __future__ import annotations
@@ -673,23 +675,6 @@ class ShardedStep:
         """After a failure: :meth:`ShardedOptimizer.release` (local; the sharded state is dropped)."""
         for opt in self.opts.values():
             opt.release()
-
-    def gather_grads(self, b: int, sync: Any) -> float:
-        """The averaged gradients of bucket ``b`` back into its buffer (its parameters have landed): this rank's
-        kept shard, then an all-gather (main thread, worker idle; a collective). Returns the seconds it took."""
-        t0 = time.perf_counter()
-        bucket = self.buckets[b]
-        lo, hi = bucket.own_data_range(self.comm.rank)
-        bucket.buffer[lo:hi].zero_()  # (a slice no rank produced a gradient for: not shown, any value will do)
-        for s in self.slices[b]:
-            kept = self.keep.get((b, s.slot))
-            if kept is not None:
-                bucket.buffer[s.lo:s.hi].copy_(kept)
-        bucket.flags.copy_(self.reduced_flags[b])
-        C.all_gather_(bucket.buffer, self.comm)
-        bucket.flags.copy_(self.reduced_flags[b])
-        sync.params_gathered = False
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ worker side
     def wait_go(self, timeout_s: float, closed: Callable[[], bool]) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.shard_step import ShardRound
 from lightning_pipedap.engine.worker import EngineError
@@ -61,11 +62,29 @@ class EngineWaits:
                                   f"preparation (one all-reduce of used flags, norms and NaN counts){self._where()}")
         return r
 
+    def forget_kept(self) -> None:
+        """A new backward starts, or ``.grad`` was cleared: the sharded step forgets the kept gradient shards of the
+        buckets whose ``.grad`` is not to be written any more (:meth:`ShardedStep.drop_kept`)."""
+        if self.shard is not None:
+            self.shard.drop_kept([s.index for s in self.syncs if not (s.unwritten or s.in_flight)])
+
     def gather_grads(self, b: int) -> float:
         """Sharded bucket ``b`` landed and ``.grad`` is read: all-gather its gradients (after the round's ops;
-        :meth:`ShardedStep.gather_grads`). Returns the seconds it took. Raises: EngineError (as :meth:`wait_idle`)."""
+        this rank's kept shard, then an all-gather). Returns the seconds it took. Raises: EngineError (as
+        :meth:`wait_idle`)."""
         self.wait_idle()
-        return self.shard.gather_grads(b, self.syncs[b])
+        t0, shard, bucket = time.perf_counter(), self.shard, self.buckets[b]
+        lo, hi = bucket.own_data_range(self.comm.rank)
+        bucket.buffer[lo:hi].zero_()  # (a slice no rank produced a gradient for: not shown, any value will do)
+        for s in shard.slices[b]:  # (this rank's kept averaged gradients: ShardedStep.keep)
+            kept = shard.keep.get((b, s.slot))
+            if kept is not None:
+                bucket.buffer[s.lo:s.hi].copy_(kept)
+        bucket.flags.copy_(shard.reduced_flags[b])
+        C.all_gather_(bucket.buffer, self.comm)
+        bucket.flags.copy_(shard.reduced_flags[b])
+        self.syncs[b].params_gathered = False
+        return time.perf_counter() - t0
 
     def wait_idle(self) -> None:
         """Block until the worker finished the current round."""

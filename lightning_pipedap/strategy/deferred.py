@@ -176,9 +176,7 @@ class DeferredUpdates:
     def __init__(self, engine: CommEngine, name_of: Callable[[Tensor], str],
                  say: Callable[[str, str], None], records: list[OpRecord], timeline: Callable[[], bool],
                  counts: dict[str, int], nonfinite: Optional[NonFiniteCheck] = None) -> None:
-        self.nonfinite = nonfinite
-        self.verdict = StepVerdict(engine, nonfinite, name_of)
-        self.engine = engine
+        self.nonfinite, self.verdict, self.engine = nonfinite, StepVerdict(engine, nonfinite, name_of), engine
         self.name_of, self.say, self.records, self.timeline, self.counts = name_of, say, records, timeline, counts
         self.pending: Optional[Pending] = None
         self.updater: Optional[BucketOptimizer] = None
@@ -186,8 +184,8 @@ class DeferredUpdates:
         #: engine parameter index -> the buckets holding it (one; several for a parameter split over buckets)
         self.buckets_of: list[tuple[int, ...]] = [engine.buckets_of(i) for i in range(len(engine.params))]
         self.applying = False
-        #: watch the reduced used-flags for a parameter that some rank left without a gradient (set by the run-time
-        #: until a final schedule runs; the ``torch_ddp`` candidate then needs ``find_unused_parameters``)
+        #: watch the reduced used-flags for a parameter some rank left without a gradient (set by the run-time until a
+        #: final schedule runs; the ``torch_ddp`` candidate then needs ``find_unused_parameters``)
         self.track_use = True
         #: such a parameter was seen (identical on every rank: the flags are reduced)
         self.saw_partial_use = False
@@ -456,12 +454,11 @@ class DeferredUpdates:
                 self._write_grads(s.index)
 
     def forget_unwritten(self) -> None:
-        """``.grad`` must not get the reduced gradients any more: a new backward starts (the buckets are
-        overwritten), or Lightning set ``.grad`` to None (``on_validation_model_zero_grad``)."""
+        """``.grad`` must not get the reduced gradients any more: a new backward starts, or Lightning set ``.grad``
+        to None (``on_validation_model_zero_grad``); the sharded step's kept shards of them go too."""
         for s in self.engine.syncs:
             s.retire()
-        if self.engine.shard is not None:  # (the kept shards serve only those writes: let an old .grad go now)
-            self.engine.shard.drop_kept([s.index for s in self.engine.syncs if not (s.unwritten or s.in_flight)])
+        self.engine.forget_kept()
 
 
 class StepVerdict:
