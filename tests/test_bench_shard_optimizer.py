@@ -185,3 +185,23 @@ def test_tiny_sharded_adam_cell_on_the_testbed(tmp_path):
     assert shard["installed"] == "pipedap" and shard["predicted_s"] > 0
     # the prediction judged is the strategy's own: the sharded simulation of the installed plan
     assert shard["predicted_s"] == pytest.approx(shard["predictions"]["pipedap"]["calibrated_s"], rel=1e-9)
+
+
+def test_replay_analysis_marks_a_variant_that_ran_ddps_reducer():
+    # a @shard variant whose measured selection installed torch_ddp ran no sharded step: its time and prediction
+    # are DDP's reducer's, and the tables say so
+    from lightning_pipedap.bench.replay.analysis import judge, variants_table
+    from lightning_pipedap.bench.replay.cells import plan_cell
+
+    setup = plan_cell("resnet50", 2, "1gbit", 5.0)
+    result = M.CellResult("resnet50", setup.rate, 2, 1.0, 8, 0.5, 0.4, 0.45, 0.01, variants=[
+        M.VariantResult("ddp", 0.6, 8),
+        M.VariantResult("pipedap-optimal@shard", 0.5, 8, predicted_s=0.55, installed="torch_ddp"),
+        M.VariantResult("pipedap-optimal", 0.5, 8, predicted_s=0.45, installed="optimal")])
+    verdict = judge(setup, result)
+    shard, plain = verdict.variant("pipedap-optimal@shard"), verdict.variant("pipedap-optimal")
+    assert shard.note == " (torch_ddp: DDP's reducer)" and plain.note == ""
+    assert shard.sim_error == pytest.approx(0.1) and plain.sim_error == pytest.approx(-0.1)
+    table = variants_table([verdict])
+    assert "| pipedap-optimal@shard (torch_ddp: DDP's reducer) | 500 |" in table
+    assert "| pipedap-optimal | 500 |" in table

@@ -147,7 +147,7 @@ def format_cell(c: CellVerdict) -> str:
         err = "" if v.sim_error is None else f" predicted {v.predicted_s * 1e3:.0f} ms ({v.sim_error * 100:+.0f}%)"
         lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  "
                      f"x ddp {'   –' if v.vs_ddp is None else f'{v.vs_ddp:.2f}'}  "
-                     f"/bound {v.to_bound:.2f}{err}")
+                     f"/bound {v.to_bound:.2f}{err}{v.note}")
     return "\n".join(lines)
 
 
