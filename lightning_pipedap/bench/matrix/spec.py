@@ -219,8 +219,8 @@ def parse_strategy(name: str) -> StrategySpec:
         digits = text[len(NICE_SUFFIX) - 1:] if text.startswith(NICE_SUFFIX[1:]) and not nice else ""
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
             raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; "
-                             f"valid: {NICE_SUFFIX}<N> with N in 1..19, {SHARD_SUFFIX}, "
-                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, "
+                             f"valid: {NICE_SUFFIX}<N> with N in 1..19, "
+                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, {SHARD_SUFFIX}, "
                              f"{CLIP_SUFFIX}<max_norm> with "
                              f"max_norm > 0, {MARGIN_SUFFIX}<percent> with percent in 0..99 (each at most once)")
         nice = int(digits)
