@@ -182,6 +182,8 @@ class CandidatePlanner:
             pred = {"ab_s": simulate(profile, raw, schedule, sharded=sharded).iteration_s,
                     "calibrated_s": simulate(profile, self.cost_model, schedule, sharded=sharded).iteration_s}
         keep = schedule.predicted_iteration_s
+        if sharded and piece_map is None:  # (issue 30: the trial candidates were planned unsharded; keep the
+            keep = pred["calibrated_s"]     # sharded step's prediction, what the engine runs; = the planner's for #0)
         contention = self.contention
         if contention is not None and not sharded:  # (the contention model is unsharded)
             pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s

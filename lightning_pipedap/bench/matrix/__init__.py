@@ -11,7 +11,8 @@ A *cell* is (model, link, ranks). Every cell is one launch on a fresh
 :class:`~lightning_pipedap.testbed.Testbed` (one network namespace per rank, ``tc tbf`` cap on each host
 link in both directions), and every strategy of the cell runs in that launch, one after another, in the
 same processes over the same link, so the variants of one cell are directly comparable. All variants train
-through Lightning (``Trainer.fit``) with the same lean LightningModule (loss only, SGD with momentum):
+through Lightning (``Trainer.fit``) with the same lean LightningModule (loss only; SGD with momentum, or with
+``--optimizer adam`` ``torch.optim.Adam`` at lr 1e-3):
 
 * ``ddp``: Lightning's ``"ddp"`` (``DistributedDataParallel``, default 25 MiB buckets, all-reduce in backward).
 * ``ddp_tuned``: ``DDPStrategy(bucket_cap_mb=X)``; ``X`` is picked per cell by a short sweep over
@@ -41,6 +42,9 @@ through Lightning (``Trainer.fit``) with the same lean LightningModule (loss onl
   run when named (the counterpart of ``ddp+fp16hook`` without DDP's extra fp16 copy and fp16 sums).
 * ``pipedap-<schedule>@part<MiB>``: ``partition_mb`` (tensor partitioning); ``pipedap-<schedule>@margin<percent>``:
   ``torch_ddp_margin`` (how much faster than DDP's reducer a trial candidate must be to displace it).
+* ``pipedap-<schedule>[...]@shard`` (uncompressed, not with ``@part``): ``shard_optimizer=True``, the sharded
+  optimizer step (docs/SHARDING.md): each rank steps its 1/N shard of every bucket between the reduce-scatter and
+  the all-gather of the updated parameters; its prediction is the strategy's sharded one.
 * ``ddp@clip<max_norm>`` and ``pipedap-<schedule>[...]@clip<max_norm>`` (uncompressed pipedap only):
   ``Trainer(gradient_clip_val=max_norm, gradient_clip_algorithm="norm")``. pipedap computes the norm exactly as
   ``clip_grad_norm_`` does under DDP, so a clipped step's first update waits for every bucket's all-gather.
@@ -80,7 +84,8 @@ Needs root for the network namespaces; without it the command says why and exits
 from lightning_pipedap.bench.matrix.args import (build_parser, parse_args, parse_bucket_list, parse_choice_list,
                                                  parse_compressors, parse_ranks)
 from lightning_pipedap.bench.matrix.driver import main, run_cell
-from lightning_pipedap.bench.matrix.models import BenchModule, build_net, first_layer_numel, make_module
+from lightning_pipedap.bench.matrix.models import (DEFAULT_OPTIMIZER, OPTIMIZERS, BenchModule, build_net,
+                                                   check_optimizer, first_layer_numel, make_module, make_optimizer)
 from lightning_pipedap.bench.matrix.report import (HIDDEN_NOTE, MD_BEGIN, MD_END, cell_label, format_cells_table,
                                                    format_compression_table, format_text_report, format_trials_table,
                                                    format_variants_table, machine_description, quick_line,
@@ -95,8 +100,8 @@ from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, CLIP_SUFFIX, C
                                                  NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS, POWERSGD_ONE_BUCKET_MB,
                                                  POWERSGD_RANK, POWERSGD_START, PRESETS, QUICK_DDP_WARMUP,
                                                  QUICK_PLAN_TRIALS, QUICK_STRATEGIES, QUICK_TRIAL_STEPS, REFERENCE,
-                                                 SIZES, TRIAL_STEPS, StrategySpec, all_strategies, compressor_names,
-                                                 extra_warmup_steps, parse_strategies, parse_strategy,
+                                                 SHARD_SUFFIX, SIZES, TRIAL_STEPS, StrategySpec, all_strategies,
+                                                 compressor_names, extra_warmup_steps, parse_strategies, parse_strategy,
                                                  pipedap_schedules, plan_trials, uncompressed_name, valid_strategies)
 from lightning_pipedap.bench.matrix.worker import (CommHookDDPStrategy, StepTimer, comm_only, plan_record,
                                                    quiet_worker)
@@ -105,7 +110,8 @@ from lightning_pipedap.bench.matrix.worker import _ddp_with_comm_hook, _make_tim
 
 __all__ = [
     "BASE_STRATEGIES", "CLIP_SUFFIX", "COMPRESS_SEP", "COMPRESSOR_KWARGS", "DDP_REDUCER", "DDP_HOOKS",
-    "DEFAULT_COMPRESSORS", "DEFAULT_PIPEDAP",
+    "DEFAULT_COMPRESSORS", "DEFAULT_OPTIMIZER", "DEFAULT_PIPEDAP", "OPTIMIZERS", "SHARD_SUFFIX", "check_optimizer",
+    "make_optimizer",
     "HIDDEN_NOTE", "INLINE_SUFFIX", "LINKS", "MD_BEGIN", "MD_END", "MODELS", "NICE_SUFFIX", "PIPEDAP_PREFIX",
     "PLAN_TRIALS", "POWERSGD_ONE_BUCKET_MB", "POWERSGD_RANK", "POWERSGD_START", "PRESETS", "QUICK_DDP_WARMUP",
     "QUICK_PLAN_TRIALS", "QUICK_STRATEGIES", "QUICK_TRIAL_STEPS", "REFERENCE", "SIZES", "TRIAL_STEPS",

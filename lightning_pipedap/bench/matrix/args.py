@@ -8,6 +8,7 @@ import os
 import sys
 from typing import Callable, Optional, Sequence
 
+from lightning_pipedap.bench.matrix.models import DEFAULT_OPTIMIZER, OPTIMIZERS, check_optimizer
 from lightning_pipedap.bench.matrix.spec import (DEFAULT_COMPRESSORS, LINKS, MODELS, PIPEDAP_PREFIX, QUICK_STRATEGIES,
                                                  SIZES, compressor_names, parse_strategies)
 
@@ -102,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--compressors", default=",".join(DEFAULT_COMPRESSORS),
                     help="compressors that '--strategies all' pairs with pipedap-optimal (pipelined), or 'all'")
     ap.add_argument("--list", action="store_true", help="print the valid models, links and strategies and exit")
+    ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
+                    help=f"the optimizer every strategy's LightningModule trains with: {', '.join(OPTIMIZERS)} "
+                         "(sgd: SGD momentum 0.9, lr 0.01; adam: torch.optim.Adam, lr 1e-3)")
     ap.add_argument("--size", default="bench", help=f"model size preset: {', '.join(SIZES)} (tiny: smoke tests)")
     ap.add_argument("--steps", type=int, default=20, help="measured steps per variant (>= 2)")
     ap.add_argument("--warmup", type=int, default=6,
@@ -141,6 +145,7 @@ def _validate(args: argparse.Namespace) -> None:
     args.compressors = parse_compressors(args.compressors)
     args.strategies = parse_strategies(args.strategies, args.compressors)
     args.ddp_bucket_mb = parse_bucket_list(args.ddp_bucket_mb)
+    check_optimizer(args.optimizer)
     if args.size not in SIZES:
         raise ValueError(f"unknown size {args.size!r}; valid: {', '.join(SIZES)}")
     for name, low in (("steps", 2), ("warmup", 1), ("sweep_steps", 2), ("threads", 1), ("repeats", 1)):

@@ -13,12 +13,14 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from lightning_pipedap.bench.matrix.args import PROG, parse_args
+from lightning_pipedap.bench.matrix.models import DEFAULT_OPTIMIZER, OPTIMIZERS
 from lightning_pipedap.bench.matrix.report import (format_text_report, machine_description, quick_line, render_markdown,
                                                    replace_marked_section, write_chart)
 from lightning_pipedap.bench.matrix.results import CellResult, combine
 from lightning_pipedap.bench.matrix.spec import (CLIP_SUFFIX, COMPRESS_SEP, COMPRESSOR_KWARGS, DEFAULT_PIPEDAP,
                                                  INLINE_SUFFIX, LINKS, MODELS, NICE_SUFFIX, PIPEDAP_PREFIX, PLAN_TRIALS,
                                                  PRESETS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS, QUICK_TRIAL_STEPS,
+                                                 SHARD_SUFFIX,
                                                  TRIAL_ROUNDS, TRIAL_STEPS, WIRE_SUFFIXES, compressor_names,
                                                  valid_strategies)
 
@@ -42,7 +44,7 @@ def worker_spec(model: str, link: str, args: argparse.Namespace) -> dict:
                 plan_trials=getattr(args, "plan_trials", None) or (QUICK_PLAN_TRIALS if quick else PLAN_TRIALS),
                 trial_rounds=getattr(args, "trial_rounds", None) or (QUICK_TRIAL_ROUNDS if quick else TRIAL_ROUNDS),
                 threads=args.threads, watts=args.watts, timeline=bool(args.timeline), link=link,
-                weight_reader=bool(args.weight_reader),
+                weight_reader=bool(args.weight_reader), optimizer=getattr(args, "optimizer", DEFAULT_OPTIMIZER),
                 timeline_dir=os.path.abspath(args.timeline_dir) if args.timeline_dir else None)
 
 
@@ -93,12 +95,14 @@ def print_list(compressors: Sequence[str]) -> None:
     print("links:", ", ".join(LINKS))
     print("strategies:", ", ".join(valid_strategies(compressors)))
     print(f"  (also any {PIPEDAP_PREFIX}<schedule>{COMPRESS_SEP}<compressor>[{INLINE_SUFFIX}]; "
-          f"'all' = the above without {INLINE_SUFFIX}, {'/'.join(WIRE_SUFFIXES)} and {CLIP_SUFFIX}; "
+          f"'all' = the above without {INLINE_SUFFIX}, {'/'.join(WIRE_SUFFIXES)}, {CLIP_SUFFIX} and {SHARD_SUFFIX}; "
           "any pipedap form may end in "
           f"{NICE_SUFFIX}<N>, N in 1..19: train_thread_nice=N; an uncompressed one in {' or '.join(WIRE_SUFFIXES)}: "
           f"wire_dtype, or in @part<MiB>: partition_mb; an uncompressed fp32 one with a planned schedule in "
           f"@margin<percent>: torch_ddp_margin; ddp and any uncompressed pipedap form in {CLIP_SUFFIX}<max_norm>: "
-          f"Trainer(gradient_clip_val=max_norm, gradient_clip_algorithm='norm'))")
+          f"Trainer(gradient_clip_val=max_norm, gradient_clip_algorithm='norm'); any uncompressed pipedap form "
+          f"without @part in {SHARD_SUFFIX}: shard_optimizer=True)")
+    print("optimizers (--optimizer):", ", ".join(OPTIMIZERS), f"(default {DEFAULT_OPTIMIZER})")
     print("compressors:", ", ".join(compressor_names()),
           f"(kwargs: {'; '.join(f'{k} {v}' for k, v in COMPRESSOR_KWARGS.items())})")
 
@@ -124,7 +128,7 @@ def _run_matrix(args: argparse.Namespace, argv: Optional[Sequence[str]]) -> int:
     t_start = time.monotonic()
     cmd = PROG + " " + " ".join(sys.argv[1:] if argv is None else argv)
     meta = dict(machine=machine_description(), command=cmd.strip(), date=time.strftime("%Y-%m-%d %H:%M"),
-                steps=args.steps, warmup=args.warmup, threads=args.threads, watts=args.watts,
+                optimizer=args.optimizer, steps=args.steps, warmup=args.warmup, threads=args.threads, watts=args.watts,
                 weight_reader=bool(args.weight_reader))
     cells: list[CellResult] = []
     for model in args.models:

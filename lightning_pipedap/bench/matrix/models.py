@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Optional
 
 import lightning.pytorch as pl
 import torch
@@ -86,22 +86,59 @@ def build_net(model: str, size: str, options: dict | None = None) -> tuple[nn.Mo
     return _BUILDERS[model](PRESETS[model][size])
 
 
+#: ``--optimizer`` choices -> (class, default keyword arguments): ``sgd`` (the matrix's optimizer since the start:
+#: SGD with momentum 0.9, lr 0.01) and ``adam`` (``torch.optim.Adam``, lr 1e-3: two fp32 state tensors per
+#: parameter, the optimizer whose state and step the sharded optimizer step divides by N)
+OPTIMIZERS: dict[str, tuple[type, dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, {"lr": 0.01, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 1e-3}),
+}
+DEFAULT_OPTIMIZER = "sgd"
+
+
+def check_optimizer(name: str) -> str:
+    """``name`` if it is an :data:`OPTIMIZERS` key.
+
+    Raises:
+        ValueError: an unknown name, naming the valid ones.
+    """
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r}; valid: {', '.join(OPTIMIZERS)}")
+    return name
+
+
+def make_optimizer(name: str, params: Iterable[torch.Tensor], lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """The :data:`OPTIMIZERS` optimizer ``name`` over ``params`` (``lr``: None = the optimizer's default there).
+
+    Raises:
+        ValueError: an unknown name, naming the valid ones.
+    """
+    cls, kwargs = OPTIMIZERS[check_optimizer(name)]
+    return cls(params, **dict(kwargs, **({} if lr is None else {"lr": lr})))
+
+
 class BenchModule(pl.LightningModule):
-    """A lean LightningModule around a network: cross-entropy loss, SGD (momentum 0.9), no logging;
-    ``configure_model`` applies FSDP2 ``fully_shard(reshard_after_forward=False)`` to each of ``units`` and
-    then to the network when the trainer's strategy is Lightning's ``ModelParallelStrategy``.
+    """A lean LightningModule around a network: cross-entropy loss, one optimizer of :data:`OPTIMIZERS` (SGD with
+    momentum 0.9 by default), no logging; ``configure_model`` applies FSDP2 ``fully_shard(reshard_after_forward=False)``
+    to each of ``units`` and then to the network when the trainer's strategy is Lightning's ``ModelParallelStrategy``.
 
     Args:
         net: the network (``net(inputs)`` -> logits, last dimension = classes).
         units: the modules FSDP2 shards one by one (kept as a plain list, not registered twice).
-        lr: SGD learning rate.
+        lr: learning rate; None = the optimizer's default in :data:`OPTIMIZERS`.
+        optimizer: an :data:`OPTIMIZERS` name.
+
+    Raises:
+        ValueError: an unknown optimizer, naming the valid ones.
     """
 
-    def __init__(self, net: nn.Module, units: list, lr: float = 0.01) -> None:
+    def __init__(self, net: nn.Module, units: list, lr: Optional[float] = None,
+                 optimizer: str = DEFAULT_OPTIMIZER) -> None:
         super().__init__()
         self.net = net
         self._units = list(units)
         self._lr = lr
+        self.optimizer_name = check_optimizer(optimizer)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -121,18 +158,19 @@ class BenchModule(pl.LightningModule):
         fully_shard(self.net, mesh=mesh, reshard_after_forward=False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self._lr, momentum=0.9)
+        return make_optimizer(self.optimizer_name, self.parameters(), self._lr)
 
 
-def make_module(model: str, size: str, lr: float = 0.01, options: dict | None = None) -> BenchModule:
+def make_module(model: str, size: str, lr: Optional[float] = None, options: dict | None = None,
+                optimizer: str = DEFAULT_OPTIMIZER) -> BenchModule:
     """:class:`BenchModule` around :func:`build_net`'s network of the preset (or of ``options`` for
-    :data:`REPLAY_MODEL`).
+    :data:`REPLAY_MODEL`), training with ``optimizer`` (an :data:`OPTIMIZERS` name; ``lr`` None = its default).
 
     Raises:
-        ValueError: unknown model or size.
+        ValueError: unknown model, size or optimizer.
     """
     net, units, _ = build_net(model, size, options)
-    return BenchModule(net, units, lr)
+    return BenchModule(net, units, lr, optimizer)
 
 
 def first_layer_numel(net: nn.Module) -> int:

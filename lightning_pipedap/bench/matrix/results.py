@@ -46,6 +46,8 @@ class VariantResult:
             looking at noise and at the warm-up phases (trace, profile, trials).
         installed: pipedap: the name of the schedule installed at the end (``what_ran()["installed"]["name"]``:
             ``"torch_ddp"`` when measured selection handed the model to DDP's own reducer); ``""`` otherwise.
+        optimizer: the class name of the optimizer the variant trained with (``"SGD"``, ``"Adam"``; the matrix's
+            ``--optimizer``), ``""`` in results written without it.
     """
 
     name: str
@@ -66,6 +68,7 @@ class VariantResult:
     predictions: dict = field(default_factory=dict)
     all_steps_ms: list = field(default_factory=list)
     installed: str = ""
+    optimizer: str = ""
 
     @property
     def installed_name(self) -> str:

@@ -52,6 +52,9 @@ MARGIN_SUFFIX = "@margin"
 CLIP_SUFFIX = "@clip"
 #: the strategies a ``@clip<max_norm>`` suffix is accepted on besides the uncompressed pipedap variants
 CLIP_BASES = ("ddp",)
+#: ``pipedap-...@shard``: ``PipeDAPStrategy(shard_optimizer=True)`` (each rank steps its 1/N shard of every bucket
+#: between the reduce-scatter and the all-gather of the updated parameters; docs/SHARDING.md)
+SHARD_SUFFIX = "@shard"
 #: the strategy's fixed schedules (no planning, so no partitioning)
 FIXED_SCHEDULES = ("allreduce", "dear")
 #: ``pipedap-...@fp16`` / ``@bf16``: ``PipeDAPStrategy(wire_dtype=...)`` (16-bit wire format of the ring)
@@ -116,6 +119,7 @@ class StrategySpec:
         torch_ddp_margin: pipedap's ``torch_ddp_margin`` (``@margin<percent>`` suffix), None = the default.
         clip: the Trainer's ``gradient_clip_val`` with ``gradient_clip_algorithm="norm"`` (``@clip<max_norm>``
             suffix), None = no clipping.
+        shard: pipedap's ``shard_optimizer=True`` (``@shard`` suffix), False = unsharded (the default).
     """
 
     name: str
@@ -128,6 +132,7 @@ class StrategySpec:
     partition_mb: Optional[float] = None
     torch_ddp_margin: Optional[float] = None
     clip: Optional[float] = None
+    shard: bool = False
 
     @property
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -157,7 +162,8 @@ def strategy_forms() -> str:
             f"{NICE_SUFFIX}<N> (train_thread_nice=N, 1..19) and an uncompressed one in {' or '.join(WIRE_SUFFIXES)} "
             f"(wire_dtype) or {PART_SUFFIX}<MiB> (partition_mb: split layers larger than that), and a planned "
             f"uncompressed fp32 one in {MARGIN_SUFFIX}<percent> (torch_ddp_margin, 0..99); "
-            f"{', '.join(CLIP_BASES)} and any "
+            f"any uncompressed pipedap name may end in {SHARD_SUFFIX} (shard_optimizer=True; not with "
+            f"{PART_SUFFIX}); {', '.join(CLIP_BASES)} and any "
             f"uncompressed pipedap name may end in {CLIP_SUFFIX}<max_norm> (Trainer gradient_clip_val=max_norm, "
             "algorithm norm), e.g. ddp@clip1")
 
@@ -170,7 +176,9 @@ def parse_strategy(name: str) -> StrategySpec:
     ``pipedap-optimal@fp16@nice5``, ``pipedap-optimal@part1``; a planned, uncompressed fp32 one by
     ``@margin<percent>`` (``torch_ddp_margin``), e.g. ``pipedap-optimal@margin5``. ``ddp`` and every uncompressed
     pipedap form may end in ``@clip<max_norm>`` (``Trainer(gradient_clip_val=max_norm,
-    gradient_clip_algorithm="norm")``), e.g. ``ddp@clip1``, ``pipedap-dear@clip1``, ``pipedap-optimal@fp16@clip0.5``.
+    gradient_clip_algorithm="norm")``), e.g. ``ddp@clip1``, ``pipedap-dear@clip1``, ``pipedap-optimal@fp16@clip0.5``;
+    every uncompressed pipedap form without ``@part`` by ``@shard`` (``shard_optimizer=True``), e.g.
+    ``pipedap-optimal@shard``, ``pipedap-optimal@fp16@shard``.
 
     Raises:
         ValueError: an unknown name, schedule, compressor or suffix; the message names the bad part
@@ -186,8 +194,11 @@ def parse_strategy(name: str) -> StrategySpec:
     if not name.startswith(PIPEDAP_PREFIX):
         raise ValueError(f"unknown strategy {name!r}; valid: {strategy_forms()} (or 'all')")
     rest, *suffixes = name[len(PIPEDAP_PREFIX):].split("@")
-    nice, wire, part, margin, clip = 0, "fp32", None, None, None
+    nice, wire, part, margin, clip, shard = 0, "fp32", None, None, None, False
     for text in suffixes:
+        if "@" + text == SHARD_SUFFIX and not shard:
+            shard = True
+            continue
         if ("@" + text).startswith(CLIP_SUFFIX) and clip is None:
             clip = _clip_value(name, text[len(CLIP_SUFFIX) - 1:])
             continue
@@ -209,7 +220,7 @@ def parse_strategy(name: str) -> StrategySpec:
         if not digits.isdigit() or not 1 <= int(digits) <= 19:
             raise ValueError(f"bad suffix {'@' + text!r} in strategy {name!r}; "
                              f"valid: {NICE_SUFFIX}<N> with N in 1..19, "
-                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, "
+                             f"{', '.join(WIRE_SUFFIXES)}, {PART_SUFFIX}<MiB> with MiB > 0, {SHARD_SUFFIX}, "
                              f"{CLIP_SUFFIX}<max_norm> with "
                              f"max_norm > 0, {MARGIN_SUFFIX}<percent> with percent in 0..99 (each at most once)")
         nice = int(digits)
@@ -229,8 +240,14 @@ def parse_strategy(name: str) -> StrategySpec:
         raise ValueError(f"strategy {name!r}: {CLIP_SUFFIX}<max_norm> needs {' or '.join(CLIP_BASES)} or an "
                          "uncompressed "
                          "pipedap variant (the clip measurement covers the uncompressed engine only)")
+    if shard and spec.compressor is not None:
+        raise ValueError(f"strategy {name!r}: {SHARD_SUFFIX} needs an uncompressed pipedap variant (the strategy steps "
+                         "a compressed bucket unsharded, so the variant would not be the sharded step it names)")
+    if shard and part is not None:
+        raise ValueError(f"strategy {name!r}: {SHARD_SUFFIX} and {PART_SUFFIX}<MiB> exclude each other (partition_mb "
+                         "is not planned with shard_optimizer=True: the buckets would hold whole parameters)")
     return StrategySpec(spec.name, spec.family, spec.schedule, spec.compressor, spec.mode, nice, wire, part, margin,
-                        clip)
+                        clip, shard)
 
 
 def _parse_clipped_base(name: str, base: str, tail: str) -> StrategySpec:
@@ -333,12 +350,14 @@ def all_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[st
 def valid_strategies(compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> tuple[str, ...]:
     """:func:`all_strategies` plus the inline forms ``pipedap-optimal+<c>:inline``, the 16-bit wire forms
     ``pipedap-optimal@fp16`` / ``@bf16`` and the clip-by-norm forms ``ddp@clip1``, ``pipedap-dear@clip1``,
-    ``pipedap-optimal@clip1`` (for ``--list``; any other ``pipedap-<schedule>+<compressor>[:inline]``,
-    ``pipedap-<schedule>@fp16`` or ``...@clip<max_norm>`` is accepted too, see :func:`parse_strategy`)."""
+    ``pipedap-optimal@clip1`` and the sharded optimizer step ``pipedap-optimal@shard`` (for ``--list``; any other
+    ``pipedap-<schedule>+<compressor>[:inline]``, ``pipedap-<schedule>@fp16``, ``...@clip<max_norm>`` or
+    uncompressed ``...@shard`` is accepted too, see :func:`parse_strategy`)."""
     return (all_strategies(compressors)
             + tuple(f"{DEFAULT_PIPEDAP}{COMPRESS_SEP}{c}{INLINE_SUFFIX}" for c in compressors)
             + tuple(DEFAULT_PIPEDAP + w for w in WIRE_SUFFIXES)
-            + tuple(f"{n}{CLIP_SUFFIX}1" for n in (*CLIP_BASES, PIPEDAP_PREFIX + "dear", DEFAULT_PIPEDAP)))
+            + tuple(f"{n}{CLIP_SUFFIX}1" for n in (*CLIP_BASES, PIPEDAP_PREFIX + "dear", DEFAULT_PIPEDAP))
+            + (DEFAULT_PIPEDAP + SHARD_SUFFIX,))
 
 
 def parse_strategies(text: str, compressors: Sequence[str] = DEFAULT_COMPRESSORS) -> list[str]:

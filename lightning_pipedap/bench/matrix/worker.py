@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pipedap import PipeDAPStrategy
-from lightning_pipedap.bench.matrix.models import build_net, first_layer_numel, make_module
+from lightning_pipedap.bench.matrix.models import DEFAULT_OPTIMIZER, build_net, first_layer_numel, make_module
 from lightning_pipedap.bench.matrix.results import median_step_s, summarize_compression
 from lightning_pipedap.bench.matrix.spec import (COMPRESSOR_KWARGS, DDP_HOOKS, PLAN_TRIALS, POWERSGD_ONE_BUCKET_MB,
                                                  POWERSGD_RANK, POWERSGD_START, QUICK_DDP_WARMUP, TRIAL_ROUNDS,
@@ -80,6 +80,8 @@ class StepTimer(pl.Callback):
         self.records: list = []
         self.rounds: list[tuple[int, int, Any]] = []
         self._last: dict[int, Any] = {}
+        #: class name of the trainer's (first) optimizer, read at the start of training ("" before)
+        self.optimizer = ""
 
     def _stamp(self) -> None:
         self.starts.append(time.perf_counter())
@@ -98,6 +100,9 @@ class StepTimer(pl.Callback):
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._sample(trainer, len(self.starts) - 2)  # rounds finished now belong to the previous step
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.optimizer = type(trainer.optimizers[0]).__name__ if trainer.optimizers else ""
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self._stamp()
@@ -204,7 +209,8 @@ def _fit(spec: dict, strategy: Any, ds: TensorDataset, steps: int, devices_kw: d
     """``Trainer.fit`` of the spec's model for ``steps`` steps on ``strategy`` (``trainer_kw``: extra ``Trainer``
     arguments, e.g. a variant's clipping); returns its timer."""
     pl.seed_everything(0, verbose=False)
-    module = make_module(spec["model"], spec["size"], options=spec.get("model_options"))
+    module = make_module(spec["model"], spec["size"], options=spec.get("model_options"),
+                         optimizer=spec.get("optimizer", DEFAULT_OPTIMIZER))
     timer = _make_timer(spec["watts"])
     callbacks: list[pl.Callback] = [timer]
     if spec.get("weight_reader"):
@@ -244,6 +250,8 @@ def _make_strategy(spec: dict, name: str, world: int, bucket_mb: Optional[float]
         comp["partition_mb"] = sp.partition_mb
     if sp.torch_ddp_margin is not None:
         comp["torch_ddp_margin"] = sp.torch_ddp_margin
+    if sp.shard:
+        comp["shard_optimizer"] = True
     strategy = PipeDAPStrategy(schedule=sp.schedule, replan_every=10**6, train_thread_nice=sp.nice, wire_dtype=sp.wire,
                                plan_trials=plan_trials(name, spec.get("plan_trials", PLAN_TRIALS)),
                                trial_steps=trial_steps, trial_rounds=spec.get("trial_rounds", TRIAL_ROUNDS),
@@ -273,6 +281,7 @@ def _run_variant(spec: dict, name: str, ds: TensorDataset, world: int, bucket_mb
     med, n = median_step_s(timer.starts, warmup)
     energy = (timer.joules[-1] - timer.joules[warmup]) / n
     out: dict[str, Any] = {"name": name, "iter_s": med, "steps": n, "energy_J": energy, "compression": sp.compression,
+                           "optimizer": timer.optimizer,
                            "all_steps_ms": [round((b - a) * 1e3, 1)
                                             for a, b in zip(timer.starts[:-1], timer.starts[1:])]}
     if not isinstance(strategy, PipeDAPStrategy):
@@ -394,7 +403,8 @@ def worker(spec: dict) -> dict:
 
     ``spec`` keys: model, size, model_options (:data:`~lightning_pipedap.bench.matrix.models.REPLAY_MODEL`
     only), batch, steps, warmup, strategies, ddp_bucket_mb (list of MiB), sweep_steps, repeats, threads, watts,
-    timeline, link, timeline_dir (and quick, trial_steps, plan_trials, weight_reader). With ``repeats > 1`` each
+    timeline, link, timeline_dir (and quick, trial_steps, plan_trials, weight_reader, optimizer: an
+    :data:`~lightning_pipedap.bench.matrix.models.OPTIMIZERS` name, default sgd). With ``repeats > 1`` each
     strategy keeps its run with the lowest median (noise on a shared machine only adds time). Runs inside
     :func:`quiet_worker`. Any error propagates: the peers then fail or time out, and the driver reports the rank's
     output.

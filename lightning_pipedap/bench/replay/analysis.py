@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from lightning_pipedap.bench.matrix.report import _ms, _x
-from lightning_pipedap.bench.matrix.results import CellResult
+from lightning_pipedap.bench.matrix.results import CellResult, installed_note
 from lightning_pipedap.bench.matrix.spec import (BASE_STRATEGIES, COMPRESS_SEP, DDP_HOOKS, DEFAULT_PIPEDAP,
                                                  PIPEDAP_PREFIX, REFERENCE, WIRE_SUFFIXES)
 from lightning_pipedap.bench.replay.cells import ReplayCell
@@ -58,6 +58,8 @@ class VariantVerdict:
         to_bound: this time / the window bound.
         predicted_s: the planner's prediction (pipedap variants), s.
         sim_error: ``predicted / measured - 1`` (``None`` without a prediction).
+        note: ``" (torch_ddp: DDP's reducer)"`` when measured selection installed DDP's reducer (then neither the
+            time nor the prediction is a pipedap schedule's, nor, for ``@shard``, a sharded step's), else ``""``.
     """
 
     name: str
@@ -68,6 +70,7 @@ class VariantVerdict:
     to_bound: float
     predicted_s: Optional[float]
     sim_error: Optional[float]
+    note: str = ""
 
 
 @dataclass(frozen=True)
@@ -124,7 +127,7 @@ def judge(setup: ReplayCell, result: CellResult, run: str = "") -> CellVerdict:
         out.append(VariantVerdict(
             v.name, v.iter_s, ref.iter_s / v.iter_s if ref else None, best.iter_s / v.iter_s if best else None,
             best.name if best else None, v.iter_s / bound, v.predicted_s,
-            v.predicted_s / v.iter_s - 1 if v.predicted_s else None))
+            v.predicted_s / v.iter_s - 1 if v.predicted_s else None, installed_note(v)))
     return CellVerdict(setup, result, bound, result.comm_s < result.compute_s, best_all.name if best_all else None,
                        tuple(out), run)
 
@@ -155,8 +158,8 @@ def variants_table(cells: Sequence[CellVerdict]) -> str:
         for v in c.variants:
             err = "–" if v.sim_error is None else f"{v.sim_error * 100:+.0f}%"
             vb = "–" if v.vs_best_baseline is None else f"{v.vs_best_baseline:.2f} ({v.best_baseline})"
-            rows.append(f"| {_label(c)} | {v.name} | {_ms(v.iter_s)} | {_x(v.vs_ddp)} | {vb} | {_x(v.to_bound)} "
-                        f"| {_ms(v.predicted_s)} | {err} |")
+            rows.append(f"| {_label(c)} | {v.name}{v.note} | {_ms(v.iter_s)} | {_x(v.vs_ddp)} | {vb} "
+                        f"| {_x(v.to_bound)} | {_ms(v.predicted_s)} | {err} |")
     return "\n".join(rows)
 
 

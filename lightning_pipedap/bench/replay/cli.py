@@ -25,7 +25,7 @@ from dataclasses import asdict
 from typing import Optional, Sequence
 
 from lightning_pipedap.bench.matrix.args import parse_bucket_list, parse_choice_list, parse_ranks
-from lightning_pipedap.bench.matrix.models import REPLAY_MODEL
+from lightning_pipedap.bench.matrix.models import DEFAULT_OPTIMIZER, OPTIMIZERS, REPLAY_MODEL, check_optimizer
 from lightning_pipedap.bench.matrix.report import machine_description, write_chart
 from lightning_pipedap.bench.matrix.results import CellResult
 from lightning_pipedap.bench.matrix.spec import (DEFAULT_PIPEDAP, PLAN_TRIALS, QUICK_PLAN_TRIALS, QUICK_TRIAL_ROUNDS,
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--target-mb", type=float, default=TARGET_MB,
                     help="gradient MB of a replayed model (sizes and times scaled by target / real size, at most 1)")
     ap.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma list of matrix strategy names")
+    ap.add_argument("--optimizer", default=DEFAULT_OPTIMIZER,
+                    help=f"optimizer of every variant: {', '.join(OPTIMIZERS)} (a real step over the sleep "
+                         "model's real parameters; the published profiles hold no optimizer time, t_update = 0)")
     ap.add_argument("--steps", type=int, default=12, help="measured steps per variant")
     ap.add_argument("--warmup", type=int, default=6, help="warm-up steps per variant (>= 5 for pipedap)")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved rounds over the variants (fastest median kept)")
@@ -87,6 +90,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.ranks = parse_ranks(args.ranks)
         args.strategies = parse_strategies(args.strategies)
         args.ddp_bucket_mb = parse_bucket_list(args.ddp_bucket_mb)
+        check_optimizer(args.optimizer)
         target_ratio(args.profiles[0], args.ranks[0], args.ratio)
         if args.quick:
             for k, v in QUICK.items():
@@ -120,7 +124,8 @@ def matrix_args(args: argparse.Namespace, setup: ReplayCell) -> argparse.Namespa
         ddp_bucket_mb=list(args.ddp_bucket_mb), sweep_steps=4, repeats=args.repeats, quick=False,
         threads=1, watts=10.0, timeline=True, weight_reader=False, timeline_dir=None,
         cell_timeout_s=args.cell_timeout_s, model_options=asdict(setup.options), trial_steps=args.trial_steps,
-        plan_trials=args.plan_trials, trial_rounds=args.trial_rounds)
+        plan_trials=args.plan_trials, trial_rounds=args.trial_rounds,
+        optimizer=getattr(args, "optimizer", DEFAULT_OPTIMIZER))
 
 
 def run_replay_cell(setup: ReplayCell, args: argparse.Namespace) -> CellResult:
@@ -142,7 +147,7 @@ def format_cell(c: CellVerdict) -> str:
         err = "" if v.sim_error is None else f" predicted {v.predicted_s * 1e3:.0f} ms ({v.sim_error * 100:+.0f}%)"
         lines.append(f"  {v.name:22s} {v.iter_s * 1e3:7.0f} ms  "
                      f"x ddp {'   –' if v.vs_ddp is None else f'{v.vs_ddp:.2f}'}  "
-                     f"/bound {v.to_bound:.2f}{err}")
+                     f"/bound {v.to_bound:.2f}{err}{v.note}")
     return "\n".join(lines)
 
 
@@ -238,7 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"testbed unavailable: {why}", file=sys.stderr)
         return 2
     cmd = (PROG + " " + " ".join(sys.argv[1:] if argv is None else argv)).strip()
-    meta = dict(machine=machine_description(), commands=[cmd], date=time.strftime("%Y-%m-%d %H:%M"))
+    meta = dict(machine=machine_description(), commands=[cmd], date=time.strftime("%Y-%m-%d %H:%M"),
+                optimizer=args.optimizer)
     cells: list[CellVerdict] = []
     for profile in args.profiles:
         for ranks in args.ranks:
