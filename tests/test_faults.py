@@ -359,3 +359,15 @@ def test_uneven_inputs_under_ddps_reducer_stop_the_rank_left_alone_with_a_named_
     assert "PeerLostError: pipedap: rank 0: " in text and "rank 1: left the fit" in text, text[-3000:]
     assert "the ranks expect different numbers of optimizer steps (rank 0: 400, rank 1: 45)" in text, text[-3000:]
     _assert_no_abort(j, codes)
+
+
+def test_uneven_inputs_with_shard_optimizer_are_refused_at_the_first_step_on_every_rank(job):
+    """The end of a sharded fit gathers from every rank, so the rank that runs out first cannot leave alone (it waited
+    wait_timeout_s: a fresh-user finding): the different step counts are refused at the fit's start, named."""
+    j = job("uneven", 1, at=10, batches=40, shard_optimizer="true")
+    codes = j.wait()
+    assert None not in codes and all(c != 0 for c in codes), (codes, j.output()[-3000:])
+    for r in range(2):
+        assert "ValueError: pipedap: the ranks expect different numbers of optimizer steps (rank 0: 40, rank 1: " \
+               "10): uneven inputs, which shard_optimizer cannot finish" in j.output(r), j.output(r)[-3000:]
+    _assert_no_abort(j, codes)

@@ -265,7 +265,7 @@ class PipeDAPStrategy(BackwardHooks, FlushPoints, CheckpointHooks, RunResults, C
             trainer = self.lightning_module.trainer
             total = trainer.estimated_stepping_batches
             self._rt.controller.set_total_steps(agreed_total_steps(total - trainer.global_step if math.isfinite(total)
-                                                                   else None))
+                                                                   else None, bool(self._rt.slot.shard_mode)))
 
     # ------------------------------------------------------------------ hooks on parameters and modules
     def _on_grad_ready(self, p: Tensor) -> None:

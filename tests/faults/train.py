@@ -6,8 +6,8 @@ the others 40), ``mismatch`` (FAULT_RANK's model is wider), ``mismatch_compressi
 top-k with ``ratio=0.02``, the others ``0.01``), ``nan`` (FAULT_RANK's gradient of the parameter ``extra``
 holds NaN and inf at step ``at``), ``perturb`` (FAULT_RANK adds 1 to ``net.0.weight[0, 0]`` after step
 ``at``). Signals are sent by the test from outside, after the rank has written ``step.<rank>`` >= ``at``.
-``nonfinite=``, ``defer=`` (auto/true/false), ``check_params=``, ``torch_ddp_margin=`` and ``startup_budget=``
-(a number or ``none``) set the strategy options of
+``nonfinite=``, ``defer=`` (auto/true/false), ``check_params=``, ``torch_ddp_margin=``, ``startup_budget=``
+(a number or ``none``) and ``shard_optimizer=true`` set the strategy options of
 those names; ``schedule=`` (default ``dear``). ``resignal=1``: the process sends itself SIGTERM again in the last
 callback's ``on_exception`` (while the fit stops) and after ``fit`` returns or raises (after the strategy's teardown).
 ``launch=lightning`` (default): Lightning's
@@ -118,6 +118,8 @@ def main() -> None:
     defer = {"auto": "auto", "true": True, "false": False}[OPTS.get("defer", "auto")]
     check = int(OPTS["check_params"]) if "check_params" in OPTS else None
     extra = {"torch_ddp_margin": float(OPTS["torch_ddp_margin"])} if "torch_ddp_margin" in OPTS else {}
+    if OPTS.get("shard_optimizer") == "true":
+        extra["shard_optimizer"] = True
     if "startup_budget" in OPTS:  # ("none": no budget, every trial window measured)
         extra["startup_budget"] = None if OPTS["startup_budget"] == "none" else float(OPTS["startup_budget"])
     strategy = PipeDAPStrategy(schedule=OPTS.get("schedule", "dear"), wait_timeout_s=TIMEOUT, compression=compression,
