@@ -93,8 +93,9 @@ def patch_planning() -> Any:
 
     real = Planning.plan
 
-    def plan(self: Any, model_name: str, layer_names: list[str], params: list[torch.Tensor], engine: Any) -> Any:
-        schedules, no_overlap = real(self, model_name, layer_names, params, engine)
+    def plan(self: Any, model_name: str, layer_names: list[str], params: list[torch.Tensor], engine: Any,
+             *args: Any) -> Any:
+        schedules, no_overlap = real(self, model_name, layer_names, params, engine, *args)
         OPS["plans"] += 1
         numels = [p.numel() for p in params]
         big = numels.index(16) if OPS["split"] == "extra" else None
