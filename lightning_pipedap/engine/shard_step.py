@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
-from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient
+from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient, step_on
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "WHOLE_TENSOR_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer",
            "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
@@ -288,10 +288,7 @@ class ShardedOptimizer:
         if not any(g["params"] for g in rest):
             return 0.0
         t0 = time.perf_counter()
-        view = object.__new__(type(self.optimizer))
-        view.__dict__.update(self.optimizer.__dict__)
-        view.param_groups = [g for g in rest if g["params"]]
-        type(self.optimizer).step(view)
+        step_on(self.optimizer, [g for g in rest if g["params"]])
         return time.perf_counter() - t0
 
     def state_nbytes(self) -> int:
@@ -513,13 +510,9 @@ class ShardedOptimizer:
                 per_group.append(dict(hparams[gi], params=plist))
         if not per_group:
             return
-        view = object.__new__(type(self.optimizer))
-        view.__dict__.update(self.optimizer.__dict__)
-        view.param_groups = per_group
-        view.state = self.state
         try:
             with torch.no_grad():
-                type(self.optimizer).step(view)
+                step_on(self.optimizer, per_group, self.state)
         finally:
             for s in stepped:
                 s.tensor.grad = None

@@ -212,13 +212,22 @@ class BucketOptimizer:
             per_group.setdefault(gi, []).append(p)
         try:
             if per_group:
-                view = object.__new__(type(self.optimizer))
-                view.__dict__.update(self.optimizer.__dict__)
-                view.param_groups = [dict(hparams[gi], params=plist) for gi, plist in sorted(per_group.items())]
-                type(self.optimizer).step(view)
+                step_on(self.optimizer, [dict(hparams[gi], params=plist) for gi, plist in sorted(per_group.items())])
         finally:
             for p, g in saved:
                 p.grad = g
+
+
+def step_on(optimizer: Optimizer, param_groups: list[dict[str, Any]], state: Optional[dict] = None) -> None:
+    """Run ``optimizer``'s class ``step`` on a shallow view of it whose ``param_groups`` are ``param_groups`` (and whose
+    ``state`` is ``state`` when given; the optimizer's own otherwise): a step of some parameters only, with the
+    optimizer's defaults, hooks and (shared) state."""
+    view = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.param_groups = param_groups
+    if state is not None:
+        view.state = state
+    type(optimizer).step(view)
 
 
 def _write_flat(grad: torch.Tensor, start: int, stop: int, piece: torch.Tensor) -> None:
