@@ -7,6 +7,7 @@
 Without a CUDA device (and without ``--device cpu``) it prints one SKIP line per check and exits 0 (CI).
 Output: ``<check> PASS|FAIL|EXPECTED|SKIP <detail>`` per check, then ``GPU CHECK OK`` (no FAIL) or
 ``GPU CHECK FAILED``; exit status 0 or 1. docs/gpu_check.md says how to run it and what a run showed.
+``GPU_CHECK_LOGS=DIR`` keeps each rank process's whole output in DIR (``<backend><world>_rank<r>.log``).
 
 Checks (one GPU cannot host two NCCL ranks, so):
 
@@ -15,7 +16,7 @@ Checks (one GPU cannot host two NCCL ranks, so):
   refused with its documented error: the expected result while docs/GPU.md's transport is unverified);
 * 2 processes sharing the one GPU over gloo with CUDA tensors (``LOCAL_RANK=0``, ``NODE_RANK=r``, two "nodes"):
   ``parity_fp32`` (``strategy="pipedap"`` with the DeAR schedule vs ``"ddp"``, <= 1e-6, deferred updates landed in
-  the forward), ``parity_bf16`` (``precision="bf16-mixed"``), ``compile`` (a ``torch.compile``d model),
+  the forward), ``parity_shard`` (the same with ``shard_optimizer=True``), ``parity_bf16`` (``precision="bf16-mixed"``), ``compile`` (a ``torch.compile``d model),
   ``transformer`` (nanoGPT from tests/realworld_models.py), ``peak_memory`` (``max_memory_allocated`` pipedap vs
   ddp), ``trace`` (the Chrome trace of CommTimeline holds the engine's ops);
 * 1 process with an NCCL group: ``nccl_engine`` (the engine's CUDA path: comm stream, events, deferred per-bucket
@@ -50,7 +51,7 @@ FP32_TOL = 1e-6
 #: bf16-mixed parity bound: autocast matmuls round to bf16 the same way in both strategies; the reductions are fp32
 BF16_TOL = 1e-5
 MAIN_CHECKS = ("streams", "energy", "compression")
-PAIR_CHECKS = ("parity_fp32", "parity_bf16", "compile", "transformer", "peak_memory", "trace")
+PAIR_CHECKS = ("parity_fp32", "parity_shard", "parity_bf16", "compile", "transformer", "peak_memory", "trace")
 SOLO_CHECKS = ("nccl_engine", "nccl_parity")
 ALL_CHECKS = MAIN_CHECKS + PAIR_CHECKS + SOLO_CHECKS
 
@@ -156,14 +157,14 @@ class _Ctx:
 
 
 def _parity(ctx: _Ctx, model: str, model_kw: dict, tol: float, deferred: bool = True,
-            **trainer_kw: Any) -> tuple[str, dict]:
+            strategy_kw: dict | None = None, **trainer_kw: Any) -> tuple[str, dict]:
     """DDP then pipedap (DeAR schedule) on the same model and data; ``deferred``: updates must land in forwards."""
     from tests import parity_cases as P
 
     ctx.peak()
     ref = P.train(model, model_kw, ctx.trainer_kw(**trainer_kw), ctx.ddp(), epochs=ctx.epochs)
     ddp_mib = ctx.peak()
-    strategy = ctx.pipedap()
+    strategy = ctx.pipedap(**(strategy_kw or {}))
     out = P.train(model, model_kw, ctx.trainer_kw(**trainer_kw), strategy, epochs=ctx.epochs)
     pipedap_mib = ctx.peak()
     diff = P.max_diff(out, ref)
@@ -194,6 +195,13 @@ def rank_parity_fp32(ctx: _Ctx, box: dict) -> str:
     line, mem = _parity(ctx, "mlp", {"opt": "adamw", "sched": "step"}, FP32_TOL)
     box["memory"] = mem
     return line
+
+
+def rank_parity_shard(ctx: _Ctx, box: dict) -> str:
+    line, mem = _parity(ctx, "mlp", {"opt": "adamw", "sched": "step"}, FP32_TOL,
+                        strategy_kw={"shard_optimizer": True})
+    return (f"shard_optimizer=True (AdamW): {line}; max_memory_allocated {mem['pipedap_mib']:.1f} MiB "
+            f"(ddp {mem['ddp_mib']:.1f})")
 
 
 def rank_parity_bf16(ctx: _Ctx, box: dict) -> str:
@@ -311,7 +319,7 @@ def rank_nccl_parity(ctx: _Ctx, box: dict) -> str:
 
 
 RANK_FNS: dict[str, Callable[[_Ctx, dict], str]] = {
-    "parity_fp32": rank_parity_fp32, "parity_bf16": rank_parity_bf16, "compile": rank_compile,
+    "parity_fp32": rank_parity_fp32, "parity_shard": rank_parity_shard, "parity_bf16": rank_parity_bf16, "compile": rank_compile,
     "transformer": rank_transformer, "peak_memory": rank_peak_memory, "trace": rank_trace,
     "nccl_engine": rank_nccl_engine, "nccl_parity": rank_nccl_parity}
 
@@ -378,8 +386,12 @@ def launch(checks: list[str], device: str, backend: str, world: int, budget_s: f
         results = json.loads(out.read_text()) if out.exists() else {}
         logs[0].seek(0)
         tail = " | ".join(logs[0].read().strip().splitlines()[-3:])[-400:]
-        for log in logs:
+        keep = os.environ.get("GPU_CHECK_LOGS")  # a folder that keeps every rank's whole output (the device run's $OUT)
+        for r, log in enumerate(logs):
             log.close()
+            if keep:
+                Path(keep).mkdir(parents=True, exist_ok=True)
+                Path(keep, f"{backend}{world}_rank{r}.log").write_bytes(Path(log.name).read_bytes())
     for name in checks:
         results.setdefault(name, ["FAIL", f"no result ({why or 'rank 0 stopped'}): {tail}", 0.0])
     return results
