@@ -16,7 +16,8 @@ Checks (one GPU cannot host two NCCL ranks, so):
   refused with its documented error: the expected result while docs/GPU.md's transport is unverified);
 * 2 processes sharing the one GPU over gloo with CUDA tensors (``LOCAL_RANK=0``, ``NODE_RANK=r``, two "nodes"):
   ``parity_fp32`` (``strategy="pipedap"`` with the DeAR schedule vs ``"ddp"``, <= 1e-6, deferred updates landed in
-  the forward), ``parity_shard`` (the same with ``shard_optimizer=True``), ``parity_bf16`` (``precision="bf16-mixed"``), ``compile`` (a ``torch.compile``d model),
+  the forward), ``parity_shard`` (the same with ``shard_optimizer=True``; this rank holds about 1/2 of the AdamW
+  state), ``parity_bf16`` (``precision="bf16-mixed"``), ``compile`` (a ``torch.compile``d model),
   ``transformer`` (nanoGPT from tests/realworld_models.py), ``peak_memory`` (``max_memory_allocated`` pipedap vs
   ddp), ``trace`` (the Chrome trace of CommTimeline holds the engine's ops);
 * 1 process with an NCCL group: ``nccl_engine`` (the engine's CUDA path: comm stream, events, deferred per-bucket
@@ -165,7 +166,8 @@ def _parity(ctx: _Ctx, model: str, model_kw: dict, tol: float, deferred: bool = 
     ref = P.train(model, model_kw, ctx.trainer_kw(**trainer_kw), ctx.ddp(), epochs=ctx.epochs)
     ddp_mib = ctx.peak()
     strategy = ctx.pipedap(**(strategy_kw or {}))
-    out = P.train(model, model_kw, ctx.trainer_kw(**trainer_kw), strategy, epochs=ctx.epochs)
+    state = _state_bytes()
+    out = P.train(model, model_kw, ctx.trainer_kw(**trainer_kw), strategy, epochs=ctx.epochs, callbacks=[state])
     pipedap_mib = ctx.peak()
     diff = P.max_diff(out, ref)
     landed = strategy.update_counts["forward"]
@@ -175,7 +177,26 @@ def _parity(ctx: _Ctx, model: str, model_kw: dict, tol: float, deferred: bool = 
     else:
         assert strategy.single_process, "expected one process (no run-time)"
     return (f"max |pipedap - ddp| = {diff:.2e} (<= {tol:.0e}), {landed} updates landed in forwards",
-            {"ddp_mib": ddp_mib, "pipedap_mib": pipedap_mib})
+            {"ddp_mib": ddp_mib, "pipedap_mib": pipedap_mib, "state_share": state.share})
+
+
+def _state_bytes() -> Any:
+    """An observer callback (reads no model value): ``.share`` is this rank's share of the AdamW state at the last
+    batch start, ``strategy.optimizer_state_nbytes`` over the bytes of a whole optimizer's ``exp_avg`` and
+    ``exp_avg_sq`` (fp32; the 0-d step counters aside)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StateBytes(Callback):
+        pipedap_reads_model = False
+        share = float("nan")
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step >= 2:
+                opt = trainer.optimizers[0]
+                whole = sum(p.numel() * 2 * 4 for g in opt.param_groups for p in g["params"])
+                self.share = trainer.strategy.optimizer_state_nbytes(opt) / whole
+
+    return StateBytes()
 
 
 def _fit_spec(ctx: _Ctx, build: Callable[[], Any], strategy: Any) -> dict:
@@ -200,8 +221,9 @@ def rank_parity_fp32(ctx: _Ctx, box: dict) -> str:
 def rank_parity_shard(ctx: _Ctx, box: dict) -> str:
     line, mem = _parity(ctx, "mlp", {"opt": "adamw", "sched": "step"}, FP32_TOL,
                         strategy_kw={"shard_optimizer": True})
-    return (f"shard_optimizer=True (AdamW): {line}; max_memory_allocated {mem['pipedap_mib']:.1f} MiB "
-            f"(ddp {mem['ddp_mib']:.1f})")
+    share = mem["state_share"]
+    assert share < 0.75, f"this rank holds {share:.2f} of the AdamW state (expected about 1/{ctx.world})"
+    return f"shard_optimizer=True (AdamW): {line}; this rank holds {share:.2f} of the optimizer state"
 
 
 def rank_parity_bf16(ctx: _Ctx, box: dict) -> str:
@@ -319,7 +341,8 @@ def rank_nccl_parity(ctx: _Ctx, box: dict) -> str:
 
 
 RANK_FNS: dict[str, Callable[[_Ctx, dict], str]] = {
-    "parity_fp32": rank_parity_fp32, "parity_shard": rank_parity_shard, "parity_bf16": rank_parity_bf16, "compile": rank_compile,
+    "parity_fp32": rank_parity_fp32, "parity_shard": rank_parity_shard, "parity_bf16": rank_parity_bf16,
+    "compile": rank_compile,
     "transformer": rank_transformer, "peak_memory": rank_peak_memory, "trace": rank_trace,
     "nccl_engine": rank_nccl_engine, "nccl_parity": rank_nccl_parity}
 

@@ -145,6 +145,16 @@ def _wire(buf: torch.Tensor, wire: Optional[torch.dtype]) -> Optional[torch.dtyp
     return wire
 
 
+def _host_staged(buf: torch.Tensor, comm: CommGroup, role: str) -> Optional[torch.Tensor]:
+    """A host copy of a device ``buf`` for the gloo ring (gloo's point-to-point ops take CPU tensors only: a CUDA
+    tensor's pointer handed to its TCP transport fails with ``writev ... Bad address``); None for a CPU ``buf``."""
+    if buf.device.type == "cpu":
+        return None
+    host = comm.scratch(role, buf.numel(), buf.dtype, torch.device("cpu"))
+    host.copy_(buf)
+    return host
+
+
 def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dtype] = None) -> torch.Tensor:
     """In-place ring reduce-scatter (sum) of a flat buffer.
 
@@ -174,6 +184,10 @@ def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torc
     """
     n, r = comm.world_size, comm.rank
     seg = buf.view(n, -1)
+    host = _host_staged(buf, comm, "rs_host") if n > 1 else None
+    if host is not None:  # a device tensor on gloo: the ring runs on a host copy, the own segment is copied back
+        seg[r].copy_(ring_reduce_scatter_(host, comm, wire))
+        return seg[r]
     wire = _wire(buf, wire)
     if n == 1:
         if wire is not None:
@@ -229,6 +243,9 @@ def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dt
     """
     n, r = comm.world_size, comm.rank
     seg = buf.view(n, -1)
+    host = _host_staged(buf, comm, "ag_host") if n > 1 else None
+    if host is not None:  # a device tensor on gloo: gathered on a host copy, copied back whole
+        return buf.copy_(ring_all_gather_(host, comm, wire))
     wire = _wire(buf, wire)
     if n == 1:
         if wire is not None:
