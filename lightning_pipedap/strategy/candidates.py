@@ -70,6 +70,8 @@ class CandidatePlanner:
         if self.shard_mode == "auto" and cfg.compression:
             self.info("pipedap: shard_optimizer='auto' with compression: unsharded (a compressed bucket is stepped "
                       "unsharded anyway)")
+        if self.shard_mode and self.sharding is not True:
+            self.info(describe_sharding(self.sharding, profile, self.world_size))
         schedule = planner(profile, self.cost_model, self.world_size, sharded=sharded)
         if wire16:
             fp32_s = schedule.predicted_iteration_s
@@ -231,3 +233,19 @@ class CandidatePlanner:
 def _r2(r2: Any) -> str:
     """R² for a log line: 4 decimals, or ``n/a``."""
     return f"{r2:.4f}" if isinstance(r2, (int, float)) else "n/a"
+
+
+def describe_sharding(sharding: Any, profile: Any, world_size: int) -> str:
+    """The log line of the sharded step's measured model: the land copy's rate (ns/B and ms per step) and, under
+    parameter ownership, the padding the layout adds with the whole model in one bucket (an upper bound's
+    illustration: the planned buckets are laid out each on its own)."""
+    from lightning_pipedap.plan.sharding import owned_buckets  # noqa: PLC0415
+
+    total = profile.total_bytes
+    line = (f"pipedap: sharded step's model: land copy {sharding.land_s_per_byte * 1e9:.3f} ns/B "
+            f"({sharding.land_s_per_byte * total * 1e3:.1f} ms per step, measured in the profiling steps)")
+    if sharding.owned is not None and profile.num_layers:
+        (ob,) = owned_buckets(sharding.owned, [tuple(range(profile.num_layers))], [True], world_size)
+        line += (f"; parameter ownership: {ob.padding:.1%} padding with one bucket, the slowest owner steps "
+                 f"{ob.step_share:.0%} of it (the planner models each bucket's padded RS/AG bytes)")
+    return line

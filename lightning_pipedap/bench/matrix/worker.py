@@ -186,7 +186,10 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
     c = strategy.contention
     if c is not None:
         lines.append(f"contention: communication {c.comm_slowdown:.2f} and compute {c.compute_slowdown:.2f} "
-                     "extra slowdown while they overlap")
+                     "extra slowdown while they overlap"
+                     + (f"; a sharded step {c.step_slowdown:.2f} and compute {c.compute_slowdown_step:.2f} while it "
+                        "runs" if getattr(c, "step_slowdown", 0.0) or getattr(c, "compute_slowdown_step", 0.0)
+                        else ""))
     if strategy.trial_results:
         lines.append("measured candidates (the medians the choice was made on): " + "; ".join(
             f"{t['name']} {t.get('deciding_s', t['measured_s']) * 1e3:.1f} ms"
