@@ -180,6 +180,11 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
         lines.append(f"predicted iteration {strategy.predicted_iteration_s * 1e3:.1f} ms")
     if strategy.no_overlap_time_s is not None:
         lines.append(f"no-overlap iteration {strategy.no_overlap_time_s * 1e3:.1f} ms")
+    prof = getattr(strategy, "profile", None)
+    if isinstance(prof, dict) and prof.get("layers"):
+        lines.append(f"profile: forward {sum(x['t_f'] for x in prof['layers']) * 1e3:.1f} ms, backward "
+                     f"{sum(x['t_b'] for x in prof['layers']) * 1e3:.1f} ms, update "
+                     f"{prof.get('t_update', 0.0) * 1e3:.1f} ms")
     if strategy.calibration_ratio != 1.0:
         lines.append(f"α-β model scaled by {strategy.calibration_ratio:.2f} (measured / predicted communication "
                      "of the profiling steps)")
