@@ -144,8 +144,7 @@ class RunEffects:
         layer_names = [names.get(id(slot.owners[layer[0]]), "<unused>") for layer in planning.layers]
         schedules, no_overlap = planning.plan(type(ctx.module).__name__, layer_names,
                                               [params[i] for i in slot.order], slot.engine, slot.shard_mode,
-                                              owner_costs=slot.owner_costs if slot.shard_owned else None,
-                                              owned=slot.shard_owned)
+                                              slot.owner_costs if slot.shard_owned else None, slot.shard_owned)
         fit.publish_predictions(planning.predictions)
         checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
         # a candidate switch happens in the optimizer step, after the earlier micro-batches of an accumulation
