@@ -221,3 +221,14 @@ def test_candidates_predict_sharded_plans_with_the_contention_model():
     assert cand.predicted_iteration_s == pytest.approx(want, rel=1e-12)
     assert want > simulate(prof, cm, cand, sharded=sh).iteration_s + 0.1
     assert planner.predictions[cand.name]["contended_s"] == pytest.approx(want, rel=1e-12)
+
+
+def test_the_sharded_models_log_line_names_the_land_rate_and_the_padding():
+    from lightning_pipedap.strategy.candidates import describe_sharding
+
+    prof = ModelProfile("o", (LayerProfile("l0", 400, 1.0, 1.0), LayerProfile("l1", 100, 1.0, 1.0)), t_update=1.0)
+    line = describe_sharding(Sharding(land_s_per_byte=2e-9), prof, 2)
+    assert "land copy 2.000 ns/B" in line and "0.0 ms per step" in line and "padding" not in line
+    owned = (((300, 300.0), (100, 100.0)), ((100, 100.0),))
+    line = describe_sharding(Sharding(owned=owned), prof, 2)
+    assert "16.7% padding" in line and "steps 60%" in line
