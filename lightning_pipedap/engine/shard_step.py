@@ -559,6 +559,10 @@ class ShardedStep:
         #: plus N times this rank's slices (the parameter all-gathers and the land copies left out), or None; what
         #: a profile's ``t_update`` means (the planners' sharded model divides it by N again)
         self.sync_update_s: Optional[float] = None
+        #: the last sync-mode step's land copies: ``(seconds, bytes)`` of copying the gathered parameters into the
+        #: model (:func:`land_params`, every bucket of the step), or None; the planner's land cost per byte
+        #: (:attr:`~lightning_pipedap.plan.sharding.Sharding.land_s_per_byte`)
+        self.sync_land: Optional[tuple[float, int]] = None
         #: engine indices of the parameters held by sharded buckets
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
 
@@ -629,6 +633,7 @@ class ShardedStep:
         opt.absorb(opt.owned)
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         whole_s, sliced_s = opt.step_unsharded(), 0.0
+        land_s, land_bytes = 0.0, 0
         with torch.no_grad():
             for b in opt.buckets:  # (the buckets holding this optimizer's parameters: the same on every rank)
                 bucket = self.buckets[b]
@@ -636,8 +641,12 @@ class ShardedStep:
                 self._step_slices(b, None, [True] * len(bucket.params), hparams, opt)
                 sliced_s += time.perf_counter() - t0
                 C.all_gather_(bucket.buffer, self.comm)
+                t0 = time.perf_counter()
                 land_params(bucket)
+                land_s += time.perf_counter() - t0
+                land_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
         self.sync_update_s = whole_s + self.comm.world_size * sliced_s
+        self.sync_land = (land_s, land_bytes)
 
     def begin_round(self) -> None:
         """A reduction round starts: sharded (:attr:`armed`, a deferred step) or gathering gradients."""

@@ -17,6 +17,12 @@ progresses at a rate in (0, 1] that depends on what else runs at that moment:
 * an op that *starts* while the compute stream is busy gets ``δ`` extra seconds of work
   (``op_overhead_s``: per-call start-up that only shows under load, e.g. waking a descheduled
   thread); that extra work progresses at the op's rate like the rest;
+* with the sharded optimizer step (``sharded=``), a shard's *step* is CPU work on the communication worker, not
+  a transfer: it progresses at rate ``1 / (1 + σ_s)`` while the compute stream is busy and slows compute to rate
+  ``1 / (1 + σ_cs)`` while it runs (``step_slowdown``, ``compute_slowdown_step``: measured like ``σ_m, σ_c`` with an
+  optimizer step instead of the all-reduce, :func:`~lightning_pipedap.probe.slowdown.measure_contention`); the
+  round's preparation all-reduce, clip by norm's gradient all-gathers and the parameter all-gathers are
+  communication ops like the others; the land copies are compute;
 * helper-lane compressions (``CompressionCost(where="helper")``, a separate process) are *not*
   slowed by contention and do not slow anything: their durations are those of the
   :class:`~lightning_pipedap.plan.evaluator.Evaluator`. Inline compression is part of its channel
@@ -55,8 +61,9 @@ from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import CostModel
 from lightning_pipedap.plan.evaluator import K_AG, K_RS, K_SKIP, Evaluator, Interval, OpTiming, op_code
 from lightning_pipedap.plan.profile import ModelProfile
+from lightning_pipedap.plan.sharding import ShardingArg, resolve_sharding
 from lightning_pipedap.plan.simulator import SimResult
-from lightning_pipedap.schedule import Schedule
+from lightning_pipedap.schedule import Op, OpKind, Schedule, sharded_ops
 
 __all__ = ["Contention", "ContendedResult", "contended_pair", "fit_contention", "simulate_contended"]
 
@@ -88,6 +95,11 @@ class Contention:
         op_overhead_s: ``δ >= 0``, seconds of extra work of a communication op that starts while
             compute runs (may be 0).
         meta: provenance (raw micro-benchmark times, case of the fit, ...); not compared.
+        step_slowdown: ``σ_s >= 0``; while compute runs, a sharded step (CPU work on the communication worker)
+            progresses at rate ``1 / (1 + σ_s)`` (0: not measured, or not slowed).
+        compute_slowdown_step: ``σ_cs >= 0``; while a sharded step runs, compute progresses at rate
+            ``1 / (1 + σ_cs)`` (0: not measured, or not slowed). Both from the same micro-benchmark as ``σ_m, σ_c``
+            with an optimizer step on the worker thread in place of the all-reduce (``meta["step"]``).
 
     Raises:
         ValueError: naming the field and the bad value, if a value is negative or not finite, or
@@ -98,9 +110,11 @@ class Contention:
     compute_slowdown: float = 0.0
     op_overhead_s: float = 0.0
     meta: dict = field(default_factory=dict, compare=False)
+    step_slowdown: float = 0.0
+    compute_slowdown_step: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("comm_slowdown", "compute_slowdown", "op_overhead_s"):
+        for name in ("comm_slowdown", "compute_slowdown", "op_overhead_s", "step_slowdown", "compute_slowdown_step"):
             object.__setattr__(self, name, _nonneg(name, getattr(self, name)))
         if not isinstance(self.meta, dict):
             raise ValueError(f"meta must be a dict, got {type(self.meta).__name__}")
@@ -113,18 +127,21 @@ class Contention:
     @property
     def is_none(self) -> bool:
         """True when all three parameters are 0."""
-        return self.comm_slowdown == 0.0 and self.compute_slowdown == 0.0 and self.op_overhead_s == 0.0
+        return (self.comm_slowdown == 0.0 and self.compute_slowdown == 0.0 and self.op_overhead_s == 0.0
+                and self.step_slowdown == 0.0 and self.compute_slowdown_step == 0.0)
 
     def to_dict(self) -> dict:
         """JSON-ready dict (format ``lightning_pipedap.contention`` version 1)."""
         return {"format": CONTENTION_FORMAT, "version": CONTENTION_VERSION,
-                "units": {"comm_slowdown": "1", "compute_slowdown": "1", "op_overhead": "s"},
+                "units": {"comm_slowdown": "1", "compute_slowdown": "1", "op_overhead": "s", "step_slowdown": "1",
+                          "compute_slowdown_step": "1"},
                 "comm_slowdown": self.comm_slowdown, "compute_slowdown": self.compute_slowdown,
-                "op_overhead_s": self.op_overhead_s, "meta": dict(self.meta)}
+                "op_overhead_s": self.op_overhead_s, "step_slowdown": self.step_slowdown,
+                "compute_slowdown_step": self.compute_slowdown_step, "meta": dict(self.meta)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "Contention":
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict` (a file without the step's slowdowns, older than them, reads them as 0).
 
         Raises:
             ValueError: for another format tag or version, a missing field, or an invalid value.
@@ -132,7 +149,7 @@ class Contention:
         check_header(data, CONTENTION_FORMAT, CONTENTION_VERSION, "contention model",
                      ("comm_slowdown", "compute_slowdown"))
         return cls(data["comm_slowdown"], data["compute_slowdown"], data.get("op_overhead_s", 0.0),
-                   dict(data.get("meta", {})))
+                   dict(data.get("meta", {})), data.get("step_slowdown", 0.0), data.get("compute_slowdown_step", 0.0))
 
 
 # ------------------------------------------------------------------------------ micro-benchmark model
@@ -288,7 +305,8 @@ class _Job:
 
 def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: Schedule,
                        contention: Contention, *, compression: CompressionCost | None = None,
-                       channels: int = 1, world_size: int | None = None) -> ContendedResult:
+                       channels: int = 1, world_size: int | None = None,
+                       sharded: ShardingArg = False) -> ContendedResult:
     """Steady-state iteration of ``schedule`` with compute/communication contention.
 
     Discrete-event processor-sharing simulation of one period from a backward start to the next
@@ -298,6 +316,13 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
     gradients complete and helper-lane compression done; AG: after its RS). Op costs (dense,
     compressed, inline compression included) are those of :class:`Evaluator`.
 
+    With ``sharded`` the op list is :func:`~lightning_pipedap.schedule.sharded_ops` of ``schedule`` and, as in
+    :func:`~lightning_pipedap.plan.simulator.simulate`, the channel of the all-gathers runs after every gradient op
+    and the backward: clip by norm's gradient all-gathers, the preparation all-reduce, then per sharded bucket its
+    step and its parameter all-gather (the step slowed and slowing compute by ``σ_s``, ``σ_cs``; module
+    docstring); the next forward pays each sharded bucket's land copy instead of its update. ``compute_s`` is then
+    the compute stream's uncontended busy time of that model (:attr:`Evaluator.compute_s`).
+
     Args:
         profile: layers in forward order.
         cost_model: op costs.
@@ -305,11 +330,13 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
         contention: ``σ_m``, ``σ_c``, ``δ``; :meth:`Contention.none` reproduces :func:`simulate`.
         compression: the compression cost, required when the schedule flags a bucket compressed.
         channels: 1 or 2 (as :func:`simulate`: RS/AR on channel 0, AG on channel 1).
-        world_size: ranks, for ``collective="AG"`` compression (default ``cost_model.meta``).
+        world_size: ranks, for ``collective="AG"`` compression and the sharded step (default ``cost_model.meta``).
+        sharded: the sharded optimizer step (``True`` or a :class:`~lightning_pipedap.plan.sharding.Sharding`);
+            ``False``: unsharded.
 
     Returns:
         :class:`ContendedResult` (iteration time, op timings, compute intervals, helper lane,
-        exposed communication), in :func:`simulate`'s iteration-origin frame.
+        exposed communication, the sharded step's intervals), in :func:`simulate`'s iteration-origin frame.
 
     Raises:
         TypeError: if ``contention`` is not a :class:`Contention`.
@@ -321,8 +348,11 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
     if not isinstance(contention, Contention):
         raise TypeError(f"contention must be a Contention, got {type(contention).__name__}")
     schedule.validate(profile.num_layers)
+    sharding = resolve_sharding(sharded)
+    if sharding is not None:
+        schedule = sharded_ops(schedule)
     ev = Evaluator(profile, cost_model, schedule.buckets, channels, compressed=schedule.compressed,
-                   compression=compression, world_size=world_size, wire16=schedule.wire16)
+                   compression=compression, world_size=world_size, wire16=schedule.wire16, sharded=sharding)
     sim = _ContendedSim(ev, schedule, _compute_items(ev, profile), contention, compression)
     period = sim.run()
     return _contended_result(sim, period, profile, cost_model, schedule, contention, compression=compression,
@@ -331,17 +361,43 @@ def simulate_contended(profile: ModelProfile, cost_model: CostModel, schedule: S
 
 def _compute_items(ev: Evaluator, profile: ModelProfile) -> list[tuple]:
     """The compute stream of one period, in order: ``("backward", work, bucket, layers)`` for layers ``L-1 .. 0``,
-    then per forward step ``("wait", b)``, ``("update", u, b, ())`` (when ``u > 0``), ``("forward", d, b, lay)``
-    (work in uncontended seconds)."""
+    then per forward step ``("wait", b)``, ``("update", u, b, ())`` (when ``u > 0``; ``"land"`` for a sharded
+    bucket), ``("forward", d, b, lay)`` (work in uncontended seconds)."""
     layers, L = profile.layers, profile.num_layers
     bucket_of = {i: b for b, bk in enumerate(ev.buckets) for i in bk}
     items: list[tuple] = [("backward", layers[i].t_b, bucket_of[i], (i,)) for i in range(L - 1, -1, -1)]
     for b, u, d, lay in ev.steps:
         items.append(("wait", b))
         if u > 0:
-            items.append(("update", u, b, ()))
+            items.append(("land" if ev.sharded[b] else "update", u, b, ()))
         items.append(("forward", d, b, lay))
     return items
+
+
+class _Tail:
+    """An item of the sharded step's tail on the all-gathers' channel: ``kind`` ``gather_grads``, ``prepare``,
+    ``step`` or ``gather`` (the parameter all-gather, ``idx``: its position in the op list), ``work`` seconds."""
+
+    __slots__ = ("kind", "bucket", "work", "idx")
+
+    def __init__(self, kind: str, bucket: int | None, work: float, idx: int | None = None) -> None:
+        self.kind, self.bucket, self.work, self.idx = kind, bucket, work, idx
+
+
+def _shard_tail(ev: Evaluator, schedule: Schedule) -> tuple[list[_Tail], set[int]]:
+    """The tail items in the engine's order (:meth:`Evaluator.run`) and the op-list positions of the sharded
+    buckets' parameter all-gathers (run as tail items, not as list ops)."""
+    ag_at = {op.bucket: idx for idx, op in enumerate(schedule.ops)
+             if op.kind is OpKind.ALL_GATHER and ev.sharded[op.bucket]}
+    if not ev.shard_tail:
+        return [], set(ag_at.values())
+    sh = ev.sharding
+    items = [_Tail("gather_grads", b, ev.cost_model.all_gather(ev.wire_bytes[b]))
+             for b, _ in ev.shard_tail if sh is not None and sh.clip_norm]
+    items.append(_Tail("prepare", None, ev.prepare_s))
+    for b, _ in ev.shard_tail:
+        items += [_Tail("step", b, ev.step_s[b]), _Tail("gather", b, ev.gather_s[b], ag_at[b])]
+    return items, set(ag_at.values())
 
 
 class _ContendedSim:
@@ -360,7 +416,9 @@ class _ContendedSim:
                  compression: CompressionCost | None) -> None:
         self.ev, self.schedule, self.items = ev, schedule, items
         self.s_c, self.delta = contention.compute_slowdown, contention.op_overhead_s
+        self.s_cs = contention.compute_slowdown_step
         self.rate_m_loaded = 1.0 / (1.0 + contention.comm_slowdown)
+        self.rate_s_loaded = 1.0 / (1.0 + contention.step_slowdown)
         B = ev.B
         #: the bucket whose gradients are complete after the backward of a layer
         self.first_of = {min(bk): b for b, bk in enumerate(ev.buckets)}
@@ -371,8 +429,15 @@ class _ContendedSim:
         self.helper_pos, self.helper_free = 0, 0.0
         self.helper_iv: list[tuple[int, float, float]] = []
         self.queues: list[list[tuple[int, object]]] = [[] for _ in range(2)]
+        tail, tail_ags = _shard_tail(ev, schedule)
         for idx, op in enumerate(schedule.ops):
-            self.queues[ev.chan[op_code(op)]].append((idx, op))
+            if idx not in tail_ags:
+                self.queues[ev.chan[op_code(op)]].append((idx, op))
+        #: gradient ops not ended yet, and when the last one ended (the sharded tail waits for all of them)
+        self.grad_left, self.grads_end = sum(len(q) for q in self.queues), 0.0
+        self.backward_done: float | None = None
+        self.queues[ev.chan[K_AG]].extend((-1 if t.idx is None else t.idx, t) for t in tail)
+        self.shard_iv: list[tuple[str, int | None, float, float]] = []
         self.qpos = [0, 0]
         self.cjobs: list[_Job | None] = [None, None]
         self.grad_ready: list[float | None] = [None] * B
@@ -423,6 +488,8 @@ class _ContendedSim:
         self.ci += 1
         if kind == "backward":
             self.backward_end = t
+            if lay[0] == 0:  # (the last layer of the backward: layers run L-1 .. 0)
+                self.backward_done = t
             fb = self.first_of.get(lay[0])
             if fb is not None:
                 self.grad_ready[fb] = t
@@ -445,7 +512,12 @@ class _ContendedSim:
 
     # ---------------------------------------------------------------- channels
     def _dependency(self, op: Any) -> float | None:
-        """When ``op``'s input is ready: its RS's end for an AG, else its bucket's readiness (None: not yet)."""
+        """When ``op``'s input is ready: its RS's end for an AG, else its bucket's readiness; a tail item: every
+        gradient op and the backward done (None: not yet)."""
+        if isinstance(op, _Tail):
+            if self.grad_left or self.backward_done is None:
+                return None
+            return max(self.grads_end, self.backward_done)
         k = self.ev.kind[op_code(op)]
         return self.rs_end[op.bucket] if k == K_AG else self.ready[op.bucket]
 
@@ -455,11 +527,22 @@ class _ContendedSim:
             return False
         t = self.t
         idx, op = self.queues[ch][self.qpos[ch]]
+        if isinstance(op, _Tail):
+            dep = self._dependency(op)
+            if dep is None or dep > t:
+                return False
+            work = op.work + (self.delta if self.cjob is not None and self.delta > 0 and op.kind != "step" else 0.0)
+            self.cjobs[ch] = _Job(t, work, (idx, op, ch, op.kind))
+            self.qpos[ch] += 1
+            if work == 0:
+                self.finish_op(ch)
+            return True
         c = op_code(op)
         k, b = self.ev.kind[c], op.bucket
         if k == K_SKIP:
             self.timings[idx] = (idx, op, ch, t, t)
             self.qpos[ch] += 1
+            self._grad_op_done(t)
             return True
         dep = self.rs_end[b] if k == K_AG else self.ready[b]
         if dep is None or dep > t:
@@ -479,12 +562,26 @@ class _ContendedSim:
         job = self.cjobs[ch]
         assert job is not None
         idx, op, _, k = job.item
+        self.cjobs[ch] = None
+        if isinstance(op, _Tail):
+            if op.kind == "gather":
+                self.timings[idx] = (idx, Op(OpKind.ALL_GATHER, op.bucket), ch, job.start, self.t)
+                self.done[op.bucket] = self.t
+            else:
+                self.shard_iv.append((op.kind, op.bucket, job.start, self.t))
+            return
         self.timings[idx] = (idx, op, ch, job.start, self.t)
         if k == K_RS:
             self.rs_end[op.bucket] = self.t
         else:
             self.done[op.bucket] = self.t
-        self.cjobs[ch] = None
+        self._grad_op_done(self.t)
+
+    def _grad_op_done(self, t: float) -> None:
+        """A gradient op (of the list, not of the sharded tail) ended at ``t``."""
+        self.grad_left -= 1
+        if t > self.grads_end:
+            self.grads_end = t
 
     # ---------------------------------------------------------------- events
     def _settle(self) -> None:
@@ -497,16 +594,16 @@ class _ContendedSim:
                 progressed = self.channel_step(0) or self.channel_step(1)
 
     def _set_rates(self) -> None:
-        """Processor sharing for the next interval: compute slowed by ``σ_c`` per running op, ops by ``σ_m`` while
-        compute runs."""
-        n_comm = sum(1 for j in self.cjobs if j is not None)
+        """Processor sharing for the next interval: compute slowed by ``σ_c`` per running op (``σ_cs`` per running
+        shard step), ops by ``σ_m`` (steps by ``σ_s``) while compute runs."""
+        running = [j for j in self.cjobs if j is not None]
+        n_step = sum(1 for j in running if j.item[3] == "step")
+        n_comm = len(running) - n_step
         t, cjob = self.t, self.cjob
         if cjob is not None:
-            cjob.set_rate(1.0 if n_comm == 0 else 1.0 / (1.0 + self.s_c * n_comm), t)
-        rm = self.rate_m_loaded if cjob is not None else 1.0
-        for j in self.cjobs:
-            if j is not None:
-                j.set_rate(rm, t)
+            cjob.set_rate(1.0 if not running else 1.0 / (1.0 + self.s_c * n_comm + self.s_cs * n_step), t)
+        for j in running:
+            j.set_rate(1.0 if cjob is None else self.rate_s_loaded if j.item[3] == "step" else self.rate_m_loaded, t)
 
     def _events(self) -> list[float]:
         """Candidate times of the next event: a job's end, or a channel head's dependency becoming ready."""
@@ -571,12 +668,15 @@ def _contended_result(sim: _ContendedSim, period: float, profile: ModelProfile, 
                                            for iv in bwd)
     ops = tuple(OpTiming(op, ch, s + shift, e + shift) for _, op, ch, s, e in sim.timings)  # type: ignore[misc]
     helper = tuple(Interval("compress", s + shift, e + shift, b) for b, s, e in sim.helper_iv)
+    shard = tuple(Interval(kind, s + shift, e + shift, b) for kind, b, s, e in sim.shard_iv)
     exposed = sum(iv.end - iv.start for iv in compute if iv.kind == "wait")
     busy = sum(iv.end - iv.start for iv in compute if iv.kind != "wait")
+    sharding = sim.ev.sharding
     return ContendedResult(
-        schedule=schedule, channels=channels, iteration_s=P, compute_s=profile.t_compute,
+        schedule=schedule, channels=channels, iteration_s=P,
+        compute_s=profile.t_compute if sharding is None else sim.ev.compute_s,
         exposed_comm_s=exposed, comm_busy_s=sum(o.end - o.start for o in ops), ops=ops, compute=compute,
         bounds=lower_bounds(profile, cost_model, schedule, channels=channels, compression=compression,
-                            world_size=world_size),
-        helper=helper, contention=contention, compute_busy_s=busy,
+                            world_size=world_size, sharded=sharding or False),
+        helper=helper, contention=contention, compute_busy_s=busy, sharding=sharding, shard=shard,
     )

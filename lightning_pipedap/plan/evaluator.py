@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 from lightning_pipedap.plan.compression import CompressionCost
 from lightning_pipedap.plan.cost_model import WIRE16_RATIO, CostModel
 from lightning_pipedap.plan.profile import ModelProfile
-from lightning_pipedap.plan.sharding import PREPARE_BYTES_PER_LAYER, ShardingArg, resolve_sharding
+from lightning_pipedap.plan.sharding import PREPARE_BYTES_PER_LAYER, ShardingArg, owned_buckets, resolve_sharding
 from lightning_pipedap.schedule import Op, OpKind
 
 __all__ = ["Evaluator", "Interval", "K_AG", "K_AR", "K_RS", "K_SKIP", "OpTiming", "WIRE16_RATIO", "check_channels",
@@ -132,9 +132,15 @@ class Evaluator:
             (``t_update * bytes / total``), or its land copy when it is sharded.
         sharding: the :class:`~lightning_pipedap.plan.sharding.Sharding` options, or ``None`` (unsharded).
         sharded: per bucket, whether it is stepped sharded (uncompressed buckets under ``sharding``).
-        step_s, gather_s, land_s: per bucket, seconds of the shard step (``t_update * bytes / total / N``), of the
-            parameter all-gather (fp32 ``AG`` of the bucket's bytes, also for a wire16 bucket: parameters travel in
-            their own dtype) and of the land copy; 0 for an unsharded bucket.
+        step_s, gather_s, land_s: per bucket, seconds of the shard step (``t_update * bytes / total / N``; under
+            parameter ownership the slowest owner's share instead of ``1/N``), of the parameter all-gather (fp32
+            ``AG`` of :attr:`wire_bytes`, also for a wire16 bucket: parameters travel in their own dtype) and of
+            the land copy (``land_s_per_byte`` x the bucket's bytes); 0 for an unsharded bucket.
+        wire_bytes: per bucket, the bytes its RS and parameter AG move: the bucket's bytes, or under parameter
+            ownership (:attr:`~lightning_pipedap.plan.sharding.Sharding.owned`) the padded buffer
+            (:func:`~lightning_pipedap.plan.sharding.owned_buckets`; its RS cost is then that of these bytes).
+        owned: per bucket the :class:`~lightning_pipedap.plan.sharding.OwnedBucket` (None: unsharded), or None
+            without parameter ownership.
         prepare_s: the round's preparation all-reduce (:data:`~lightning_pipedap.plan.sharding.PREPARE_BYTES_PER_LAYER`
             bytes per layer), 0 without a sharded bucket.
         clip_s: with ``clip_norm``, the gradient all-gathers of every sharded bucket (s), else 0.
@@ -246,6 +252,8 @@ class Evaluator:
         self.step_s = [0.0] * B
         self.gather_s = [0.0] * B
         self.land_s = [0.0] * B
+        self.wire_bytes = list(self.nbytes)
+        self.owned = None
         self.prepare_s = self.clip_s = self.shard_head = 0.0
         self.shard_tail: list[tuple[int, float]] = []
         if sh is None:
@@ -253,12 +261,20 @@ class Evaluator:
         if not (isinstance(world_size, int) and not isinstance(world_size, bool) and world_size >= 1):
             raise ValueError(f"the sharded model needs world_size (an int >= 1, each rank steps 1/world_size of a "
                              f"bucket), got {world_size!r}; pass world_size= or a cost model with meta['world_size']")
+        owned = owned_buckets(sh.owned, self.buckets, self.sharded, world_size) if sh.owned is not None else None
+        self.owned = owned
         for b in range(B):
             if not self.sharded[b]:
                 continue
             n = self.nbytes[b]
-            self.step_s[b] = self.update[b] / world_size
-            self.gather_s[b] = cost_model.all_gather(n)
+            ob = owned[b] if owned is not None else None
+            if ob is not None:  # (parameter ownership: padded regions on the wire, the slowest owner's step)
+                self.wire_bytes[b] = w = ob.wire_bytes
+                cost[3 * b + K_RS] = cost_model.reduce_scatter16(w) if self.wire16[b] else cost_model.reduce_scatter(w)
+                self.step_s[b] = self.update[b] * ob.step_share
+            else:
+                self.step_s[b] = self.update[b] / world_size
+            self.gather_s[b] = cost_model.all_gather(self.wire_bytes[b])
             self.land_s[b] = sh.land_s_per_byte * n
             rs = cost[3 * b + K_RS]
             cost[3 * b + K_AG], cost[3 * b + K_AR] = 0.0, rs
@@ -267,7 +283,7 @@ class Evaluator:
         if self.shard_tail:
             self.prepare_s = cost_model.all_reduce(PREPARE_BYTES_PER_LAYER * self.profile.num_layers)
             if sh.clip_norm:
-                self.clip_s = sum(cost_model.all_gather(self.nbytes[b]) for b, _ in self.shard_tail)
+                self.clip_s = sum(cost_model.all_gather(self.wire_bytes[b]) for b, _ in self.shard_tail)
         self.shard_head = self.prepare_s + self.clip_s
 
     def executed_codes(self, codes: Sequence[int]) -> list[int]:
@@ -382,7 +398,7 @@ class Evaluator:
         if ntail:
             ch = self.chan[K_AG]
             t = max(free[0], free[1], Tb)
-            for what, b, d in ([("gather_grads", b, self.cost_model.all_gather(self.nbytes[b]))
+            for what, b, d in ([("gather_grads", b, self.cost_model.all_gather(self.wire_bytes[b]))
                                 for b, _ in self.shard_tail if self.sharding.clip_norm]
                                + [("prepare", None, self.prepare_s)]):  # (the engine's order: ShardedStep.prepare)
                 extra.append((what, b, t, t + d))

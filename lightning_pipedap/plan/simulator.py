@@ -54,8 +54,13 @@ bucket in forward order its *step*,
 ``t_update * bytes(b) / total / N`` seconds (this rank's ``1/N`` shard, N = ``world_size``), followed by ``AG(b)``
 (the updated parameters, fp32 bytes: a wire16 bucket's parameters travel in their own dtype). The next forward
 waits for ``AG(b)`` and pays, on the compute stream, only a *land* copy of ``land_s_per_byte * bytes(b)`` (default
-0: a memory copy, far below the update it replaces). A compressed bucket stays unsharded: its update share stays on
-the compute stream as above. With two channels the gradient ops use channel 0 and the preparation, the steps and
+0; the strategy passes the rate its profiling steps measured). Under parameter ownership
+(:attr:`~lightning_pipedap.plan.sharding.Sharding.owned`: a whole-tensor optimizer) a sharded bucket's RS and AG move
+its padded bytes and its step is the slowest owner's share instead of ``1/N``
+(:func:`~lightning_pipedap.plan.sharding.owned_buckets`, the engine's layout). A compressed bucket stays unsharded: its
+update share stays on the compute stream as above. The contention-aware form of this model is
+:func:`~lightning_pipedap.plan.contention.simulate_contended` with ``sharded=``.
+With two channels the gradient ops use channel 0 and the preparation, the steps and
 the all-gathers channel 1; since the latter wait for every gradient op, the period equals the one-channel one. The
 steady-state argument holds unchanged: the preparation, the steps and the all-gathers of iteration ``k`` precede the
 forward of their bucket in iteration ``k+1``, so the channel is idle when the backward of ``k+1`` starts, and the

@@ -11,21 +11,30 @@ barriers so the ranks line up:
 (c) **both together**: the all-reduce on a worker thread, released by an event right before the
     compute loop starts; both durations are measured from that common start.
 
+(d) **an optimizer step instead of the all-reduce** (the sharded optimizer step's load, ``shard_optimizer``: CPU
+    work on the communication worker): ``j`` steps of ``torch.optim.Adam`` on an fp32 tensor of ``nbytes`` (``j``
+    chosen so they last about as long as the compute loop), alone on the calling thread, then on a worker thread
+    together with the compute loop, from a common start. Fitted the same way, it gives the step's slowdowns
+    (``step_slowdown``, ``compute_slowdown_step``; ``meta["step"]``). Adam stands for the element-wise optimizers:
+    what is measured is how two CPU loads of one rank, with every rank doing the same, share the cores.
+
 Each phase runs ``repeats`` times (the median is kept), after one untimed all-reduce and matmul
 warm-up. The medians of all ranks are gathered and averaged, so every rank returns the same
 :class:`~lightning_pipedap.plan.contention.Contention`, fitted by
 :func:`~lightning_pipedap.plan.contention.fit_contention` (σ_m, σ_c; δ is not separable with one
 message size and is left at ``op_overhead_s``). Budget: about ``(1 + 4·repeats)`` all-reduce times
-plus barriers, e.g. ~1 s for 8 MiB at 1 Gbit/s with ``repeats=3``.
+plus barriers and phase (d)'s ``(1 + 2·repeats)`` compute loops, e.g. ~1.5 s for 8 MiB at 1 Gbit/s with
+``repeats=3``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -60,11 +69,13 @@ def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 
         max_matmuls: upper limit of the compute loop length ``k``.
 
     Returns:
-        :class:`Contention` with ``meta``: the fitted (rank-averaged) times ``alone_compute_s``,
+        :class:`Contention` (with ``step_slowdown`` and ``compute_slowdown_step`` from phase (d)) with ``meta``:
+        the fitted (rank-averaged) times ``alone_compute_s``,
         ``alone_comm_s``, ``loaded_compute_s``, ``loaded_comm_s`` (s), ``case``, ``clamped``,
+        ``step`` (phase (d)'s fit: its times, ``case``, ``clamped``, ``steps``),
         ``per_rank`` (each rank's raw lists ``compute_alone_s``, ``comm_alone_s``,
-        ``compute_loaded_s``, ``comm_loaded_s``), ``nbytes``, ``repeats``, ``matmuls`` (``k``),
-        ``matmul_size``, ``backend``, ``world_size``, ``elapsed_s``.
+        ``compute_loaded_s``, ``comm_loaded_s``, ``step_alone_s``, ``compute_loaded_step_s``, ``step_loaded_s``),
+        ``nbytes``, ``repeats``, ``matmuls`` (``k``), ``matmul_size``, ``backend``, ``world_size``, ``elapsed_s``.
 
     Raises:
         ValueError: naming the argument, for ``nbytes < 4``, ``repeats < 1``, ``matmul_size < 1``,
@@ -86,18 +97,31 @@ def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 
         compute_s, comm_s = load.both_together(k, timeout_s)
         compute_loaded.append(compute_s)
         comm_loaded.append(comm_s)
+    # (d) an optimizer step in place of the all-reduce: alone, then together with the compute loop
+    j = load.step_loop(statistics.median(compute_alone))
+    step_alone = [load.timed(lambda: load.step(j)) for _ in range(repeats)]
+    compute_loaded_step: list[float] = []
+    step_loaded: list[float] = []
+    for _ in range(repeats):
+        compute_s, step_s = load.both_together(k, timeout_s, lambda: load.step(j))
+        compute_loaded_step.append(compute_s)
+        step_loaded.append(step_s)
 
     raw = {"compute_alone_s": compute_alone, "comm_alone_s": comm_alone,
-           "compute_loaded_s": compute_loaded, "comm_loaded_s": comm_loaded}
+           "compute_loaded_s": compute_loaded, "comm_loaded_s": comm_loaded, "step_alone_s": step_alone,
+           "compute_loaded_step_s": compute_loaded_step, "step_loaded_s": step_loaded}
     per_rank = C.all_gather_object(raw)
     mean = {key: statistics.fmean(statistics.median(r[key]) for r in per_rank) for key in raw}
-    return fit_contention(
+    step = fit_contention(mean["compute_alone_s"], mean["step_alone_s"], mean["compute_loaded_step_s"],
+                          mean["step_loaded_s"], meta={"source": "measure_contention (d)", "steps": j})
+    fit = fit_contention(
         mean["compute_alone_s"], mean["comm_alone_s"], mean["compute_loaded_s"], mean["comm_loaded_s"],
         op_overhead_s=op_overhead_s,
         meta={"per_rank": per_rank, "nbytes": nbytes, "repeats": repeats, "matmuls": k, "matmul_size": matmul_size,
               "backend": comm.backend, "world_size": comm.world_size, "source": "measure_contention",
-              "elapsed_s": C.broadcast_object(time.perf_counter() - t_begin, src=0)},
+              "step": step.meta, "elapsed_s": C.broadcast_object(time.perf_counter() - t_begin, src=0)},
     )
+    return dataclasses.replace(fit, step_slowdown=step.comm_slowdown, compute_slowdown_step=step.compute_slowdown)
 
 
 def _check_args(nbytes: int, repeats: int, matmul_size: int, timeout_s: float, max_matmuls: int) -> None:
@@ -126,6 +150,9 @@ class _Load:
         self.b = torch.randn(matmul_size, matmul_size, generator=g).to(device)
         self.out = torch.empty_like(self.a)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.q = torch.nn.Parameter(torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device))
+        self.q.grad = torch.full_like(self.q, 1e-3)
+        self.adam = torch.optim.Adam([self.q], lr=1e-3)
 
     def compute(self, k: int) -> None:
         """``k`` matrix multiplications on the calling thread."""
@@ -135,6 +162,21 @@ class _Load:
     def all_reduce(self) -> None:
         """One all-reduce of the buffer on ``comm``."""
         C.all_reduce_(self.buf, self.comm)
+
+    def step(self, j: int) -> None:
+        """``j`` Adam steps of the ``nbytes`` tensor (phase (d)'s load)."""
+        for _ in range(j):
+            self.adam.step()
+
+    def step_loop(self, compute_s: float) -> int:
+        """Warm-up, one step's time -> the number of steps ``j`` lasting about ``compute_s`` (rank 0's, 1..1000)."""
+        self.step(1)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.step(2)
+        _sync(self.device)
+        per = max((time.perf_counter() - t0) / 2, 1e-9)
+        return int(C.broadcast_object(min(1000, max(1, round(compute_s / per))), src=0))
 
     def timed(self, fn: Callable[[], None]) -> float:
         """Seconds ``fn`` takes, after a barrier, the device synchronized before and after."""
@@ -159,9 +201,11 @@ class _Load:
         k = int(C.broadcast_object(min(max_matmuls, max(1, round(statistics.median(comm_alone) / per_mm))), src=0))
         return comm_alone, k
 
-    def both_together(self, k: int, timeout_s: float) -> tuple[float, float]:
-        """Phase (c) once: the all-reduce on a worker thread released right before ``k`` matmuls start; returns
-        the seconds from that common start to the end of the compute and of the all-reduce.
+    def both_together(self, k: int, timeout_s: float,
+                      other: Optional[Callable[[], None]] = None) -> tuple[float, float]:
+        """Phase (c) once: the all-reduce (or ``other``: phase (d)'s step) on a worker thread released right before
+        ``k`` matmuls start; returns the seconds from that common start to the end of the compute and of the
+        all-reduce.
 
         Raises:
             TimeoutError: the all-reduce did not finish within ``timeout_s``.
@@ -169,8 +213,8 @@ class _Load:
         """
         go = threading.Event()
         box: dict = {}
-        th = threading.Thread(target=self._worker, args=(go, box, timeout_s), name="pipedap-contention-comm",
-                              daemon=True)
+        th = threading.Thread(target=self._worker, args=(go, box, timeout_s, other or self.all_reduce),
+                              name="pipedap-contention-comm", daemon=True)
         th.start()
         C.barrier()
         _sync(self.device)
@@ -187,19 +231,19 @@ class _Load:
             raise RuntimeError(f"contention benchmark: the all-reduce of {self.nbytes} bytes failed") from box["error"]
         return compute_s, box["end"] - start
 
-    def _worker(self, go: threading.Event, box: dict, timeout_s: float) -> None:
-        """Phase (c)'s thread: wait for ``go``, all-reduce (on the side stream on CUDA), put the end time (or the
-        error) in ``box``."""
+    def _worker(self, go: threading.Event, box: dict, timeout_s: float, work: Callable[[], None]) -> None:
+        """Phase (c)'s thread: wait for ``go``, run ``work`` (the all-reduce; on the side stream on CUDA), put the end
+        time (or the error) in ``box``."""
         if not go.wait(timeout_s):
             box["error"] = TimeoutError(f"contention benchmark: start signal not given within {timeout_s} s")
             return
         try:
             if self.side is not None:
                 with torch.cuda.stream(self.side):
-                    self.all_reduce()
+                    work()
                 self.side.synchronize()
             else:
-                self.all_reduce()
+                work()
             box["end"] = time.perf_counter()
         except BaseException as e:  # reported to the calling thread by both_together
             box["error"] = e

@@ -30,6 +30,8 @@ class CandidatePlanner:
         compression_cost: the compressor's measured cost (None: measured here when compressing).
         shard_mode: ``shard_optimizer`` as it applies (True, False or ``"auto"``: the planner's schedule both
             sharded and unsharded among the candidates, each with ``sharded`` set).
+        sharding: the sharded step's model as measured (land copy, parameter ownership:
+            :meth:`~lightning_pipedap.strategy.planning.Planning.sharding_model`); None: ``Sharding()``.
 
     Attributes:
         predictions: every prediction of each candidate, by name (s; see :meth:`_predict`).
@@ -38,13 +40,14 @@ class CandidatePlanner:
 
     def __init__(self, config: PipeDAPConfig, cost_model: CostModel, raw_cost_model: Optional[CostModel],
                  world_size: int, contention: Optional[Any], info: Callable[[str], None],
-                 compression_cost: Optional[Any], shard_mode: Any = None) -> None:
+                 compression_cost: Optional[Any], shard_mode: Any = None, sharding: Optional[Any] = None) -> None:
         self.config, self.cost_model, self.raw_cost_model = config, cost_model, raw_cost_model
         self.shard_mode = config.shard_optimizer if shard_mode is None else shard_mode
         #: ``"auto"`` with dense candidates: each candidate's ``sharded`` decides (set in :meth:`build`)
         self.auto = self.shard_mode == "auto" and not config.compression
         self.world_size, self.contention, self.info = world_size, contention, info
         self.compression_cost = compression_cost
+        self.sharding = sharding if sharding is not None else True  # (True: the model's defaults)
         self.predictions: dict[str, dict[str, float]] = {}
 
     def build(self, profile: Any, params: list[torch.Tensor], layers: list[list[int]],
@@ -63,10 +66,12 @@ class CandidatePlanner:
         planner = get_planner(PLANNED[cfg.schedule])
         wire16 = cfg.wire_dtype != "fp32"
         # (planned and predicted with the sharded step's model, plan/sharding.py; "auto": the unsharded plan here)
-        sharded = self.shard_mode is True
+        sharded = self.sharding if self.shard_mode is True else False
         if self.shard_mode == "auto" and cfg.compression:
             self.info("pipedap: shard_optimizer='auto' with compression: unsharded (a compressed bucket is stepped "
                       "unsharded anyway)")
+        if self.shard_mode and self.sharding is not True:
+            self.info(describe_sharding(self.sharding, profile, self.world_size))
         schedule = planner(profile, self.cost_model, self.world_size, sharded=sharded)
         if wire16:
             fp32_s = schedule.predicted_iteration_s
@@ -97,11 +102,11 @@ class CandidatePlanner:
             # among them; the engine runs each as its sharded op list, sharded_ops)
         if self.auto:  # (the planner's schedule planned sharded too, first when it is predicted faster)
             candidates = [dataclasses.replace(c, sharded=False) for c in candidates]
-            twin = planner(profile, self.cost_model, self.world_size, sharded=True)
+            twin = planner(profile, self.cost_model, self.world_size, sharded=self.sharding)
             if wire16:  # (as the unsharded plan above)
-                twin = (planner(profile, self.cost_model, self.world_size, wire16=True, sharded=True)
+                twin = (planner(profile, self.cost_model, self.world_size, wire16=True, sharded=self.sharding)
                         if PLANNED[cfg.schedule] == "optimal" else
-                        wire16_everywhere(profile, self.cost_model, twin, sharded=True))
+                        wire16_everywhere(profile, self.cost_model, twin, sharded=self.sharding))
             twin = dataclasses.replace(twin, name=f"{twin.name}+shard", sharded=True)
             faster = twin.predicted_iteration_s <= schedule.predicted_iteration_s
             candidates.insert(0 if faster else 1, twin)
@@ -163,7 +168,9 @@ class CandidatePlanner:
 
         The prediction kept is the contention-aware one on the *uncalibrated* α-β when the contention was
         measured (the profiling-step calibration already contains some of the same slowdown), else the
-        planner's own (calibrated when calibration applied). A schedule over piece-layers (``piece_map``
+        planner's own (calibrated when calibration applied); a sharded one the same, with the sharded step's
+        model (:attr:`sharding`: its measured land copy and ownership padding; the contention of its steps,
+        ``step_slowdown``, measured with the rest). A schedule over piece-layers (``piece_map``
         given, ``profile`` partitioned) is predicted with
         :func:`~lightning_pipedap.plan.partition.engine_period` (a split layer's update once, after its last
         bucket); its contention-aware predictions use the simulator's share-by-bytes update.
@@ -175,6 +182,7 @@ class CandidatePlanner:
             return schedule  # compressed plans: the planner's compression-aware prediction
         raw = self.raw_cost_model or self.cost_model
         sharded = schedule.sharded if schedule.sharded is not None else self.shard_mode is True
+        sharded = self.sharding if sharded else False
         if piece_map is not None:
             pred = {"ab_s": engine_period(profile, piece_map, raw, schedule),
                     "calibrated_s": engine_period(profile, piece_map, self.cost_model, schedule)}
@@ -185,10 +193,10 @@ class CandidatePlanner:
         if sharded and piece_map is None:  # (issue 30: the trial candidates were planned unsharded; keep the
             keep = pred["calibrated_s"]     # sharded step's prediction, what the engine runs; = the planner's for #0)
         contention = self.contention
-        if contention is not None and not sharded:  # (the contention model is unsharded)
-            pred["contended_s"] = simulate_contended(profile, raw, schedule, contention).iteration_s
-            pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule,
-                                                                contention).iteration_s
+        if contention is not None and (not sharded or piece_map is None):
+            pred["contended_s"] = simulate_contended(profile, raw, schedule, contention, sharded=sharded).iteration_s
+            pred["contended_calibrated_s"] = simulate_contended(profile, self.cost_model, schedule, contention,
+                                                                sharded=sharded).iteration_s
             keep = pred["contended_s"]
         self.predictions[schedule.name] = pred
         return dataclasses.replace(schedule, predicted_iteration_s=keep)
@@ -215,7 +223,7 @@ class CandidatePlanner:
                       f"{cost.beta_c_s_per_byte * 1e9:.3f} ns/B ({cost.post_share:.0%} after the collective, "
                       f"R²={_r2(cost.meta.get('r2'))}), payload via {cost.collective} x{cost.rounds}")
         schedule = planner(profile, self.cost_model, self.world_size, compression=cost,
-                           sharded=self.shard_mode is True)
+                           sharded=self.sharding if self.shard_mode is True else False)
         self.info(f"pipedap: {schedule.num_compressed} of {len(schedule.buckets)} buckets compressed "
                   f"({cfg.compression}); predicted iteration {schedule.predicted_iteration_s * 1e3:.1f} ms vs "
                   f"{dense.predicted_iteration_s * 1e3:.1f} ms without compression")
@@ -225,3 +233,19 @@ class CandidatePlanner:
 def _r2(r2: Any) -> str:
     """R² for a log line: 4 decimals, or ``n/a``."""
     return f"{r2:.4f}" if isinstance(r2, (int, float)) else "n/a"
+
+
+def describe_sharding(sharding: Any, profile: Any, world_size: int) -> str:
+    """The log line of the sharded step's measured model: the land copy's rate (ns/B and ms per step) and, under
+    parameter ownership, the padding the layout adds with the whole model in one bucket (an upper bound's
+    illustration: the planned buckets are laid out each on its own)."""
+    from lightning_pipedap.plan.sharding import owned_buckets  # noqa: PLC0415
+
+    total = profile.total_bytes
+    line = (f"pipedap: sharded step's model: land copy {sharding.land_s_per_byte * 1e9:.3f} ns/B "
+            f"({sharding.land_s_per_byte * total * 1e3:.1f} ms per step, measured in the profiling steps)")
+    if sharding.owned is not None and profile.num_layers:
+        (ob,) = owned_buckets(sharding.owned, [tuple(range(profile.num_layers))], [True], world_size)
+        line += (f"; parameter ownership: {ob.padding:.1%} padding with one bucket, the slowest owner steps "
+                 f"{ob.step_share:.0%} of it (the planner models each bucket's padded RS/AG bytes)")
+    return line

@@ -131,9 +131,10 @@ class RunEffects:
         busy_s = engine.worker.last_round_busy_s
         # (a sharded sync step: its update as a whole-model step, without the parameter all-gathers)
         update_s = engine.shard.sync_update_s if engine.shard is not None else None
+        land = engine.shard.sync_land if engine.shard is not None else None  # (the land copies, timed)
         if engine.shard is not None:
-            engine.shard.sync_update_s = None
-        return self.fit.planning.keep_step(rec, busy_s, t_backward_done, t_step_end, update_s)
+            engine.shard.sync_update_s = engine.shard.sync_land = None
+        return self.fit.planning.keep_step(rec, busy_s, t_backward_done, t_step_end, update_s, land)
 
     def plan(self) -> tuple[list[Schedule], list[float]]:
         fit, slot, planning = self.fit, self.fit.slot, self.fit.planning
@@ -142,7 +143,8 @@ class RunEffects:
         names = {id(m): n or "<root>" for n, m in ctx.module.named_modules()}
         layer_names = [names.get(id(slot.owners[layer[0]]), "<unused>") for layer in planning.layers]
         schedules, no_overlap = planning.plan(type(ctx.module).__name__, layer_names,
-                                              [params[i] for i in slot.order], slot.engine, slot.shard_mode)
+                                              [params[i] for i in slot.order], slot.engine, slot.shard_mode,
+                                              slot.owner_costs if slot.shard_owned else None, slot.shard_owned)
         fit.publish_predictions(planning.predictions)
         checks = cfg.nonfinite in ("raise", "skip") or cfg.check_params_every_n_steps  # (need pipedap's own paths)
         # a candidate switch happens in the optimizer step, after the earlier micro-batches of an accumulation

@@ -20,6 +20,7 @@ import torch
 import lightning_pipedap.engine.collectives as C
 from lightning_pipedap.plan import CostModel, load_cost_model
 from lightning_pipedap.plan.partition import expand_pieces
+from lightning_pipedap.plan.sharding import Sharding
 from lightning_pipedap.probe.alpha_beta import describe_origin, measure_cost_model
 from lightning_pipedap.probe.recorder import StepRecorder, group_layers, merge_steps
 from lightning_pipedap.schedule import Schedule, expand_layers
@@ -78,6 +79,7 @@ class Planning:
         self._t_updates: list[float] = []
         self._profile_busy: list[float] = []
         self._passes: list[int] = []  # backward passes of each profiled step (several under manual optimization)
+        self._lands: list[tuple[float, int]] = []  # a sharded sync step's land copies: (seconds, bytes) per step
 
     # ------------------------------------------------------------------ profiling steps
     def start(self, params: list[torch.Tensor], owners: list[Any]) -> dict[str, float]:
@@ -120,7 +122,7 @@ class Planning:
             spent["contention"] = time.perf_counter() - t0
             self.measured.contention = c
             self.info(describe_contention(c) + f" (measured in {spent['contention']:.2f} s)")
-        self._profiled, self._t_updates, self._profile_busy, self._passes = [], [], [], []
+        self._profiled, self._t_updates, self._profile_busy, self._passes, self._lands = [], [], [], [], []
         return spent
 
     def _log_cost_model(self) -> None:
@@ -148,16 +150,20 @@ class Planning:
         return StepRecorder(self.layer_of_param, len(self.layers))
 
     def keep_step(self, rec: StepRecorder, busy_s: Optional[float], t_backward_done: Optional[float],
-                  t_step_end: float, update_s: Optional[float] = None) -> int:
+                  t_step_end: float, update_s: Optional[float] = None,
+                  land: Optional[tuple[float, int]] = None) -> int:
         """Keep one profiled step (when complete); returns the number kept. ``update_s``: the step's optimizer
         update measured by the engine (a sharded sync step: as a whole-model update, without the parameter
         all-gathers, :attr:`~lightning_pipedap.engine.shard_step.ShardedStep.sync_update_s`), else the time from
-        the backward's end to the step's end.
+        the backward's end to the step's end. ``land``: a sharded sync step's land copies, ``(seconds, bytes)``
+        (:attr:`~lightning_pipedap.engine.shard_step.ShardedStep.sync_land`), for :meth:`sharding_model`.
 
         A step of several backward passes (manual optimization: each pass reduces every bucket) is kept per
         pass: its times divided by the number of passes, which :meth:`plan` multiplies its predictions by."""
         if busy_s is not None:
             self._profile_busy.append(busy_s)
+        if rec.complete and land is not None and land[1] > 0:
+            self._lands.append(land)
         if rec.complete:
             t_f, t_b = rec.times()
             n = rec.passes
@@ -179,6 +185,21 @@ class Planning:
         compute = sum(layer["t_f"] + layer["t_b"] for layer in self.profile["layers"])
         return {"busy_s": busy, "compute_s": compute, "share": busy / (busy + compute) if busy + compute > 0 else 0.0}
 
+    def sharding_model(self, params: list[torch.Tensor], owner_costs: Optional[dict[int, float]] = None,
+                       owned: bool = False) -> Sharding:
+        """The sharded step's model as measured (``params``: engine order): the land copy's seconds per byte, the
+        median of the profiling steps' (0 when no sharded sync step was profiled: :meth:`keep_step`), and with
+        parameter ownership (``owned``: a whole-tensor optimizer) per layer per parameter its bytes and the cost the
+        engine balances owners by (``owner_costs``, ``id(parameter) -> seconds``; None: its elements), so the
+        planner sees the padded buckets (:func:`~lightning_pipedap.plan.sharding.owned_buckets`)."""
+        rates = [s / n for s, n in self._lands if n > 0]
+        spec = None
+        if owned:
+            spec = tuple(tuple((params[i].numel() * params[i].element_size(),
+                                owner_costs.get(id(params[i]), 0.0) if owner_costs is not None else
+                                float(params[i].numel())) for i in layer) for layer in self.layers)
+        return Sharding(land_s_per_byte=statistics.median(rates) if rates else 0.0, owned=spec)
+
     @property
     def passes_per_step(self) -> int:
         """Backward passes per profiled step (median; 1 with automatic optimization)."""
@@ -186,7 +207,8 @@ class Planning:
 
     # ------------------------------------------------------------------ planning (rank 0) and broadcast
     def plan(self, model_name: str, layer_names: list[str], params: list[torch.Tensor],
-             engine: Any, shard_mode: Any = False) -> tuple[list[Schedule], list[float]]:
+             engine: Any, shard_mode: Any = False, owner_costs: Optional[dict[int, float]] = None,
+             owned: bool = False) -> tuple[list[Schedule], list[float]]:
         """Rank 0 plans from the median profile and picks candidates; every rank gets engine schedules.
 
         Args:
@@ -196,6 +218,8 @@ class Planning:
             engine: the profiling engine (its busy-time prediction calibrates the α-β model).
             shard_mode: ``shard_optimizer`` as it applies (True, False, ``"auto"``: sharded and unsharded
                 candidates, each schedule's ``sharded`` set).
+            owner_costs, owned: parameter ownership (a whole-tensor optimizer) and its balancing costs, for the
+                sharded model (:meth:`sharding_model`).
 
         Rank 0's candidates come from :class:`~lightning_pipedap.strategy.candidates.CandidatePlanner` (with
         ``partition_mb`` the partitioned plan among them, whose engine schedule has ``pieces``:
@@ -218,8 +242,10 @@ class Planning:
                 self.info(f"pipedap: {passes} backward passes per training_step (manual optimization), each reducing "
                           f"every bucket: planned for one pass (the profiled times divided by {passes}); predictions "
                           f"are for the whole step ({passes} passes)")
+            sharding = self.sharding_model(params, owner_costs, owned) if shard_mode else None
             rank0 = CandidatePlanner(cfg, self.cost_model, self.raw_cost_model, self.world_size,
-                                     self.measured.contention, self.info, self.compression_cost, shard_mode)
+                                     self.measured.contention, self.info, self.compression_cost, shard_mode,
+                                     sharding)
             candidates, no_overlap, maps = rank0.build(profile, params, self.layers, passes)
             self.compression_cost, self.predictions = rank0.compression_cost, rank0.predictions
             plan = (candidates, no_overlap, profile.to_dict(), self.cost_model, maps)
@@ -288,6 +314,9 @@ def describe_contention(c: Any) -> str:
             parts.append(f"{what} {how}")
         else:
             parts.append(f"{what} +{v:.0%}")
+    if getattr(c, "step_slowdown", 0.0) or getattr(c, "compute_slowdown_step", 0.0):
+        parts.append(f"an optimizer step on the worker +{c.step_slowdown:.0%} and compute beside it "
+                     f"+{c.compute_slowdown_step:.0%} (the sharded step's model)")
     times = ""
     if all(k in m for k in ("alone_comm_s", "loaded_comm_s", "alone_compute_s", "loaded_compute_s")):
         times = (f" (alone: communication {m['alone_comm_s'] * 1e3:.1f} ms, "

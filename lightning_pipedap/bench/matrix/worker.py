@@ -180,13 +180,21 @@ def plan_record(strategy: PipeDAPStrategy) -> list[str]:
         lines.append(f"predicted iteration {strategy.predicted_iteration_s * 1e3:.1f} ms")
     if strategy.no_overlap_time_s is not None:
         lines.append(f"no-overlap iteration {strategy.no_overlap_time_s * 1e3:.1f} ms")
+    prof = getattr(strategy, "profile", None)
+    if isinstance(prof, dict) and prof.get("layers"):
+        lines.append(f"profile: forward {sum(x['t_f'] for x in prof['layers']) * 1e3:.1f} ms, backward "
+                     f"{sum(x['t_b'] for x in prof['layers']) * 1e3:.1f} ms, update "
+                     f"{prof.get('t_update', 0.0) * 1e3:.1f} ms")
     if strategy.calibration_ratio != 1.0:
         lines.append(f"α-β model scaled by {strategy.calibration_ratio:.2f} (measured / predicted communication "
                      "of the profiling steps)")
     c = strategy.contention
     if c is not None:
         lines.append(f"contention: communication {c.comm_slowdown:.2f} and compute {c.compute_slowdown:.2f} "
-                     "extra slowdown while they overlap")
+                     "extra slowdown while they overlap"
+                     + (f"; a sharded step {c.step_slowdown:.2f} and compute {c.compute_slowdown_step:.2f} while it "
+                        "runs" if getattr(c, "step_slowdown", 0.0) or getattr(c, "compute_slowdown_step", 0.0)
+                        else ""))
     if strategy.trial_results:
         lines.append("measured candidates (the medians the choice was made on): " + "; ".join(
             f"{t['name']} {t.get('deciding_s', t['measured_s']) * 1e3:.1f} ms"
