@@ -326,7 +326,7 @@ def test_fit_by_hand_and_clamping():
 
 
 # ------------------------------------------------------------------------------ the live micro-benchmark
-def _measure(rank: int, world: int):
+def _measure(rank: int, world: int, with_step: bool = True):
     import torch
 
     from lightning_pipedap.engine import collectives as C
@@ -334,17 +334,19 @@ def _measure(rank: int, world: int):
 
     comm = C.new_comm_group(timeout_s=30)
     try:
-        c = measure_contention(comm, torch.device("cpu"), nbytes=1 << 20, repeats=2, timeout_s=30)
+        c = measure_contention(comm, torch.device("cpu"), nbytes=1 << 20, repeats=2, timeout_s=30,
+                               with_step=with_step)
     finally:
         C.destroy_comm_group(comm)
     return c.to_dict()
 
 
 @pytest.mark.multiprocess
-def test_measure_contention_on_two_gloo_ranks():
+@pytest.mark.parametrize("with_step", [True, False])
+def test_measure_contention_on_two_gloo_ranks(with_step):
     from tests._dist_util import run_ranks
 
-    res = run_ranks(_measure, 2, timeout_s=60)
+    res = run_ranks(_measure, 2, with_step, timeout_s=60)
     assert res[0] == res[1]  # every rank fits the same gathered times
     d = res[0]
     c = Contention.from_dict(d)
@@ -358,6 +360,12 @@ def test_measure_contention_on_two_gloo_ranks():
         for key in ("compute_alone_s", "comm_alone_s", "compute_loaded_s", "comm_loaded_s"):
             assert len(raw[key]) == 2 and all(x > 0 for x in raw[key])
     assert m["matmuls"] >= 1 and m["case"] in ("comm_first", "compute_first")
+    if with_step:  # phase (d): the optimizer step's fit
+        assert m["step"]["steps"] >= 1 and c.step_slowdown >= 0 and c.compute_slowdown_step >= 0
+        assert all(len(raw["step_alone_s"]) == 2 for raw in m["per_rank"])
+    else:  # not a sharded run: phase (d) is skipped, its slowdowns are 0
+        assert m["step"] is None and c.step_slowdown == 0.0 and c.compute_slowdown_step == 0.0
+        assert all("step_alone_s" not in raw for raw in m["per_rank"])
 
 
 def test_the_contention_log_line_shows_measured_times_and_names_capped_values():

@@ -51,7 +51,7 @@ def _sync(device: torch.device) -> None:
 
 def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 << 20, repeats: int = 3, *,
                        matmul_size: int = 256, timeout_s: float = 120.0, op_overhead_s: float = 0.0,
-                       max_matmuls: int = 100_000) -> Contention:
+                       max_matmuls: int = 100_000, with_step: bool = True) -> Contention:
     """Run the micro-benchmark of the module docstring on every rank; return the fitted contention.
 
     Must be called by every rank of ``comm`` at the same point (it issues collectives on ``comm``
@@ -67,6 +67,8 @@ def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 
         timeout_s: timeout of every wait on the worker thread of phase (c), seconds (> 0).
         op_overhead_s: ``δ`` to assume in the fit (seconds, >= 0).
         max_matmuls: upper limit of the compute loop length ``k``.
+        with_step: run phase (d) (only a run that may step sharded needs it; without it the step's slowdowns are
+            0 and ``meta["step"]`` is None).
 
     Returns:
         :class:`Contention` (with ``step_slowdown`` and ``compute_slowdown_step`` from phase (d)) with ``meta``:
@@ -97,30 +99,32 @@ def measure_contention(comm: C.CommGroup, device: torch.device, nbytes: int = 8 
         compute_s, comm_s = load.both_together(k, timeout_s)
         compute_loaded.append(compute_s)
         comm_loaded.append(comm_s)
-    # (d) an optimizer step in place of the all-reduce: alone, then together with the compute loop
-    j = load.step_loop(statistics.median(compute_alone))
-    step_alone = [load.timed(lambda: load.step(j)) for _ in range(repeats)]
-    compute_loaded_step: list[float] = []
-    step_loaded: list[float] = []
-    for _ in range(repeats):
-        compute_s, step_s = load.both_together(k, timeout_s, lambda: load.step(j))
-        compute_loaded_step.append(compute_s)
-        step_loaded.append(step_s)
-
     raw = {"compute_alone_s": compute_alone, "comm_alone_s": comm_alone,
-           "compute_loaded_s": compute_loaded, "comm_loaded_s": comm_loaded, "step_alone_s": step_alone,
-           "compute_loaded_step_s": compute_loaded_step, "step_loaded_s": step_loaded}
+           "compute_loaded_s": compute_loaded, "comm_loaded_s": comm_loaded}
+    j = 0
+    if with_step:  # (d) an optimizer step in place of the all-reduce: alone, then together with the compute loop
+        j = load.step_loop(statistics.median(compute_alone))
+        raw["step_alone_s"] = [load.timed(lambda: load.step(j)) for _ in range(repeats)]
+        raw["compute_loaded_step_s"], raw["step_loaded_s"] = [], []
+        for _ in range(repeats):
+            compute_s, step_s = load.both_together(k, timeout_s, lambda: load.step(j))
+            raw["compute_loaded_step_s"].append(compute_s)
+            raw["step_loaded_s"].append(step_s)
     per_rank = C.all_gather_object(raw)
     mean = {key: statistics.fmean(statistics.median(r[key]) for r in per_rank) for key in raw}
     step = fit_contention(mean["compute_alone_s"], mean["step_alone_s"], mean["compute_loaded_step_s"],
-                          mean["step_loaded_s"], meta={"source": "measure_contention (d)", "steps": j})
+                          mean["step_loaded_s"], meta={"source": "measure_contention (d)", "steps": j}) \
+        if with_step else None
     fit = fit_contention(
         mean["compute_alone_s"], mean["comm_alone_s"], mean["compute_loaded_s"], mean["comm_loaded_s"],
         op_overhead_s=op_overhead_s,
         meta={"per_rank": per_rank, "nbytes": nbytes, "repeats": repeats, "matmuls": k, "matmul_size": matmul_size,
               "backend": comm.backend, "world_size": comm.world_size, "source": "measure_contention",
-              "step": step.meta, "elapsed_s": C.broadcast_object(time.perf_counter() - t_begin, src=0)},
+              "step": step.meta if step else None,
+              "elapsed_s": C.broadcast_object(time.perf_counter() - t_begin, src=0)},
     )
+    if step is None:
+        return fit
     return dataclasses.replace(fit, step_slowdown=step.comm_slowdown, compute_slowdown_step=step.compute_slowdown)
 
 

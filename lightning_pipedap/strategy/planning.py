@@ -118,7 +118,8 @@ class Planning:
             from lightning_pipedap.probe.slowdown import measure_contention  # noqa: PLC0415
 
             t0 = time.perf_counter()
-            c = measure_contention(self.comm, self.device, nbytes=8 << 20, repeats=5, timeout_s=cfg.wait_timeout_s)
+            c = measure_contention(self.comm, self.device, nbytes=8 << 20, repeats=5, timeout_s=cfg.wait_timeout_s,
+                                   with_step=bool(cfg.shard_optimizer))  # (the step's phase: sharded runs only)
             spent["contention"] = time.perf_counter() - t0
             self.measured.contention = c
             self.info(describe_contention(c) + f" (measured in {spent['contention']:.2f} s)")
