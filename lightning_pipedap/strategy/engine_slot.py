@@ -274,6 +274,8 @@ class EngineSlot:
                 self.carry.keep(self.engine)
             self.engine.close()
             self.engine, self.deferred = None, None
+        if kept is not None:  # (the move to the next engine reads no buffer: free them before it allocates its own)
+            kept.release_buffers()
         return kept
 
     def flush(self) -> None:
