@@ -389,15 +389,16 @@ class ShardedOptimizer:
                 yield bucket, k, buf
 
     def gather_state(self, comm: C.CommGroup, buckets: Sequence[FlatBucket], device: Optional[torch.device] = None,
-                     keep: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
+                     keep: bool = True, drop: bool = False) -> dict[torch.Tensor, dict[str, Any]]:
         """The sharded parameters' whole optimizer state, ``parameter -> {entry: value}`` (element-wise entries as
         full tensors shaped like the parameter, on ``device``, default the parameter's): one ``all_gather_object``
         of the entries' kinds and scalars, then one all-gather of the bucket's layout per (bucket, entry, dtype),
         one bucket at a time. A collective: every rank calls it at the same point. ``keep=False``: this rank takes
-        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are."""
+        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are, or with
+        ``drop`` each one's entries dropped once gathered (:meth:`consolidate`: not both whole and sliced)."""
         merged = self._merged_info(comm)
         full: dict[int, dict[str, torch.Tensor]] = {}
-        for bucket, k, buf in self._gathered(comm, buckets, merged):
+        for bucket, k, buf in self._gathered(comm, buckets, merged, drop=drop):
             if keep:
                 self._assemble(bucket, k, buf, merged, full, device)
         if not keep:
@@ -478,7 +479,7 @@ class ShardedOptimizer:
         if not self.absorbed:
             return
         out = collections.defaultdict(dict, dict(self.optimizer.state))  # (the unsharded entries, then the rest)
-        out.update(self.gather_state(comm, buckets, device))
+        out.update(self.gather_state(comm, buckets, device, drop=True))
         self.optimizer.state = out
         self.optimizer.__dict__.pop("state_dict", None)
         self.state.clear()
