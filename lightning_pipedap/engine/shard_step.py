@@ -629,8 +629,9 @@ class ShardedStep:
         return opt
 
     def adopt(self, old: "ShardedStep") -> None:
-        """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard
-        (:meth:`ShardedOptimizer.transfer`) when both shard the same parameters, else gathered whole into
+        """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard when
+        both shard the same parameters (as it is, locally, with the same bucket layout: :meth:`ShardedOptimizer.move`;
+        else :meth:`ShardedOptimizer.transfer`), else gathered whole into
         ``optimizer.state`` (it is sliced again at this engine's first sharded step). A collective."""
         if not any(prev.absorbed for prev in old.opts.values()):
             return
@@ -638,20 +639,16 @@ class ShardedStep:
             old.consolidate()
             return
         same = old.sharded == self.sharded and _layouts(old.buckets) == _layouts(self.buckets)
-        for prev in old.opts.values():
-            if prev.absorbed and same:  # (every rank's slices are the old ones: their state moves as it is, locally)
-                prev.move(self.attach(prev.optimizer))
-            elif prev.absorbed:
-                prev.transfer(self.attach(prev.optimizer), self.comm, old.buckets)
+        for prev in [p for p in old.opts.values() if p.absorbed]:
+            new = self.attach(prev.optimizer)
+            _ = prev.move(new) if same else prev.transfer(new, self.comm, old.buckets)
 
     def release_buffers(self) -> None:
-        """The engine closed, this step kept for its optimizer state (the next engine adopts it, :meth:`adopt`): drop
-        the buckets' buffers and the kept gradient shards, which the move does not read, so the closed engine's
-        buffers are not alive next to the new engine's (one gradient's worth of memory at each start-up change)."""
+        """Kept after its engine closed, for :meth:`adopt`: the buffers and kept shards go (the move reads neither),
+        so they are not alive next to the next engine's (a gradient's worth of memory at each start-up change)."""
         for bucket in self.buckets:
             bucket.release()
-        self.keep.clear()
-        self._spare.clear()
+        self.keep.clear(), self._spare.clear()
 
     def sync_step(self, optimizer: Optimizer) -> None:
         """A sync-mode optimizer step (main thread, after backward wrote the averaged gradients to ``.grad`` and the
