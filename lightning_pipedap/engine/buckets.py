@@ -165,6 +165,12 @@ class FlatBucket:
         parameter without a gradient (identical on every rank)."""
         return bool((self.flag_view < world_size - 0.5).any())
 
+    def release(self) -> None:
+        """Drop the buffer (and its views), keeping the layout: a closed engine's bucket that only describes where
+        elements lie (the sharded state's move to the next engine) holds no memory beside the next engine's."""
+        empty = self.buffer.new_empty(0)
+        self.buffer, self.views, self.flag_view = empty, [], empty
+
     def own_data_range(self, rank: int) -> tuple[int, int]:
         """``[start, end)`` of gradient elements (flags and padding excluded) in ``rank``'s shard."""
         start = rank * self.shard_size

@@ -95,6 +95,11 @@ class CommGroup:
             buf = self._scratch[key] = torch.empty(numel, dtype=dtype, device=device)
         return buf[:numel]
 
+    def release_scratch(self) -> None:
+        """Drop the ring's scratch tensors (they grow to the largest bucket ever reduced: a start-up engine's). Call
+        only while no collective of this group runs (between engines); the next use allocates what it needs."""
+        self._scratch.clear()
+
 
 def is_initialized() -> bool:
     """Whether the default process group exists."""

@@ -132,6 +132,13 @@ def _is_elem(v: Any, s: ShardSlice) -> bool:
             and (v.dim() == 1 or (s.whole and v.shape == s.param.shape)))
 
 
+def _layouts(buckets: Sequence[FlatBucket]) -> list[tuple]:
+    """Each bucket's layout (its parameters, their element ranges and offsets, the shard size, the owners): equal
+    layouts give every rank the same slices."""
+    return [(tuple(id(p) for p in b.params), tuple(b.ranges), tuple(b.offsets), b.shard_size, b.owners)
+            for b in buckets]
+
+
 def land_params(bucket: FlatBucket) -> None:
     """Copy the gathered parameters of ``bucket`` (its buffer holds parameters, not gradients) into the model
     (call under ``torch.no_grad``): a whole parameter from its view, a piece into its element range."""
@@ -352,34 +359,46 @@ class ShardedOptimizer:
                 merged.setdefault(i, {}).update(entries)
         return merged
 
-    def _gathered(self, comm: C.CommGroup, buckets: Sequence[FlatBucket],
-                  merged: dict[int, dict[str, Any]]) -> Iterator[tuple[FlatBucket, str, torch.Tensor]]:
+    def _gathered(self, comm: C.CommGroup, buckets: Sequence[FlatBucket], merged: dict[int, dict[str, Any]],
+                  drop: bool = False) -> Iterator[tuple[FlatBucket, str, torch.Tensor]]:
         """Per sharded bucket and element-wise entry (sorted: the same sequence on every rank): a buffer of the
-        bucket's layout holding that entry of every rank's slices, all-gathered (one bucket's size at a time)."""
+        bucket's layout holding that entry of every rank's slices, all-gathered. One buffer per dtype, as large as
+        the largest bucket, serves every bucket (valid until the next item); ``drop``: this rank's slices' entry is
+        dropped from :attr:`state` once gathered (:meth:`transfer`: the old and the new state never both whole)."""
+        scratch: dict[str, torch.Tensor] = {}
+        largest = max((b.shard_size * b.world_size for b in buckets if b.index in self.slices), default=0)
         for bucket in buckets:
             if bucket.index not in self.slices:
                 continue
             keys = sorted({(k, kind[1]) for i in dict.fromkeys(bucket.param_indices) for k, kind in
                            merged.get(i, {}).items() if kind[0] == "elem"})
+            # (the layout's size, not the buffer's: a closed engine's bucket has released its buffer)
+            n = bucket.shard_size * bucket.world_size
             for k, dtype_name in keys:
-                buf = torch.zeros(bucket.buffer.numel(), dtype=getattr(torch, dtype_name), device=bucket.buffer.device)
+                if dtype_name not in scratch:
+                    scratch[dtype_name] = torch.empty(largest, dtype=getattr(torch, dtype_name),
+                                                      device=bucket.buffer.device)
+                buf = scratch[dtype_name][:n]
+                buf.zero_()
                 for s in self.slices[bucket.index]:
-                    v = self.state.get(s.tensor, {}).get(k)
+                    st = self.state.get(s.tensor, {})
+                    v = st.pop(k, None) if drop else st.get(k)
                     if v is not None:
                         buf[s.lo:s.hi].copy_(v.reshape(-1))
                 C.all_gather_(buf, comm)
                 yield bucket, k, buf
 
     def gather_state(self, comm: C.CommGroup, buckets: Sequence[FlatBucket], device: Optional[torch.device] = None,
-                     keep: bool = True) -> dict[torch.Tensor, dict[str, Any]]:
+                     keep: bool = True, drop: bool = False) -> dict[torch.Tensor, dict[str, Any]]:
         """The sharded parameters' whole optimizer state, ``parameter -> {entry: value}`` (element-wise entries as
         full tensors shaped like the parameter, on ``device``, default the parameter's): one ``all_gather_object``
         of the entries' kinds and scalars, then one all-gather of the bucket's layout per (bucket, entry, dtype),
         one bucket at a time. A collective: every rank calls it at the same point. ``keep=False``: this rank takes
-        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are."""
+        part but assembles nothing (returns ``{}``; rank-0-only checkpoints). The shards are left as they are, or with
+        ``drop`` each one's entries dropped once gathered (:meth:`consolidate`: not both whole and sliced)."""
         merged = self._merged_info(comm)
         full: dict[int, dict[str, torch.Tensor]] = {}
-        for bucket, k, buf in self._gathered(comm, buckets, merged):
+        for bucket, k, buf in self._gathered(comm, buckets, merged, drop=drop):
             if keep:
                 self._assemble(bucket, k, buf, merged, full, device)
         if not keep:
@@ -402,11 +421,7 @@ class ShardedOptimizer:
         for sl in new.slices.values():
             for ns in sl:
                 new_of.setdefault(id(ns.param), []).append(ns)
-        done: Optional[int] = None
-        for bucket, k, buf in self._gathered(comm, buckets, merged):
-            if done is not None and done != bucket.index:  # (that bucket's entries are all moved: free its slices'
-                self._free(done)                           # state now, so old and new never coexist whole)
-            done = bucket.index
+        for bucket, k, buf in self._gathered(comm, buckets, merged, drop=True):
             for slot, i in enumerate(bucket.param_indices):
                 if merged.get(i, {}).get(k, ("",))[0] != "elem":
                     continue
@@ -430,10 +445,17 @@ class ShardedOptimizer:
         self.state.clear()
         self.absorbed = False
 
-    def _free(self, b: int) -> None:
-        """Drop the state of this rank's slices of bucket ``b`` (moved already: :meth:`transfer`)."""
-        for s in self.slices.get(b, ()):
-            self.state.pop(s.tensor, None)
+    def move(self, new: "ShardedOptimizer") -> None:
+        """Move the state into ``new`` when its slices are these (another engine with the same bucket layout, on
+        every rank: :meth:`ShardedStep.adopt` decides): the tensors change hands, nothing is copied or sent."""
+        for b, sl in self.slices.items():
+            for s, ns in zip(sl, new.slices.get(b, ())):
+                st = self.state.pop(s.tensor, None)
+                if st:
+                    new.state[ns.tensor] = st
+        new.absorbed = True
+        self.state.clear()
+        self.absorbed = False
 
     def _assemble(self, bucket: FlatBucket, k: str, buf: torch.Tensor, merged: dict, full: dict,
                   device: Optional[torch.device]) -> None:
@@ -457,7 +479,7 @@ class ShardedOptimizer:
         if not self.absorbed:
             return
         out = collections.defaultdict(dict, dict(self.optimizer.state))  # (the unsharded entries, then the rest)
-        out.update(self.gather_state(comm, buckets, device))
+        out.update(self.gather_state(comm, buckets, device, drop=True))
         self.optimizer.state = out
         self.optimizer.__dict__.pop("state_dict", None)
         self.state.clear()
@@ -611,17 +633,26 @@ class ShardedStep:
         return opt
 
     def adopt(self, old: "ShardedStep") -> None:
-        """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard
-        (:meth:`ShardedOptimizer.transfer`) when both shard the same parameters, else gathered whole into
+        """The optimizer state of the engine this one replaces (``old``, the same group): moved shard to shard when
+        both shard the same parameters (as it is, locally, with the same bucket layout: :meth:`ShardedOptimizer.move`;
+        else :meth:`ShardedOptimizer.transfer`), else gathered whole into
         ``optimizer.state`` (it is sliced again at this engine's first sharded step). A collective."""
         if not any(prev.absorbed for prev in old.opts.values()):
             return
         if {id(old.params[i]) for i in old.params_sharded} != {id(self.params[i]) for i in self.params_sharded}:
             old.consolidate()
             return
-        for prev in old.opts.values():
-            if prev.absorbed:
-                prev.transfer(self.attach(prev.optimizer), self.comm, old.buckets)
+        same = old.sharded == self.sharded and _layouts(old.buckets) == _layouts(self.buckets)
+        for prev in [p for p in old.opts.values() if p.absorbed]:
+            new = self.attach(prev.optimizer)
+            _ = prev.move(new) if same else prev.transfer(new, self.comm, old.buckets)
+
+    def release_buffers(self) -> None:
+        """Kept after its engine closed, for :meth:`adopt`: the buffers and kept shards go (the move reads neither),
+        so they are not alive next to the next engine's (a gradient's worth of memory at each start-up change)."""
+        for bucket in self.buckets:
+            bucket.release()
+        self.keep.clear(), self._spare.clear()
 
     def sync_step(self, optimizer: Optimizer) -> None:
         """A sync-mode optimizer step (main thread, after backward wrote the averaged gradients to ``.grad`` and the

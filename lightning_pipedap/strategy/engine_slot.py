@@ -184,6 +184,7 @@ class EngineSlot:
         # under True or False follows the option)
         sharded = bool(schedule.sharded) if self.shard_mode == "auto" else self.shard_mode is True
         old_shard = self.close_engine(keep_shards=sharded)
+        ctx.comm.release_scratch()  # (sized for the closed engine's largest bucket; the new engine sizes its own)
         self._index_of = {id(p): k for k, p in enumerate(params)}
         self._engine_params = params
         factory = self._compression_factory() if final and cfg.compression else None
@@ -274,6 +275,8 @@ class EngineSlot:
                 self.carry.keep(self.engine)
             self.engine.close()
             self.engine, self.deferred = None, None
+        if kept is not None:  # (the move to the next engine reads no buffer: free them before it allocates its own)
+            kept.release_buffers()
         return kept
 
     def flush(self) -> None:
