@@ -21,7 +21,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -232,7 +232,8 @@ def ring_reduce_scatter_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torc
     return seg[r]
 
 
-def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dtype] = None) -> torch.Tensor:
+def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dtype] = None,
+                     during: Optional[Callable[[], None]] = None) -> torch.Tensor:
     """In-place ring all-gather of a flat buffer whose own segment ``r`` is filled.
 
     Args:
@@ -242,6 +243,10 @@ def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dt
             the own segment is cast once into a wire-dtype staging buffer and rounded in place to
             what is sent, received pieces land in the staging buffer (forwarded from there as is) and
             are widened into ``buf``; every rank ends with byte-identical ``buf``.
+        during: optional work of the caller's that overlaps the transfer: called once, after the first ring
+            step's sends and receives are posted (with 2 ranks: all of them) and before any wait; it must not touch
+            ``buf``. The all-gather returns after it (an exception it raises is re-raised once the posted
+            transfers finished).
 
     Returns:
         ``buf``, with every segment ``k`` equal to rank ``k``'s segment.
@@ -250,11 +255,13 @@ def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dt
     seg = buf.view(n, -1)
     host = _host_staged(buf, comm, "ag_host") if n > 1 else None
     if host is not None:  # a device tensor on gloo: gathered on a host copy, copied back whole
-        return buf.copy_(ring_all_gather_(host, comm, wire))
+        return buf.copy_(ring_all_gather_(host, comm, wire, during))
     wire = _wire(buf, wire)
     if n == 1:
         if wire is not None:
             seg[0].copy_(seg[0].to(wire))
+        if during is not None:
+            during()
         return buf
     right, left = (r + 1) % n, (r - 1) % n
     S = seg.shape[1]
@@ -266,6 +273,7 @@ def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dt
         seg[r].copy_(stage[r])  # the owner keeps what the others receive
     group, isend, irecv = comm.group, dist.isend, dist.irecv
     sends: list = []
+    failed: Optional[BaseException] = None
     prev = None  # (recv works, staging views, views of buf they widen into) of the previous step
     for s in range(n - 1):
         send_idx, recv_idx = (r - s) % n, (r - s - 1) % n
@@ -279,13 +287,26 @@ def ring_all_gather_(buf: torch.Tensor, comm: CommGroup, wire: Optional[torch.dt
                     prev[2][i].copy_(prev[1][i])
             sends.append(isend(src[p], dst=right, group=group))
         prev = (rworks, rviews, [seg[recv_idx][p] for p in pieces])
+        if s == 0 and during is not None:
+            failed = _run_during(during)
     for w, v, d in zip(*prev):
         w.wait()
         if wire is not None:
             d.copy_(v)
     for w in sends:
         w.wait()
+    if failed is not None:
+        raise failed
     return buf
+
+
+def _run_during(during: Callable[[], None]) -> Optional[BaseException]:
+    """``during()``; the exception it raised (re-raised by the caller once its posted transfers finished), or None."""
+    try:
+        during()
+    except BaseException as exc:  # noqa: BLE001 - re-raised after the waits
+        return exc
+    return None
 
 
 def native_reduce_scatter_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
@@ -312,9 +333,15 @@ def reduce_scatter_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
     return ring_reduce_scatter_(buf, comm) if comm.uses_ring else native_reduce_scatter_(buf, comm)
 
 
-def all_gather_(buf: torch.Tensor, comm: CommGroup) -> torch.Tensor:
-    """All-gather of every rank's segment of ``buf`` into the whole of ``buf``."""
-    return ring_all_gather_(buf, comm) if comm.uses_ring else native_all_gather_(buf, comm)
+def all_gather_(buf: torch.Tensor, comm: CommGroup, during: Optional[Callable[[], None]] = None) -> torch.Tensor:
+    """All-gather of every rank's segment of ``buf`` into the whole of ``buf``; ``during``: work overlapping the
+    transfer (:func:`ring_all_gather_`; on a native backend run after the collective is issued)."""
+    if comm.uses_ring:
+        return ring_all_gather_(buf, comm, during=during)
+    native_all_gather_(buf, comm)
+    if during is not None:
+        during()
+    return buf
 
 
 def reduce_scatter_wire_(buf: torch.Tensor, comm: CommGroup, wire: torch.dtype) -> torch.Tensor:

@@ -48,7 +48,7 @@ from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient, step_on
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "WHOLE_TENSOR_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer",
-           "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "shard_slices"]
+           "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "nonfinite_shards", "shard_slices"]
 
 #: torch optimizers whose update of one element depends only on that element's gradient and state and on
 #: per-parameter scalars (step count, hyper-parameters): a slice of a parameter can be stepped on its own
@@ -154,6 +154,26 @@ def land_params(bucket: FlatBucket) -> None:
                 p.copy_(flat.view(p.shape))
         else:
             p.copy_(v)
+
+
+def nonfinite_shards(buckets: Sequence[FlatBucket], sharded: Sequence[int], rank: int) -> set[int]:
+    """The buckets among ``sharded`` whose shard on ``rank`` (``own_data_range``) may hold NaN/inf: one sum per shard
+    and one host sync (a sum is finite only if every element is: NaN and inf propagate, as in
+    :func:`~lightning_pipedap.strategy.numerics.first_nonfinite`); a shard whose sum overflowed with finite elements is
+    returned too, and its element-wise counts are then zero. A sum reads the shard once and allocates nothing:
+    ``isfinite().all()`` per shard cost 14 ms per step on the bench MLP's 8.4 M elements of a rank, the sums 1 ms."""
+    sums, which = [], []
+    for b in sharded:
+        lo, hi = buckets[b].own_data_range(rank)
+        if hi > lo:
+            sums.append(buckets[b].buffer[lo:hi].sum().to(torch.float64))  # (buckets differ in dtype)
+            which.append(b)
+    if not sums:
+        return set()
+    finite = torch.stack(sums).isfinite()
+    if bool(finite.all()):
+        return set()
+    return {b for b, ok in zip(which, finite.tolist()) if not ok}
 
 
 class ShardedStateError(RuntimeError):
@@ -739,11 +759,11 @@ class ShardedStep:
                 C.all_gather_(self.buckets[b].buffer, self.comm)
         if check:
             counts = []
+            suspect = nonfinite_shards(self.buckets, self.sharded, self.comm.rank)
             for b in self.sharded:
                 bucket = self.buckets[b]
                 c = torch.zeros(2 * len(bucket.params), dtype=torch.float64, device=bucket.buffer.device)
-                lo, hi = bucket.own_data_range(self.comm.rank)
-                if hi > lo and not bool(bucket.buffer[lo:hi].isfinite().all()):
+                if b in suspect:
                     for s in self.slices[b]:
                         g = bucket.buffer[s.lo:s.hi]
                         c[2 * s.slot] += int(g.isnan().sum())

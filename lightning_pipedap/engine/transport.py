@@ -15,7 +15,7 @@ whole bucket is; ``None``: nothing was done (the all-gather of a compressed buck
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -53,8 +53,12 @@ class DenseTransport:
     def ready(self, bucket: FlatBucket) -> None:
         """Nothing to do: the worker reads the buffer when it reaches the op."""
 
-    def run(self, kind: OpKind, bucket: FlatBucket) -> OpKind:
-        """Reduce-scatter, all-gather or all-reduce ``bucket.buffer`` in place (``[N·S]`` elements)."""
+    def run(self, kind: OpKind, bucket: FlatBucket, during: Optional[Callable[[], None]] = None) -> OpKind:
+        """Reduce-scatter, all-gather or all-reduce ``bucket.buffer`` in place (``[N·S]`` elements). ``during``: with an
+        all-gather in the buffer's own dtype, work overlapping the transfer (:func:`~.collectives.all_gather_`)."""
+        if during is not None and (kind is not OpKind.ALL_GATHER or self.wire is not None):
+            raise ValueError(f"pipedap: work overlapping a transfer needs an all-gather in the buffer's own dtype; got "
+                             f"{kind.name} with wire dtype {self.wire}")
         buf, comm, wire = bucket.buffer, self.comm, self.wire
         if wire is not None:
             if kind is not OpKind.ALL_GATHER:
@@ -64,7 +68,7 @@ class DenseTransport:
         elif kind is OpKind.REDUCE_SCATTER:
             C.reduce_scatter_(buf, comm)
         elif kind is OpKind.ALL_GATHER:
-            C.all_gather_(buf, comm)
+            C.all_gather_(buf, comm, during)
         else:
             C.all_reduce_(buf, comm)
         return kind

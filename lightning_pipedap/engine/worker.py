@@ -13,7 +13,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -64,6 +64,7 @@ class OpWorker:
         self._idle = threading.Event()
         self._idle.set()
         self._jobs: "queue.Queue[object]" = queue.Queue()
+        self._ahead: Optional[int] = None  # the sharded bucket stepped during the previous all-gather
         self.streams = streams_for(device if device is not None else "cpu")
         #: the communication stream the ops run on
         self.stream = self.streams.new_stream("comm")
@@ -114,10 +115,12 @@ class OpWorker:
     def _run_round(self, label: Any) -> None:
         stream = self.stream
         busy = 0.0
+        self._ahead = None
+        ops = self.schedule.ops
         with self.streams.use(stream):
-            for op in self.schedule.ops:
+            for k, op in enumerate(ops):
                 sync = self.syncs[op.bucket]
-                transport, params = self.transports[op.bucket], False
+                transport, params, during = self.transports[op.bucket], False, None
                 if op.kind is OpKind.ALL_GATHER:
                     if sync.gathered:  # (a compressed bucket: its reduction did everything; it may have landed since)
                         continue
@@ -126,6 +129,7 @@ class OpWorker:
                         if not self._shard_step(op):
                             return
                         transport, params = self.param_transport, True
+                        during = self._step_ahead(ops[k + 1:])
                     sync.start_param_sync()
                 else:
                     if not sync.wait_ready(self.wait_timeout_s, stream):
@@ -136,7 +140,7 @@ class OpWorker:
                     sync.start_grad_sync()
                 record = self.timeline_enabled  # read at op start: an op is recorded in full or not at all
                 t0 = time.perf_counter()
-                done = transport.run(op.kind, sync.flat)
+                done = transport.run(op.kind, sync.flat, *(() if during is None else (during,)))
                 t1 = time.perf_counter()
                 busy += t1 - t0
                 if done is None:
@@ -158,6 +162,9 @@ class OpWorker:
             EngineError: the optimizer step was not recorded within the timeout.
         """
         shard, sync = self.shard, self.syncs[op.bucket]
+        if self._ahead == op.bucket:  # (stepped during the previous all-gather: _step_ahead)
+            self._ahead = None
+            return True
         if not shard.round.prepared.is_set():
             if not shard.wait_go(self.wait_timeout_s, lambda: self.closed):
                 if self.closed:
@@ -168,3 +175,23 @@ class OpWorker:
         if shard.step_bucket(op.bucket):
             sync.step()
         return True
+
+    def _step_ahead(self, rest: Sequence[Op]) -> Optional[Callable[[], None]]:
+        """The sharded step of the next sharded bucket all-gathered after this one (the first such all-gather in
+        ``rest``, the ops after the current one), to run while the current all-gather's transfer is in flight (its
+        ``during``): on the host the step of bucket b+1 then overlaps AG(b) instead of following it, so the
+        all-gathers of the next forward follow each other with only the first step in front of them. None when no
+        sharded all-gather follows, or on an accelerator (its kernels are queued on the stream anyway)."""
+        shard = self.shard
+        if self.streams.accelerated:
+            return None
+        nxt = next((op.bucket for op in rest if op.kind is OpKind.ALL_GATHER and op.bucket in shard.slices), None)
+        if nxt is None:
+            return None
+
+        def step() -> None:
+            self._ahead = nxt
+            if shard.step_bucket(nxt):
+                self.syncs[nxt].step()
+
+        return step
