@@ -48,7 +48,8 @@ from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient, step_on
 
 __all__ = ["ELEMENTWISE_OPTIMIZERS", "WHOLE_TENSOR_OPTIMIZERS", "ShardRound", "ShardSlice", "ShardedOptimizer",
-           "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "nonfinite_shards", "shard_slices"]
+           "ShardedState", "ShardedStateError", "ShardedStep", "land_params", "nonfinite_counts", "nonfinite_shards",
+           "shard_slices"]
 
 #: torch optimizers whose update of one element depends only on that element's gradient and state and on
 #: per-parameter scalars (step count, hyper-parameters): a slice of a parameter can be stepped on its own
@@ -139,13 +140,26 @@ def _layouts(buckets: Sequence[FlatBucket]) -> list[tuple]:
             for b in buckets]
 
 
-def land_params(bucket: FlatBucket) -> None:
+def land_params(bucket: FlatBucket, in_place: Optional[tuple[int, int]] = None) -> None:
     """Copy the gathered parameters of ``bucket`` (its buffer holds parameters, not gradients) into the model
-    (call under ``torch.no_grad``): a whole parameter from its view, a piece into its element range."""
+    (call under ``torch.no_grad``): a whole parameter from its view, a piece into its element range.
+
+    ``in_place``: a buffer range ``[lo, hi)`` whose elements the model holds already (this rank's shard, stepped in
+    place in contiguous parameters: :attr:`ShardedStep.in_place`); a contiguous parameter's elements there are not
+    copied (1/N of the bucket's land copy)."""
+    klo, khi = in_place or (0, 0)
     for slot, p in enumerate(bucket.params):
         v = bucket.grad_view(slot)
-        if bucket.pieces[slot]:
-            start, stop = bucket.ranges[slot]
+        start, stop = bucket.ranges[slot]
+        off = bucket.offsets[slot]
+        a, b = max(klo - off, 0), min(khi - off, stop - start)  # (the slot's elements held already: [a, b))
+        if p.is_contiguous() and a < b:
+            flat, src = p.view(-1)[start:stop], v.reshape(-1)
+            if a > 0:
+                flat[:a].copy_(src[:a])
+            if b < stop - start:
+                flat[b:].copy_(src[b:])
+        elif bucket.pieces[slot]:
             if p.is_contiguous():
                 p.view(-1)[start:stop].copy_(v)
             else:
@@ -174,6 +188,24 @@ def nonfinite_shards(buckets: Sequence[FlatBucket], sharded: Sequence[int], rank
     if bool(finite.all()):
         return set()
     return {b for b, ok in zip(which, finite.tolist()) if not ok}
+
+
+def nonfinite_counts(buckets: Sequence[FlatBucket], sharded: Sequence[int], slices: dict[int, list[ShardSlice]],
+                     rank: int) -> list[torch.Tensor]:
+    """Per bucket of ``sharded``, ``[nan, inf]`` counts of each slot in ``rank``'s shard (float64, ``2·slots``
+    elements: slot ``k`` at ``2k``, ``2k+1``; ``slices``: this rank's :class:`ShardSlice` per bucket), counted
+    element by element only in the buckets :func:`nonfinite_shards` names; zeros elsewhere."""
+    suspect = nonfinite_shards(buckets, sharded, rank)
+    counts = []
+    for b in sharded:
+        bucket = buckets[b]
+        c = torch.zeros(2 * len(bucket.params), dtype=torch.float64, device=bucket.buffer.device)
+        for s in slices[b] if b in suspect else ():
+            g = bucket.buffer[s.lo:s.hi]
+            c[2 * s.slot] += int(g.isnan().sum())
+            c[2 * s.slot + 1] += int(g.isinf().sum())
+        counts.append(c)
+    return counts
 
 
 class ShardedStateError(RuntimeError):
@@ -607,6 +639,8 @@ class ShardedStep:
         self.sync_land: Optional[tuple[float, int]] = None
         #: engine indices of the parameters held by sharded buckets
         self.params_sharded = sorted({i for b in self.sharded for i in self.buckets[b].param_indices})
+        #: per sharded bucket, the buffer range its land copy skips (:func:`land_params`): this rank's shard
+        self.in_place = {b: self.buckets[b].own_data_range(comm.rank) for b in self.sharded}
 
     @classmethod
     def for_engine(cls, engine: Any, param_transport: Any) -> "ShardedStep":
@@ -693,7 +727,7 @@ class ShardedStep:
                 sliced_s += time.perf_counter() - t0
                 C.all_gather_(bucket.buffer, self.comm)
                 t0 = time.perf_counter()
-                land_params(bucket)
+                land_params(bucket, self.in_place.get(b))  # (bytes: the whole bucket's, as the deferred land)
                 land_s += time.perf_counter() - t0
                 land_bytes += sum(p.numel() * p.element_size() for p in bucket.params)
         self.sync_update_s = whole_s + self.comm.world_size * sliced_s
@@ -758,18 +792,7 @@ class ShardedStep:
             for b in self.sharded:
                 C.all_gather_(self.buckets[b].buffer, self.comm)
         if check:
-            counts = []
-            suspect = nonfinite_shards(self.buckets, self.sharded, self.comm.rank)
-            for b in self.sharded:
-                bucket = self.buckets[b]
-                c = torch.zeros(2 * len(bucket.params), dtype=torch.float64, device=bucket.buffer.device)
-                if b in suspect:
-                    for s in self.slices[b]:
-                        g = bucket.buffer[s.lo:s.hi]
-                        c[2 * s.slot] += int(g.isnan().sum())
-                        c[2 * s.slot + 1] += int(g.isinf().sum())
-                counts.append(c)
-            parts.extend(counts)
+            parts.extend(nonfinite_counts(self.buckets, self.sharded, self.slices, self.comm.rank))
         vec = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)  # (on the buckets' device)
         if vec.numel():
             C.all_reduce_(vec, self.comm)

@@ -386,7 +386,7 @@ class DeferredUpdates:
         if self.track_use and not self.saw_partial_use:
             self.saw_partial_use = bucket.some_rank_unused(engine.comm.world_size)
         if sync.params_gathered:  # (stepped sharded: the bucket holds the updated parameters)
-            land_params(bucket)
+            land_params(bucket, engine.shard.in_place.get(b) if engine.shard is not None else None)
         else:
             self.updater.step(bucket, pending.hparams, pending.clip, pending.coef, used)
         sync.land()
