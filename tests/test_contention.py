@@ -376,6 +376,15 @@ def test_the_contention_log_line_shows_measured_times_and_names_capped_values():
                     "(alone: communication 50.0 ms, compute 100.0 ms; together: 70.0 ms and 120.0 ms)")
     # noise (loaded faster than alone) -> 0, said as such; no progress -> the cap, said as such, never as "100.00"
     assert "communication not measurably slowed" in describe_contention(fit_contention(0.1, 0.05, 0.09, 0.049))
+    # the sharded step's pair (phase d): a capped value is named as the cap, not shown as "+10000%"
+    import dataclasses
+
+    step = fit_contention(0.1, 0.05, 2.5, 1.5, max_slowdown=100.0)
+    c = dataclasses.replace(fit_contention(0.1, 0.05, 0.12, 0.07), step_slowdown=step.comm_slowdown,
+                            compute_slowdown_step=step.compute_slowdown, meta={"step": step.meta})
+    line = describe_contention(c)
+    assert "compute beside it stalled while the other ran (the model uses its cap, 100)" in line, line
+    assert "+10000%" not in line
     capped = describe_contention(fit_contention(0.1, 0.05, 0.2, 0.25))
     assert "communication stalled while the other ran (the model uses its cap, 100)" in capped
     assert "compute +100%" in capped

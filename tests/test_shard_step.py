@@ -86,6 +86,17 @@ def test_refusals_name_the_bad_value_and_the_choices():
         refuse_unshardable([torch.optim.SGD(p, lr=0.1)], object())
     refuse_unshardable([torch.optim.AdamW(p)], None)
 
+    class Renamed(torch.optim.AdamW):  # (AdamW's own step: split as AdamW's)
+        pass
+
+    class TrustRatio(torch.optim.AdamW):  # a LAMB-style step on top of AdamW's: mixes a parameter's elements
+        def step(self, closure=None):
+            return super().step(closure)
+
+    refuse_unshardable([Renamed(p)], None)
+    with pytest.raises(ValueError, match="cannot split TrustRatio: it subclasses AdamW but overrides step"):
+        refuse_unshardable([TrustRatio(p)], None)
+
 
 def test_assign_owners_balances_each_bucket_longest_first():
     from lightning_pipedap.plan.sharding import assign_owners

@@ -316,8 +316,12 @@ def describe_contention(c: Any) -> str:
         else:
             parts.append(f"{what} +{v:.0%}")
     if getattr(c, "step_slowdown", 0.0) or getattr(c, "compute_slowdown_step", 0.0):
-        parts.append(f"an optimizer step on the worker +{c.step_slowdown:.0%} and compute beside it "
-                     f"+{c.compute_slowdown_step:.0%} (the sharded step's model)")
+        step_clamped = set(((m.get("step") or {}).get("clamped", ())))
+        words = [f"{what} {'stalled while the other ran (the model uses its cap, ' + format(v, 'g') + ')'}"
+                 if name in step_clamped and v else f"{what} +{v:.0%}"
+                 for name, what, v in (("comm_slowdown", "an optimizer step on the worker", c.step_slowdown),
+                                       ("compute_slowdown", "compute beside it", c.compute_slowdown_step))]
+        parts.append(" and ".join(words) + " (the sharded step's model)")
     times = ""
     if all(k in m for k in ("alone_comm_s", "loaded_comm_s", "alone_compute_s", "loaded_compute_s")):
         times = (f" (alone: communication {m['alone_comm_s'] * 1e3:.1f} ms, "

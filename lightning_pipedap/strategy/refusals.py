@@ -112,7 +112,13 @@ def refuse_unshardable(optimizers: list, scaler: Any) -> None:
                          "unscales and checks the whole gradient on every rank); use precision='bf16-mixed' or "
                          "shard_optimizer=False")
     for opt in optimizers:
-        if not isinstance(opt, ELEMENTWISE_OPTIMIZERS + WHOLE_TENSOR_OPTIMIZERS):
+        base = next((c for c in type(opt).__mro__ if c in ELEMENTWISE_OPTIMIZERS + WHOLE_TENSOR_OPTIMIZERS), None)
+        if base is not None and inspect.unwrap(type(opt).step) is not inspect.unwrap(base.step):
+            raise ValueError(f"pipedap: shard_optimizer=True cannot split {type(opt).__name__}: it subclasses "
+                             f"{base.__name__} but overrides step(), which may mix elements of a parameter or of "
+                             f"several parameters (a trust ratio, a norm), so the sharded step could differ from "
+                             f"DDP's; use {base.__name__} itself or shard_optimizer=False")
+        if base is None:
             valid = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
             whole = ", ".join(c.__name__ for c in WHOLE_TENSOR_OPTIMIZERS)
             raise ValueError(f"pipedap: shard_optimizer=True needs an optimizer whose step it can split: element-wise "
