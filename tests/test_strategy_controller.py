@@ -743,6 +743,8 @@ def test_the_startup_budget_shortens_windows_and_installs_the_best_so_far():
     ctl2.after_sync_step(0.0)
     assert ctl2.phase is Phase.RUN and ctl2.plan_selection()["text"] == (
         "not run (the start-up budget left no room for trials)")
+    assert ("the planner's schedule 'a' was installed on its prediction alone, without measuring the other 1 "
+            "candidate(s)") in ctl2.budget_note
 
 
 def test_a_candidate_dropped_by_racing_is_never_chosen_and_ddps_reducer_is_never_dropped():

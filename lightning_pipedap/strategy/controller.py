@@ -334,8 +334,11 @@ class Controller:
         self.budget_note = None
         n, left = len(schedules), self.ledger.selection_left()
         if n > 1 and left is not None and left < n * (MIN_BUDGET_WINDOW + 1):
+            first = schedules[0]
             self.budget_note = (f"{self.ledger.budget_text()} left no room for trial windows: the planner's schedule "
-                                "was installed without measuring")
+                                f"{first.name!r}{' (sharded)' if getattr(first, 'sharded', False) else ''} was "
+                                f"installed on its prediction alone, without measuring the other {n - 1} "
+                                "candidate(s)")
             self.effects.info(f"pipedap: {self.budget_note}")
             schedules, no_overlap = schedules[:1], no_overlap[:1]
         if len(schedules) > 1:
