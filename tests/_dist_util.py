@@ -128,3 +128,16 @@ def launch_results(module: str, out, names: list[str], world: int, timeout_s: fl
     results = json.loads(out.read_text()) if out.exists() else {}
     results["_launch_error"] = launch_error
     return results
+
+
+def load_script(path, name: str):
+    """Import the script at ``path`` (a benchmark under benchmarks/, not a package) as module ``name``, registered in
+    ``sys.modules`` (dataclasses resolve their module by name); the caller pops it when done."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -8,7 +8,6 @@ latency). It starts one helper process (a few seconds).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -24,12 +23,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "pipeline_hiding.p
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("pipeline_hiding_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their module by name
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    from tests._dist_util import load_script
+
+    yield load_script(SCRIPT, "pipeline_hiding_bench")
+    sys.modules.pop("pipeline_hiding_bench", None)
 
 
 def test_mlp_buckets_match_25mib_fusion(bench):

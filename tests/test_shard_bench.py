@@ -8,7 +8,6 @@ it. The ``pipedap-sharded`` checks skip, with the reason, while the strategy has
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,12 +22,10 @@ RANKS = 2
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("shard_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+    from tests._dist_util import load_script
+
+    yield load_script(SCRIPT, "shard_bench")
+    sys.modules.pop("shard_bench", None)
 
 
 def _rank(variant: str, rank: int, step_ms: float, state: int = 1000, rss: float = 500.0) -> dict:

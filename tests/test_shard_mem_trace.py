@@ -3,8 +3,6 @@ report around the highest sample, in-process (no ranks, no training)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
@@ -13,11 +11,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "shard_mem_trace.p
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("shard_mem_trace", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from tests._dist_util import load_script
+
+    return load_script(SCRIPT, "shard_mem_trace")
 
 
 def test_points_see_a_transient_allocation_and_the_report_names_where():
