@@ -334,11 +334,7 @@ class Controller:
         self.budget_note = None
         n, left = len(schedules), self.ledger.selection_left()
         if n > 1 and left is not None and left < n * (MIN_BUDGET_WINDOW + 1):
-            first = schedules[0]
-            self.budget_note = (f"{self.ledger.budget_text()} left no room for trial windows: the planner's schedule "
-                                f"{first.name!r}{' (sharded)' if getattr(first, 'sharded', False) else ''} was "
-                                f"installed on its prediction alone, without measuring the other {n - 1} "
-                                "candidate(s)")
+            self.budget_note = _no_room_note(self.ledger.budget_text(), schedules)
             self.effects.info(f"pipedap: {self.budget_note}")
             schedules, no_overlap = schedules[:1], no_overlap[:1]
         if len(schedules) > 1:
@@ -426,3 +422,12 @@ class Controller:
         if self.drift.replan_due(self.predicted_iteration_s, ledger.steps_left(), ledger.startup.get("total_steps")):
             self.ledger.selection_steps = 0
             self._profile_again()
+
+
+def _no_room_note(budget_text: str, schedules: list) -> str:
+    """The start-up's note when ``budget_text`` leaves no room for trial windows: the first of ``schedules`` (the
+    planner's) is installed on its prediction alone."""
+    first = schedules[0]
+    return (f"{budget_text} left no room for trial windows: the planner's schedule {first.name!r}"
+            f"{' (sharded)' if getattr(first, 'sharded', False) else ''} was installed on its prediction alone, "
+            f"without measuring the other {len(schedules) - 1} candidate(s)")
