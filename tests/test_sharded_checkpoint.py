@@ -23,6 +23,7 @@ from lightning_pipedap.strategy.sharded_checkpoint import (META_FILENAME, SHARDE
                                                            load_sharded_checkpoint, local_optimizer_state,
                                                            save_sharded_checkpoint)
 from tests._dist_util import run_lightning_ranks
+from tests.sharded_checkpoint_cases import _same
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,16 +48,6 @@ def _save(tmp_path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer) ->
     path = tmp_path / "ckpt"
     save_sharded_checkpoint(ckpt, path)
     return path
-
-
-def _same(a, b) -> bool:
-    if torch.is_tensor(a):
-        return torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 def test_one_process_round_trip_is_bit_exact(tmp_path):
