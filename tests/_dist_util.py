@@ -69,7 +69,8 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
 
     Lightning then sees processes created externally (``LOCAL_RANK`` set) and each ``Trainer``
     joins them, so one launch can run many ``fit`` calls. Raises ``AssertionError`` with the
-    output of a failed rank, ``TimeoutError`` (after killing all ranks) past ``timeout_s``.
+    output of a failed rank (its return code: -11 is a segfault), ``TimeoutError`` (after killing all ranks) past
+    ``timeout_s``. ``PIPEDAP_TEST_RANK_LOGS=DIR`` keeps each rank's whole output in DIR (post-mortem of a crash).
     """
     import subprocess
     import sys
@@ -83,7 +84,12 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                    NODE_RANK="0", LOCAL_RANK=str(r), RANK=str(r), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                    PYTHONFAULTHANDLER="1")  # (a crashed rank prints every thread's stack)
-        log = tempfile.TemporaryFile("w+")
+        keep = os.environ.get("PIPEDAP_TEST_RANK_LOGS")
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            log = open(os.path.join(keep, f"{port}-rank{r}.log"), "w+")
+        else:
+            log = tempfile.TemporaryFile("w+")
         logs.append(log)
         procs.append(subprocess.Popen([sys.executable, *args], env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout_s
@@ -103,8 +109,8 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
             outs = []
             for r, log in enumerate(logs):
                 log.seek(0)
-                outs.append(f"--- rank {r} ---\n" + log.read()[-6000:])
-            raise AssertionError(f"ranks failed {bad}:\n" + "\n".join(outs))
+                outs.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n" + log.read()[-3000:])
+            raise AssertionError(f"ranks failed {bad} (rank, exit code):\n" + "\n".join(outs))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -116,16 +122,36 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
 
 def launch_results(module: str, out, names: list[str], world: int, timeout_s: float, cwd: str) -> dict:
     """Run ``python -m module OUT names...`` on ``world`` ranks (:func:`run_lightning_ranks`) and return the JSON
-    the ranks wrote to ``out`` (a path), with ``"_launch_error"``: the tail of the error when a rank failed or hung
-    (the cases that finished before it are kept), else None."""
-    import json
+    the ranks wrote to ``out`` (a path), with ``"_launch_error"``: the error (every rank's tail) when a rank failed
+    or hung, else None.
 
-    launch_error = None
-    try:
-        run_lightning_ranks(["-m", module, str(out), *names], world=world, timeout_s=timeout_s, cwd=cwd)
-    except (AssertionError, TimeoutError) as exc:  # keep the cases that finished before a hang or crash
-        launch_error = str(exc)[-4000:]
-    results = json.loads(out.read_text()) if out.exists() else {}
+    A launch that dies (a rank crashed: rarely, under load, a segfault inside torch's own code; or a hang) loses
+    every case after the one in flight. The cases with no result are then run once more in a second launch, so one
+    crash fails only the case it happened in, if that case fails again: the first launch's error is kept in
+    ``"_first_launch_error"`` and warned about, never dropped. A case that crashes twice has no result, and its
+    test fails with the second launch's error."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    def launch(path, todo):
+        try:
+            run_lightning_ranks(["-m", module, str(path), *todo], world=world, timeout_s=timeout_s, cwd=cwd)
+            error = None
+        except (AssertionError, TimeoutError) as exc:  # keep the cases that finished before a hang or crash
+            error = str(exc)[:8000]  # (every rank's tail: the first to fail is often rank 0)
+        return (json.loads(path.read_text()) if path.exists() else {}), error
+
+    out = Path(out)
+    results, launch_error = launch(out, names)
+    results["_first_launch_error"] = None
+    missing = [n for n in names if n not in results]
+    if launch_error is not None and missing:
+        warnings.warn(f"{module}: a launch died with {len(missing)} case(s) left ({missing[0]} and after); running "
+                      f"those again. The error:\n{launch_error}", stacklevel=2)
+        again, second_error = launch(out.with_name(out.stem + "-relaunch.json"), missing)
+        results.update({n: again[n] for n in missing if n in again})
+        results["_first_launch_error"], launch_error = launch_error, second_error
     results["_launch_error"] = launch_error
     return results
 

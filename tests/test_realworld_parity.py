@@ -28,6 +28,8 @@ from tests.realworld_models import CASES
 TOL = 1e-6
 REPLICA_TOL = 1e-7
 ROOT = Path(__file__).resolve().parents[1]
+#: the fixture's launch, and a second one for the cases a crash lost (``launch_results``), run in the first test
+pytestmark = pytest.mark.timeout(3300)
 SELECTED = [n for n in os.environ.get("REALWORLD_CASES", "").split(",") if n] or sorted(CASES)
 
 

@@ -39,6 +39,8 @@ from tests._dist_util import launch_results, run_ranks
 from tests.three_rank_cases import THREE_RANK_CASES
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the fixture's launch, and a second one for the cases a crash lost (``launch_results``), run in the first test
+pytestmark = pytest.mark.timeout(1500)
 SELECTED = [n for n in os.environ.get("THREE_RANK_CASES", "").split(",") if n] or THREE_RANK_CASES
 SPREAD_FACTOR = 2.0
 #: cases whose optimizer amplifies one-ulp differences of the averaged gradients: torch.optim.Muon orthogonalises
