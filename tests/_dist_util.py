@@ -109,7 +109,10 @@ def run_lightning_ranks(args: list[str], world: int = 2, timeout_s: float = 900.
             outs = []
             for r, log in enumerate(logs):
                 log.seek(0)
-                outs.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n" + log.read()[-3000:])
+                text = log.read()
+                fatal = text.find("Fatal Python error")  # (faulthandler: every thread's stack, then a module list)
+                outs.append(f"--- rank {r} (exit {procs[r].returncode}) ---\n"
+                            + (text[fatal:fatal + 5000] + "\n[...]\n" if fatal >= 0 else "") + text[-3000:])
             raise AssertionError(f"ranks failed {bad} (rank, exit code):\n" + "\n".join(outs))
     finally:
         for p in procs:
@@ -139,7 +142,7 @@ def launch_results(module: str, out, names: list[str], world: int, timeout_s: fl
             run_lightning_ranks(["-m", module, str(path), *todo], world=world, timeout_s=timeout_s, cwd=cwd)
             error = None
         except (AssertionError, TimeoutError) as exc:  # keep the cases that finished before a hang or crash
-            error = str(exc)[:8000]  # (every rank's tail: the first to fail is often rank 0)
+            error = str(exc)[:16000]  # (every rank's tail: the first to fail is often rank 0)
         return (json.loads(path.read_text()) if path.exists() else {}), error
 
     out = Path(out)

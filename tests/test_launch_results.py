@@ -19,6 +19,9 @@ def test_a_crash_loses_only_its_case_once(tmp_path):
     assert res["_launch_error"] is None
     assert "ranks failed [(0, -11)]" in res["_first_launch_error"]
     assert "--- rank 0 (exit -11) ---" in res["_first_launch_error"]
+    # the crashed rank's Python stack (faulthandler), however long the output after it
+    assert "Fatal Python error: Segmentation fault" in res["_first_launch_error"]
+    assert 'tests/_crash_once_cases.py", line' in res["_first_launch_error"]
     assert {k: v for k, v in res.items() if not k.startswith("_")} == {n: {"rank": 0} for n in ("a", "crash_once", "b")}
 
 
