@@ -170,6 +170,19 @@ def land_params(bucket: FlatBucket, in_place: Optional[tuple[int, int]] = None) 
             p.copy_(v)
 
 
+def keep_view(s: ShardSlice, dtype: torch.dtype, g: Optional[torch.Tensor],
+              spare: dict[tuple[int, int], torch.Tensor]) -> torch.Tensor:
+    """Where slice ``s``'s averaged gradient is kept: its elements of the parameter's ``.grad`` ``g`` (the snapshot
+    of :attr:`ShardRound.grads`) when that is a contiguous tensor of dtype ``dtype`` shaped like the parameter (no
+    memory), else a tensor of its own in ``spare`` (``(bucket, slot) ->``, allocated once)."""
+    if g is not None and g.is_contiguous() and g.dtype == dtype and g.shape == s.param.shape:
+        return g.detach().view(-1)[s.p_lo:s.p_hi]
+    key = (s.bucket, s.slot)
+    if key not in spare:
+        spare[key] = torch.empty(s.hi - s.lo, dtype=dtype, device=s.tensor.device)
+    return spare[key]
+
+
 def nonfinite_shards(buckets: Sequence[FlatBucket], sharded: Sequence[int], rank: int) -> set[int]:
     """The buckets among ``sharded`` whose shard on ``rank`` (``own_data_range``) may hold NaN/inf: one sum per shard
     and one host sync (a sum is finite only if every element is: NaN and inf propagate, as in
@@ -277,6 +290,9 @@ class ShardRound:
         coef: the clip-by-norm factor (0-dim tensor) or None.
         finding: ``(bucket, slot, nan, inf, numel)`` of the first slot with non-finite averaged gradients, or None.
         stepped: whether the shards were stepped (False: a non-finite step under ``raise``/``skip``).
+        grads: ``id(param) -> its .grad`` when the step was recorded (main thread): what DDP's step sees, and all
+            the worker reads of ``.grad`` (user code may replace or clear ``.grad`` while the worker runs, e.g.
+            Lightning's ``on_validation_model_zero_grad``; a worker read of it then raced, and crashed, torch).
     """
 
     def __init__(self) -> None:
@@ -288,6 +304,7 @@ class ShardRound:
         self.finding: Optional[tuple[int, int, int, int, int]] = None
         self.stepped = True
         self.error: Optional[BaseException] = None
+        self.grads: dict[int, Optional[torch.Tensor]] = {}
 
 
 class ShardedOptimizer:
@@ -558,14 +575,14 @@ class ShardedOptimizer:
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 
     # ------------------------------------------------------------------ the step
-    def step(self, b: int, buffer: Optional[torch.Tensor], used: Sequence[bool],
-             hparams: list[dict[str, Any]]) -> None:
+    def step(self, b: int, buffer: Optional[torch.Tensor], used: Sequence[bool], hparams: list[dict[str, Any]],
+             grads: Optional[dict[int, Optional[torch.Tensor]]] = None) -> None:
         """Step this rank's slices of bucket ``b``: a slice of a parameter some rank produced a gradient for is
         stepped with the averaged (clipped) gradient in ``buffer[lo:hi]`` (``buffer`` None, a sync-mode step: with
         its elements of ``.grad``, which then holds it); one no rank did is stepped with its own ``.grad`` where that
         is not None (as DDP), and skipped otherwise. Runs the optimizer class's ``step`` on a shallow view of
         ``optimizer`` whose ``param_groups`` hold the slices (hyper-parameters ``hparams``) and whose ``state`` is
-        :attr:`state`."""
+        :attr:`state`. ``grads``: ``id(param) -> .grad`` to read instead of ``.grad`` (the worker's snapshot)."""
         per_group: list[dict[str, Any]] = []
         stepped: list[ShardSlice] = []
         for gi, sl in self.by_group.get(b, []):
@@ -573,8 +590,8 @@ class ShardedOptimizer:
             for s in sl:
                 if used[s.slot] and buffer is not None:
                     g = buffer[s.lo:s.hi]
-                elif s.param.grad is not None:
-                    g = s.param.grad.detach().reshape(-1)[s.p_lo:s.p_hi]
+                elif (g := s.param.grad if grads is None else grads.get(id(s.param))) is not None:
+                    g = g.detach().reshape(-1)[s.p_lo:s.p_hi]
                 else:
                     continue
                 s.tensor.grad = g.view(s.tensor.shape)
@@ -601,8 +618,8 @@ class ShardedStep:
         sharded: indices of the buckets stepped sharded (the uncompressed ones).
         comm: the engine's group.
         params: the engine's parameters (engine order).
-        averaged_grads: ``optimizer -> the averaged gradients clip_grad_norm_ sees under DDP`` once every bucket
-            holds its whole averaged gradients (:func:`~lightning_pipedap.engine.update.averaged_grads`).
+        averaged_grads: ``(optimizer, grads) -> the averaged gradients clip_grad_norm_ sees under DDP`` once every
+            bucket holds its whole averaged gradients (:func:`~lightning_pipedap.engine.update.averaged_grads`).
         names: the parameters' names (engine order), for messages.
 
     Attributes:
@@ -613,7 +630,7 @@ class ShardedStep:
 
     def __init__(self, buckets: Sequence[FlatBucket], sharded: Sequence[int], comm: C.CommGroup,
                  params: Sequence[torch.Tensor],
-                 averaged_grads: Callable[[Optimizer], list[torch.Tensor]] = lambda opt: [],
+                 averaged_grads: Callable[[Optimizer, dict], list[torch.Tensor]] = lambda opt, grads: [],
                  names: Sequence[str] = ()) -> None:
         self.buckets, self.comm, self.params = list(buckets), comm, list(params)
         self.names = list(names)
@@ -650,8 +667,8 @@ class ShardedStep:
         compressed = engine.transport is not None
         sharded = [b for b in range(len(engine.buckets)) if not (compressed and engine.schedule.is_compressed(b))]
         ref = weakref.ref(engine)  # (no cycle engine -> step -> engine: a closed engine's buffers go at once)
-        step = cls(engine.buckets, sharded, engine.comm, engine.params, lambda opt: averaged_grads(ref(), opt),
-                   engine.param_names)
+        step = cls(engine.buckets, sharded, engine.comm, engine.params,
+                   lambda opt, grads: averaged_grads(ref(), opt, grads), engine.param_names)
         engine.worker.shard, engine.worker.param_transport = step, param_transport
         return step
 
@@ -751,6 +768,7 @@ class ShardedStep:
         opt = self.attach(optimizer)
         opt.absorb(opt.owned)
         r.hparams, r.clip, r.nonfinite = hparams, clip, nonfinite
+        r.grads = {id(p): p.grad for p in (self.params[i] for i in self.params_sharded)}
         r.go.set()
 
     def consolidate(self, device: Optional[torch.device] = None) -> None:
@@ -813,15 +831,17 @@ class ShardedStep:
                     a, z = bucket.ranges[slot]
                     r.finding = (b, slot, int(c[2 * slot]), int(c[2 * slot + 1]), z - a)
         if by_norm:
-            r.coef = clip_norm_coefficient(self.averaged_grads(self.optimizer.optimizer), clip.value)
+            r.coef = clip_norm_coefficient(self.averaged_grads(self.optimizer.optimizer, r.grads), clip.value)
         r.stepped = not (r.finding is not None and r.nonfinite in ("raise", "skip"))
-        self._clip_and_keep(clip, r.coef)
+        self._clip_and_keep(clip, r.coef, r.grads)
+        r.grads = {id(s.param): r.grads.get(id(s.param)) for b in self.sharded for s in self.slices[b]
+                   if not self.used[b][s.slot]}  # (what the steps still read: no old .grad pinned past them)
         r.prepared.set()
 
-    def _clip_and_keep(self, clip: Any, coef: Optional[torch.Tensor]) -> None:
+    def _clip_and_keep(self, clip: Any, coef: Optional[torch.Tensor], grads: dict[int, Any]) -> None:
         """Clip this rank's shards (and, for a parameter no rank produced a gradient for, its own ``.grad`` in
         place, as ``clip_grad_norm_`` does) and keep each used slice's averaged gradient for later ``.grad`` reads
-        (:meth:`_keep_view`)."""
+        (:func:`keep_view`)."""
         self.keep.clear()
         for b in self.sharded:
             bucket = self.buckets[b]
@@ -833,22 +853,23 @@ class ShardedStep:
                 shard.mul_(coef)
             for s in self.slices[b]:
                 if self.used[b][s.slot]:
-                    kept = self.keep[(b, s.slot)] = self._keep_view(s, bucket.buffer.dtype)
-                    kept.copy_(bucket.buffer[s.lo:s.hi])
+                    g = grads.get(id(s.param))
+                    self.keep[(b, s.slot)] = keep_view(s, bucket.buffer.dtype, g, self._spare)
+                    self.keep[(b, s.slot)].copy_(bucket.buffer[s.lo:s.hi])
         if clip is None:
             return
         done: set[int] = set()
         for b in self.sharded:
             for slot, i in enumerate(self.buckets[b].param_indices):
-                p = self.params[i]
-                if self.used[b][slot] or i in done or p.grad is None:
+                g = grads.get(id(self.params[i]))
+                if self.used[b][slot] or i in done or g is None:
                     continue
                 done.add(i)
                 with torch.no_grad():
                     if clip.algorithm == "value":
-                        p.grad.clamp_(-clip.value, clip.value)
+                        g.clamp_(-clip.value, clip.value)
                     elif coef is not None:
-                        p.grad.mul_(coef)
+                        g.mul_(coef)
 
     def drop_kept(self, buckets: Sequence[int]) -> None:
         """Forget the kept gradient shards of ``buckets`` (their ``.grad`` will not be written any more: a new
@@ -857,17 +878,6 @@ class ShardedStep:
         for b in buckets:
             for s in self.slices.get(b, ()):
                 self.keep.pop((b, s.slot), None)
-
-    def _keep_view(self, s: ShardSlice, dtype: torch.dtype) -> torch.Tensor:
-        """Where slice ``s``'s averaged gradient is kept: its elements of the parameter's ``.grad`` when that is a
-        contiguous tensor of the buffer's dtype (no memory), else a tensor of its own (allocated once)."""
-        g = s.param.grad
-        if g is not None and g.is_contiguous() and g.dtype == dtype and g.shape == s.param.shape:
-            return g.detach().view(-1)[s.p_lo:s.p_hi]
-        key = (s.bucket, s.slot)
-        if key not in self._spare:
-            self._spare[key] = torch.empty(s.hi - s.lo, dtype=dtype, device=s.tensor.device)
-        return self._spare[key]
 
     def step_bucket(self, b: int) -> bool:
         """Worker, before AG(b): step this rank's slices (unless the round's verdict forbids it) and write the
@@ -888,7 +898,7 @@ class ShardedStep:
             if s.master:  # (a non-contiguous parameter: its slice is a copy, refreshed here)
                 s.tensor.view(-1).copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
         if hparams is not None and opt is not None:
-            opt.step(b, grads, used, hparams)
+            opt.step(b, grads, used, hparams, None if self.round is None or grads is None else self.round.grads)
         buffer = self.buckets[b].buffer
         for s in self.slices[b]:
             buffer[s.lo:s.hi].copy_(s.tensor.reshape(-1))

@@ -72,11 +72,12 @@ def clip_norm_coefficient(grads: Sequence[torch.Tensor], max_norm: float) -> Opt
     return torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
 
 
-def averaged_grads(engine: Any, optimizer: Optimizer) -> list[torch.Tensor]:
+def averaged_grads(engine: Any, optimizer: Optimizer, grads: Optional[dict] = None) -> list[torch.Tensor]:
     """The gradients ``clip_grad_norm_`` would see under DDP once every bucket of ``engine`` (a
     :class:`~lightning_pipedap.engine.engine.CommEngine`) is gathered, in ``optimizer``'s parameter order: a
     parameter some rank produced a gradient for gives its averaged gradient (its bucket view; a split parameter's
-    pieces concatenated, shaped like it), one no rank did gives its ``.grad`` as DDP leaves it (skipped when None)."""
+    pieces concatenated, shaped like it), one no rank did gives its ``.grad`` as DDP leaves it (skipped when None;
+    ``grads``: ``id(param) -> .grad`` to read instead, the sharded step's snapshot)."""
     index = {id(p): i for i, p in enumerate(engine.params)}
     used = {b: engine.used_flags(b) for b in range(engine.num_buckets)}
     out = []
@@ -88,8 +89,8 @@ def averaged_grads(engine: Any, optimizer: Optimizer) -> list[torch.Tensor]:
                 views = [engine.buckets[b].grad_view(s) for b, s, _, _ in places]
                 out.append(views[0] if len(views) == 1 and views[0].shape == p.shape
                            else torch.cat([v.reshape(-1) for v in views]).view_as(p))
-            elif p.grad is not None:
-                out.append(p.grad)
+            elif (g := p.grad if grads is None else grads.get(id(p))) is not None:
+                out.append(g)
     return out
 
 
