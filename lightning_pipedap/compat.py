@@ -28,7 +28,8 @@ import torch
 __all__ = [
     "CHECKED_ON", "CompatError", "PRIVATE_APIS", "PRIVATE_ATTRIBUTES", "REPLACED_BY_PUBLIC", "SigtermHooks",
     "SpawnLauncherHook", "attached_trainer", "batches_that_stepped", "compiled_module_type", "default_store",
-    "disable_torch_function", "forget_observed_children", "layer_sync", "loop_progress", "pop_torch_function_mode",
+    "disable_torch_function", "forget_observed_children", "layer_sync", "loop_progress", "mark_optimizer_stepped",
+    "pop_torch_function_mode",
     "push_torch_function_mode", "queue_autograd_callback", "reducer_finalized", "resolve",
     "set_backward_sync_control", "signal_connector", "sigterm_hooks", "sparse_stored_values", "start_method",
     "toggled_requires_grad", "transform_active", "unwrap_optimizer",
@@ -283,6 +284,16 @@ def unwrap_optimizer(optimizer: Any) -> Any:
             or (wrappers is not None and wrappers.is_wrapped(optimizer))):
         return getattr(optimizer, "optimizer", optimizer)
     return optimizer
+
+
+def mark_optimizer_stepped(optimizer: Any) -> None:
+    """Record that ``optimizer`` stepped, as torch's LR schedulers' wrapper of ``optimizer.step`` does when it runs
+    (it sets the private ``Optimizer._opt_called``), for a step the package runs without that wrapper (the sharded
+    step runs the optimizer class's ``step`` on the shards). Without it the first ``scheduler.step()`` warns
+    "Detected call of lr_scheduler.step() before optimizer.step()", which DDP does not. Set whether or not a
+    scheduler wrapped the step (the package may have replaced ``step`` on the instance for the step; the flag is read
+    by schedulers only). Checked on torch 2.13.0."""
+    unwrap_optimizer(optimizer)._opt_called = True
 
 
 def toggled_requires_grad(module: Any) -> Optional[dict]:
@@ -556,6 +567,7 @@ PRIVATE_ATTRIBUTES: tuple[str, ...] = (
     "lightning.fabric.strategies.launchers.subprocess_script._ChildProcessObserver._child_processes",
     "lightning.pytorch.LightningModule._param_requires_grad_state",
     "lightning.pytorch.loops.training_epoch_loop._TrainingEpochLoop._batches_that_stepped",
+    "torch.optim.Optimizer._opt_called",
 )
 
 #: private names the package used before and now reaches through public APIs: private name -> the entry here

@@ -4,7 +4,8 @@ One launch, two fits of the same seeded MLP with Adam (``ddp``, then pipedap ``d
 ``training_step`` reads, at steps 3 and 6, the previous step's ``.grad`` of the first layer (the guard all-gathers
 it: DDP's averaged gradient) and tries ``optimizer.state[p]`` and ``optimizer.state_dict()`` (a sharded fit raises
 ``ShardedStateError`` naming the parameter). A callback at the last step reads the rank's state bytes and
-``trainer.strategy.optimizer_state`` (the whole state on rank 0, ``{}`` elsewhere). Rank 0 writes the results.
+``trainer.strategy.optimizer_state`` (the whole state on rank 0, ``{}`` elsewhere). A StepLR scheduler steps every
+step; the warnings torch's schedulers give are kept (none, as under DDP). Rank 0 writes the results.
 
 Run as a script on every rank: ``python -m tests.shard_cases OUT.json``.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -49,7 +51,9 @@ class Net(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-2)
+        opt = torch.optim.Adam(self.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
 class LastStep(pl.Callback):
@@ -81,10 +85,13 @@ def fit(strategy: Any) -> dict[str, Any]:
     trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          callbacks=[cb])
-    trainer.fit(model, DataLoader(data, batch_size=8))
+    with warnings.catch_warnings(record=True) as seen:  # (torch's "lr_scheduler.step() before optimizer.step()")
+        warnings.simplefilter("always")
+        trainer.fit(model, DataLoader(data, batch_size=8))
     opt = trainer.optimizers[0]
     return {"grads": model.grads, "errors": model.errors, "nbytes": cb.nbytes, "max_nbytes": cb.max_nbytes,
             "state_keys": cb.state_keys,
+            "scheduler_warnings": [str(w.message)[:80] for w in seen if "lr_scheduler.step()" in str(w.message)],
             "after_fit": {str(i): {k: str(v.device) for k, v in st.items() if torch.is_tensor(v)}
                           for i, st in enumerate(opt.state.values())},
             "params": [p.detach().reshape(-1).tolist() for p in model.parameters()]}

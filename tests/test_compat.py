@@ -56,6 +56,11 @@ def _instance_of(owner: str) -> Any:
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     cls = compat.resolve(owner)
+    if owner == "torch.optim.Optimizer":  # (set by an LR scheduler's wrapper of step when the step runs)
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        opt.step()
+        return opt
     if owner.endswith("._ChildProcessObserver"):
         return cls(main_pid=os.getpid(), child_processes=[], sleep_period=60)  # (not started)
     if owner == "lightning.pytorch.Trainer":
@@ -247,6 +252,23 @@ def test_toggled_requires_grad_is_what_toggle_optimizer_saves() -> None:
     assert toggled and all(p in toggled for p in module.b.parameters())
     assert not any(p.requires_grad for p in module.b.parameters()) and all(toggled[p] for p in module.b.parameters())
     assert compat.toggled_requires_grad(torch.nn.Linear(2, 2)) is None
+
+
+def test_mark_optimizer_stepped_silences_the_scheduler_as_a_real_step_does() -> None:
+    import warnings
+
+    def first_scheduler_step(mark: bool) -> list[str]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        if mark:
+            compat.mark_optimizer_stepped(opt)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sched.step()
+        return [str(w.message) for w in seen if "lr_scheduler.step()" in str(w.message)]
+
+    assert first_scheduler_step(False) and not first_scheduler_step(True)
+    compat.mark_optimizer_stepped(torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1))  # (no scheduler)
 
 
 def test_unwrap_optimizer() -> None:

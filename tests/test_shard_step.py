@@ -382,3 +382,5 @@ def test_a_sharded_fit_shows_what_ddp_shows_and_refuses_sharded_state_reads(fit_
     assert shard["max_nbytes"] == shard["nbytes"] and ddp["max_nbytes"] == ddp["nbytes"], (shard, ddp)
     assert shard["state_keys"] == ddp["state_keys"] == [0, 1, 2, 3]  # (rank 0: every parameter's state)
     assert len(shard["after_fit"]) == 4 and all(d == "cpu" for st in shard["after_fit"].values() for d in st.values())
+    # (the shards are stepped without optimizer.step(): the LR scheduler must still see the step, as under DDP)
+    assert shard["scheduler_warnings"] == ddp["scheduler_warnings"] == [], shard["scheduler_warnings"]

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_pipedap.compat import disable_torch_function
+from lightning_pipedap.compat import disable_torch_function, mark_optimizer_stepped
 from lightning_pipedap.engine.engine import CommEngine
 from lightning_pipedap.engine.shard_step import land_params
 from lightning_pipedap.engine.update import (BucketOptimizer, ClipRequest, averaged_grads, clip_norm_coefficient,
@@ -214,6 +214,7 @@ class DeferredUpdates:
             check = self.nonfinite
             shard.go(optimizer, self.pending.hparams, clip, check.mode if check is not None and check.active else None)
             self.pending.sharded = True
+            mark_optimizer_stepped(optimizer)  # (the shards are stepped without optimizer.step: LR schedulers)
 
     def remaining(self) -> list[int]:
         """The buckets of the pending step not applied yet (their state is before LANDED: :class:`BucketSync`)."""

@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import lightning_pipedap.engine.collectives as C
 import lightning_pipedap.strategy.messages as M
+from lightning_pipedap import compat
 from lightning_pipedap.engine.shard_step import WHOLE_TENSOR_OPTIMIZERS
 from lightning_pipedap.strategy.refusals import refuse_unshardable
 
@@ -116,6 +117,7 @@ def sharded_sync(slot: Any, optimizer: Any) -> Iterator[None]:
         if engine is not None and engine.shard is not None:
             engine.wait_idle()
             engine.shard.sync_step(optimizer)
+            compat.mark_optimizer_stepped(optimizer)  # (what the scheduler's wrapper of the replaced step sets)
         else:
             original(**kwargs)
         return result
