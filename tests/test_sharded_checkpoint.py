@@ -108,6 +108,15 @@ def test_consolidate_command_writes_a_torch_checkpoint(tmp_path):
     main([str(path)])
     out = torch.load(str(path) + ".consolidated", weights_only=False)
     assert _same(out["optimizer_states"][0], opt.state_dict())
+    # the documented command: python -m lightning_pipedap.consolidate DIR OUT, without runpy's double-import warning
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "lightning_pipedap.consolidate", str(path), str(tmp_path / "one.ckpt")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "RuntimeWarning" not in res.stderr, res.stderr
+    out = torch.load(str(tmp_path / "one.ckpt"), weights_only=False)
+    assert _same(out["optimizer_states"][0], opt.state_dict())
 
 
 class _Regression(pl.LightningModule):

@@ -181,7 +181,7 @@ class ScheduleOptions:
     ``optimizer_state(opt)`` then returns this rank's part. Any world size resumes from it (each rank reads the
     pieces its own slices overlap: re-sharded); ``ddp`` resumes after
     :func:`~lightning_pipedap.strategy.sharded_checkpoint.consolidate_sharded_checkpoint` (or ``python -m
-    lightning_pipedap.strategy.sharded_checkpoint DIR``) wrote one file (docs/SHARDING.md)."""
+    lightning_pipedap.consolidate DIR``) wrote one file (docs/SHARDING.md)."""
 
     train_thread_nice: int = 0
     """CPU training on Linux: nice-value increment (0..19) for the training thread once the communication threads

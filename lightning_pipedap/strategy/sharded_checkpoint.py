@@ -22,7 +22,7 @@ loading the consolidated checkpoint would give, bit for bit: the same casts as `
 same slicing as :meth:`~lightning_pipedap.engine.shard_step.ShardedOptimizer.absorb`.
 
 Lightning's ``ddp`` cannot read a directory: :func:`consolidate_sharded_checkpoint` (or ``python -m
-lightning_pipedap.strategy.sharded_checkpoint DIR [OUT]``) writes the one-file checkpoint it loads.
+lightning_pipedap.consolidate DIR [OUT]``) writes the one-file checkpoint it loads.
 """
 
 from __future__ import annotations
@@ -477,7 +477,7 @@ def consolidate_sharded_checkpoint(path: Any, weights_only: Optional[bool] = Non
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    """``python -m lightning_pipedap.strategy.sharded_checkpoint DIR [OUT]``: write the consolidated checkpoint
+    """``python -m lightning_pipedap.consolidate DIR [OUT]``: write the consolidated checkpoint
     (default ``DIR.consolidated``, as Lightning's ``consolidate_checkpoint`` for FSDP)."""
     parser = argparse.ArgumentParser(description="Consolidate a pipedap sharded checkpoint into one file that "
                                                  "strategy='ddp' and one process load.")
