@@ -111,8 +111,9 @@ class CandidatePlanner:
             faster = twin.predicted_iteration_s <= schedule.predicted_iteration_s
             candidates.insert(0 if faster else 1, twin)
             self.info(f"pipedap: shard_optimizer='auto': the plan sharded ({twin.predicted_iteration_s * 1e3:.1f} ms "
-                      f"predicted) and unsharded ({schedule.predicted_iteration_s * 1e3:.1f} ms) are both trial "
-                      "candidates; the faster measured is kept")
+                      f"predicted) and unsharded ({schedule.predicted_iteration_s * 1e3:.1f} ms) are both "
+                      "candidates: measured selection keeps the faster, or, where the start-up leaves no room for "
+                      f"trial windows, the {'sharded' if faster else 'unsharded'} one runs (predicted faster)")
         maps: list[Optional[tuple]] = [None] * len(candidates)
         profiles = [profile] * len(candidates)
         if part is not None and part.schedule is not None:
