@@ -43,6 +43,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch.optim import Optimizer
 
+from lightning_pipedap import compat
 from lightning_pipedap.engine import collectives as C
 from lightning_pipedap.engine.buckets import FlatBucket
 from lightning_pipedap.engine.update import averaged_grads, clip_norm_coefficient, step_on
@@ -168,6 +169,13 @@ def land_params(bucket: FlatBucket, in_place: Optional[tuple[int, int]] = None) 
                 p.copy_(flat.view(p.shape))
         else:
             p.copy_(v)
+
+
+def grad_snapshot(params: Sequence[torch.Tensor]) -> dict[int, Optional[torch.Tensor]]:
+    """``id(p) -> p.grad`` for ``params`` now (training thread, when the step is recorded: :attr:`ShardRound.grads`),
+    read with torch-function handling off, so no mode of the strategy's takes it for a read by user code."""
+    with compat.disable_torch_function():
+        return {id(p): p.grad for p in params}
 
 
 def keep_view(s: ShardSlice, dtype: torch.dtype, g: Optional[torch.Tensor],
@@ -768,7 +776,7 @@ class ShardedStep:
         opt = self.attach(optimizer)
         opt.absorb(opt.owned)
         r.hparams, r.clip, r.nonfinite = hparams, clip, nonfinite
-        r.grads = {id(p): p.grad for p in (self.params[i] for i in self.params_sharded)}
+        r.grads = grad_snapshot([self.params[i] for i in self.params_sharded])
         r.go.set()
 
     def consolidate(self, device: Optional[torch.device] = None) -> None:
