@@ -292,9 +292,12 @@ def _optimizer_state(trainer: Any) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------------ rank exchange (files)
 class Exchange:
+    """Files under ``root`` through which the ranks swap results; one folder per launch (named by the launch's
+    ``MASTER_PORT``), so a rerun into the same OUT never reads a file (or a FileStore) an earlier launch left."""
+
     def __init__(self, root: str) -> None:
-        self.root = root
-        os.makedirs(root, exist_ok=True)
+        self.root = os.path.join(root, os.environ.get("MASTER_PORT", "0"))
+        os.makedirs(self.root, exist_ok=True)
 
     def swap(self, tag: str, obj: Any) -> list[Optional[Any]]:
         """Write ``obj`` for this rank, wait for every rank's; returns them by rank (None: a rank never reported)."""
