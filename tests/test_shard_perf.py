@@ -73,15 +73,10 @@ def test_ring_all_gather_runs_during_once_while_in_flight_and_reraises_after_the
 
 
 def test_land_params_skips_the_in_place_range_of_contiguous_parameters_only():
-    from lightning_pipedap.engine.buckets import allocate_buckets
     from lightning_pipedap.engine.shard_step import land_params
-    from lightning_pipedap.schedule import Schedule, dear_ops
+    from tests.test_shard_step import land_case
 
-    params = [torch.zeros(4, 3), torch.zeros(3, 4).t(), torch.zeros(5)]
-    sched = Schedule(((0, 1), (2,), (3,)), dear_ops(3), "d", pieces=((0, 0, 12), (1, 0, 12), (2, 0, 2), (2, 2, 5)))
-    buckets = allocate_buckets(sched, params, 2)
-    for b in buckets:
-        b.buffer[: b.numel].copy_(torch.arange(b.numel, dtype=torch.float32) + 100 * b.index)
+    params, buckets = land_case()
     land_params(buckets[0], (5, 17))  # (parameter 0's elements 5..11 and the transposed one's 0..4 are "in place")
     flat0 = torch.arange(12.0)
     flat0[5:] = 0.0

@@ -52,12 +52,20 @@ def test_slices_cover_every_element_exactly_once(world):
     assert all(bool((c == 1).all()) for c in seen)
 
 
-def test_land_params_writes_whole_parameters_pieces_and_non_contiguous_ones():
+def land_case() -> tuple[list[torch.Tensor], list]:
+    """Three parameters (one transposed, one split in two pieces) in three 2-rank buckets whose buffers hold
+    ``100 * bucket + element index``: the gathered parameters a land copy writes (also ``tests/test_shard_perf.py``)."""
     params = [torch.zeros(4, 3), torch.zeros(3, 4).t(), torch.zeros(5)]
     sched = Schedule(((0, 1), (2,), (3,)), dear_ops(3), "d", pieces=((0, 0, 12), (1, 0, 12), (2, 0, 2), (2, 2, 5)))
     buckets = allocate_buckets(sched, params, 2)
     for b in buckets:
         b.buffer[: b.numel].copy_(torch.arange(b.numel, dtype=torch.float32) + 100 * b.index)
+    return params, buckets
+
+
+def test_land_params_writes_whole_parameters_pieces_and_non_contiguous_ones():
+    params, buckets = land_case()
+    for b in buckets:
         SS.land_params(b)
     assert torch.equal(params[0].reshape(-1), torch.arange(12.0))
     assert torch.equal(params[1].reshape(-1), torch.arange(12.0, 24.0))  # (row-major order of the transposed view)

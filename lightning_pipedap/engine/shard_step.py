@@ -906,7 +906,7 @@ class ShardedStep:
             if s.master:  # (a non-contiguous parameter: its slice is a copy, refreshed here)
                 s.tensor.view(-1).copy_(s.param.detach().reshape(-1)[s.p_lo:s.p_hi])
         if hparams is not None and opt is not None:
-            opt.step(b, grads, used, hparams, None if self.round is None or grads is None else self.round.grads)
+            opt.step(b, grads, used, hparams, None if grads is None else self.round.grads)  # (a buffer: a worker round)
         buffer = self.buckets[b].buffer
         for s in self.slices[b]:
             buffer[s.lo:s.hi].copy_(s.tensor.reshape(-1))
